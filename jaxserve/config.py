@@ -1,0 +1,300 @@
+"""Model configs built from Hugging Face `config.json` files (Kimi K2.x, GLM-4.5/4.6/4.7, GLM-5.x)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jaxserve.errors import ConfigError
+
+# model_type -> family; kimi_k2 / kimi_k25 are DeepSeek-V3-shaped text backbones.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+    "kimi_k25": "deepseek_v3",
+    "glm_moe_dsa": "glm_moe_dsa",
+    "glm4_moe": "glm4_moe",
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE parameters; `rope_type` is "default" or "yarn"."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the models need, for the three families. MLA fields are 0 for GQA models and vice versa."""
+
+    model_type: str  # family: deepseek_v3 | glm_moe_dsa | glm4_moe
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    # MoE
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    mlp_layer_types: tuple[str, ...] = ()  # "dense" | "sparse" per layer
+    # MLA (deepseek_v3, glm_moe_dsa)
+    q_lora_rank: int = 0  # 0: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    # DSA indexer (glm_moe_dsa)
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    indexer_types: tuple[str, ...] = ()  # "full" | "shared" per layer
+    indexer_rope_interleave: bool = True
+    # GQA (glm4_moe)
+    head_dim: int = 0
+    attention_bias: bool = False
+    use_qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    pad_token_id: int | None = None
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def is_mla(self) -> bool:
+        return self.model_type in ("deepseek_v3", "glm_moe_dsa")
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.model_type == "glm_moe_dsa"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Number of rotated dims per head (MLA: qk_rope_head_dim; GQA: head_dim * partial_rotary_factor)."""
+        if self.is_mla:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def latent_dim(self) -> int:
+        """Per-token, per-layer MLA cache row: kv_lora_rank + qk_rope_head_dim (576 for Kimi)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 for YaRN as the HF reference does."""
+        scale = self.qk_head_dim**-0.5
+        r = self.rope
+        if self.is_mla and r.rope_type != "default" and r.mscale_all_dim:
+            m = yarn_get_mscale(r.factor, r.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"])
+        for k in ("mlp_layer_types", "indexer_types", "eos_token_ids"):
+            d[k] = tuple(d.get(k) or ())
+        return ModelConfig(**d)
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_from_hf(raw: dict[str, Any], max_pos: int) -> RopeConfig:
+    # transformers 5.x nests RoPE in `rope_parameters`; older files use rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    legacy = raw.get("rope_scaling") or {}
+    merged: dict[str, Any] = {**legacy, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'yarn'", value=rope_type,
+                          param="rope_parameters.rope_type")
+    factor = merged.get("factor")
+    orig = merged.get("original_max_position_embeddings", max_pos)
+    if rope_type == "yarn" and factor is None:
+        factor = max_pos / orig
+    partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(factor or 1.0),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=float(merged.get("mscale") or 0.0),
+        mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
+        attention_factor=merged.get("attention_factor"),
+        truncate=bool(merged.get("truncate", True)),
+        partial_rotary_factor=float(partial),
+    )
+
+
+def _as_tuple(x: Any) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    return tuple(int(v) for v in x) if isinstance(x, (list, tuple)) else (int(x),)
+
+
+def from_hf_config(raw: dict[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a parsed HF config.json (the `text_config` of kimi_k25 is used)."""
+    model_type = raw.get("model_type")
+    if model_type == "kimi_k25":
+        if "text_config" not in raw:
+            raise ConfigError("kimi_k25 config has no text_config", value=sorted(raw), param="text_config")
+        inner = dict(raw["text_config"])
+        inner.setdefault("model_type", "kimi_k2")
+        return from_hf_config(inner)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}",
+            value=model_type,
+            param="model_type",
+        )
+    family = SUPPORTED_MODEL_TYPES[model_type]
+
+    def req(key: str) -> Any:
+        if key not in raw:
+            raise ConfigError(f"{model_type} config.json lacks required key {key!r}", value=None, param=key)
+        return raw[key]
+
+    n_layers = int(req("num_hidden_layers"))
+    max_pos = int(raw.get("max_position_embeddings", 4096))
+    first_dense = int(raw.get("first_k_dense_replace", 0))
+    freq = int(raw.get("moe_layer_freq", 1) or 1)
+    n_experts = int(raw.get("n_routed_experts") or raw.get("num_experts") or 0)
+    mlp_types = raw.get("mlp_layer_types")
+    if not mlp_types:
+        mlp_types = [
+            "sparse" if (n_experts and i >= first_dense and i % freq == 0) else "dense" for i in range(n_layers)
+        ]
+    common: dict[str, Any] = dict(
+        model_type=family,
+        vocab_size=int(req("vocab_size")),
+        hidden_size=int(req("hidden_size")),
+        intermediate_size=int(req("intermediate_size")),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
+        num_layers=n_layers,
+        num_heads=int(req("num_attention_heads")),
+        num_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(raw, max_pos),
+        max_position_embeddings=max_pos,
+        n_routed_experts=n_experts,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)),
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        mlp_layer_types=tuple(mlp_types),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        hidden_act=str(raw.get("hidden_act", "silu")),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+    if common["hidden_act"] != "silu":
+        raise ConfigError(f"unsupported hidden_act {common['hidden_act']!r}; only 'silu'", value=common["hidden_act"],
+                          param="hidden_act")
+    if family in ("deepseek_v3", "glm_moe_dsa"):
+        common.update(
+            q_lora_rank=int(raw.get("q_lora_rank") or 0),
+            kv_lora_rank=int(req("kv_lora_rank")),
+            qk_nope_head_dim=int(req("qk_nope_head_dim")),
+            qk_rope_head_dim=int(req("qk_rope_head_dim")),
+            v_head_dim=int(req("v_head_dim")),
+            # glm_moe_dsa always interleaves in transformers; deepseek_v3 reads the flag (default True).
+            rope_interleave=bool(raw.get("rope_interleave", True)) if family == "deepseek_v3" else True,
+        )
+    if family == "glm_moe_dsa":
+        indexer_types = raw.get("indexer_types")
+        if not indexer_types:
+            pattern = raw.get("index_topk_pattern")
+            if pattern is not None:
+                indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) \
+                    else list(pattern)
+            else:
+                f = max(int(raw.get("index_topk_freq", 1) or 1), 1)
+                off = int(raw.get("index_skip_topk_offset", 2))
+                indexer_types = ["full" if (max(i - off + 1, 0) % f) == 0 else "shared" for i in range(n_layers)]
+        if indexer_types[0] != "full":
+            raise ConfigError("the first DSA layer must be 'full'", value=indexer_types[0], param="indexer_types")
+        common.update(
+            index_n_heads=int(req("index_n_heads")),
+            index_head_dim=int(req("index_head_dim")),
+            index_topk=int(req("index_topk")),
+            indexer_types=tuple(indexer_types),
+            indexer_rope_interleave=True,
+        )
+    if family == "glm4_moe":
+        head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
+        common.update(head_dim=head_dim, use_qk_norm=bool(raw.get("use_qk_norm", False)))
+    cfg = ModelConfig(**common)
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: ModelConfig) -> None:
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads",
+                          value=(cfg.num_heads, cfg.num_kv_heads), param="num_key_value_heads")
+    if cfg.n_routed_experts and cfg.n_routed_experts % cfg.n_group:
+        raise ConfigError("n_routed_experts must be a multiple of n_group", value=(cfg.n_routed_experts, cfg.n_group),
+                          param="n_group")
+    if len(cfg.mlp_layer_types) != cfg.num_layers:
+        raise ConfigError("mlp_layer_types must have one entry per layer", value=cfg.mlp_layer_types,
+                          param="mlp_layer_types")
+    if cfg.rope_dim % 2:
+        raise ConfigError("the rotary dimension must be even", value=cfg.rope_dim, param="qk_rope_head_dim")
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """Read `config.json` from an HF folder (or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise ConfigError(f"no config.json at {p}", value=str(p), param="config.json")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config.json at {p} is not valid JSON: {e}", value=str(p), param="config.json") from e
+    return from_hf_config(raw)

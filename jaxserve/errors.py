@@ -1,0 +1,71 @@
+"""Typed errors. Each carries the offending value; `http_status` maps it to an HTTP code in one place."""
+from __future__ import annotations
+
+from typing import Any
+
+
+class JaxserveError(Exception):
+    """Base error: `value` is the bad input, `param` names it (for OpenAI-shaped error bodies)."""
+
+    http_status: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, *, value: Any = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.value = value
+        self.param = param
+
+
+class ConfigError(JaxserveError):
+    """A model or engine config that cannot be served (unknown model_type, inconsistent dims)."""
+
+    http_status = 400
+    error_type = "invalid_config"
+
+
+class CheckpointError(JaxserveError):
+    """A checkpoint that cannot be read: missing tensor, wrong shape, unreadable dtype."""
+
+    http_status = 500
+    error_type = "checkpoint_error"
+
+
+class InvalidRequestError(JaxserveError):
+    """A request the engine refuses: bad types, out-of-range values, prompt too long."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class QueueFullError(JaxserveError):
+    """The engine's admission queue is full; the client should retry later."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+
+
+class OutOfPagesError(JaxserveError):
+    """The KV page pool cannot satisfy an allocation."""
+
+    http_status = 503
+    error_type = "out_of_pages"
+
+
+class PageAllocatorError(JaxserveError):
+    """Allocator misuse: double free, use after free, freeing a page that is not owned."""
+
+    http_status = 500
+    error_type = "page_allocator_error"
+
+
+class KVIntegrityError(JaxserveError):
+    """A request's expected (page, tag) pairs no longer match the pool: the request is aborted."""
+
+    http_status = 500
+    error_type = "kv_integrity_error"
+
+
+def http_status(error: BaseException) -> int:
+    """The HTTP status code for any exception (500 for anything not typed here)."""
+    return error.http_status if isinstance(error, JaxserveError) else 500
