@@ -1,0 +1,404 @@
+"""Paged KV cache: layout, device page pools (BF16 or FP8 e4m3 + f32 scales), scatter/gather, host allocator.
+
+Two layouts:
+  * "mla": one latent row per token and layer, `latent_dim = kv_lora_rank + qk_rope_head_dim` (Kimi: 512 + 64).
+    The attention "value" is the first `kv_lora_rank` columns of the row.
+  * "gqa": K and V, each `[kv_heads, head_dim]` per token and layer (GLM-4.5: 8 x 128).
+
+FP8 pools store `float8_e4m3fn` plus one float32 scale per token (MLA) or per token and kv head (GQA):
+`x ~= q.astype(f32) * scale`, `scale = amax(|row|) / 448`. Quantization saturates (clips to +-448 before the
+cast) so it never produces NaN from finite or infinite inputs; an all-zero row gets scale 1 (dequant gives 0).
+
+Slots: a token's slot is `page * page_size + offset`. Page 0 is reserved by `PageAllocator` as the null page:
+block tables pad with 0 so gathers of padding entries read a valid, never-owned page (masked by lengths).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.errors import ConfigError, OutOfPagesError, PageAllocatorError
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_DTYPE = jnp.float8_e4m3fn
+NULL_PAGE = 0  # reserved padding page (see PageAllocator)
+
+KVKind = Literal["mla", "gqa"]
+KVDtype = Literal["bf16", "fp8"]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Static shape of a KV page pool. MLA fields are 0 for GQA and vice versa."""
+
+    kind: KVKind
+    num_layers: int
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    page_size: int = 16
+    dtype: KVDtype = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mla", "gqa"):
+            raise ConfigError(f"KV layout kind must be 'mla' or 'gqa', got {self.kind!r}", value=self.kind, param="kind")
+        if self.dtype not in ("bf16", "fp8"):
+            raise ConfigError(f"KV dtype must be 'bf16' or 'fp8', got {self.dtype!r}", value=self.dtype, param="dtype")
+        for name in ("num_layers", "page_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive", value=getattr(self, name), param=name)
+        if self.kind == "mla" and (self.kv_lora_rank <= 0 or self.qk_rope_head_dim < 0):
+            raise ConfigError("MLA layout needs kv_lora_rank > 0", value=self.kv_lora_rank, param="kv_lora_rank")
+        if self.kind == "gqa" and (self.kv_heads <= 0 or self.head_dim <= 0):
+            raise ConfigError("GQA layout needs kv_heads > 0 and head_dim > 0", value=(self.kv_heads, self.head_dim),
+                              param="kv_heads")
+
+    @classmethod
+    def mla(cls, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, page_size: int = 16,
+            dtype: KVDtype = "bf16") -> KVLayout:
+        return cls("mla", num_layers, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                   page_size=page_size, dtype=dtype)
+
+    @classmethod
+    def gqa(cls, num_layers: int, kv_heads: int, head_dim: int, page_size: int = 16,
+            dtype: KVDtype = "bf16") -> KVLayout:
+        return cls("gqa", num_layers, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype)
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(FP8_DTYPE) if self.dtype == "fp8" else jnp.dtype(jnp.bfloat16)
+
+    def with_dtype(self, dtype: KVDtype) -> KVLayout:
+        return KVLayout(self.kind, self.num_layers, self.kv_lora_rank, self.qk_rope_head_dim, self.kv_heads,
+                        self.head_dim, self.page_size, dtype)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers, FP8 scales (f32) included."""
+        elem = 1 if self.dtype == "fp8" else 2
+        scale = 4 if self.dtype == "fp8" else 0
+        if self.kind == "mla":
+            per_layer = self.latent_dim * elem + scale
+        else:
+            per_layer = 2 * self.kv_heads * (self.head_dim * elem + scale)
+        return self.num_layers * per_layer
+
+    def tokens_per_gib(self) -> float:
+        return float(2**30) / self.bytes_per_token()
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["latent", "latent_scale", "k", "v", "k_scale", "v_scale"], meta_fields=["layout"])
+@dataclass(frozen=True)
+class KVPages:
+    """Device page pool. Unused fields are None.
+
+    MLA: latent [layers, pages, page_size, latent_dim] bf16|f8e4m3, latent_scale [layers, pages, page_size] f32 (fp8).
+    GQA: k, v [layers, pages, page_size, kv_heads, head_dim] bf16|f8e4m3,
+         k_scale, v_scale [layers, pages, page_size, kv_heads] f32 (fp8).
+    """
+
+    layout: KVLayout
+    latent: jax.Array | None = None
+    latent_scale: jax.Array | None = None
+    k: jax.Array | None = None
+    v: jax.Array | None = None
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return (self.latent if self.layout.kind == "mla" else self.k).shape[1]
+
+    def nbytes(self) -> int:
+        return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+    def layer(self, layer: int | jax.Array) -> tuple[jax.Array | None, ...]:
+        """One layer's arrays, in kernel order: MLA (latent, latent_scale); GQA (k, v, k_scale, v_scale)."""
+        pick = lambda x: None if x is None else x[layer]  # noqa: E731
+        if self.layout.kind == "mla":
+            return pick(self.latent), pick(self.latent_scale)
+        return pick(self.k), pick(self.v), pick(self.k_scale), pick(self.v_scale)
+
+
+def init_pages(layout: KVLayout, num_pages: int) -> KVPages:
+    """Zero-filled pool (scales 1) of `num_pages` pages, every layer."""
+    lead = (layout.num_layers, num_pages, layout.page_size)
+    fp8 = layout.dtype == "fp8"
+    dt = layout.jnp_dtype
+    if layout.kind == "mla":
+        return KVPages(layout, latent=jnp.zeros((*lead, layout.latent_dim), dt),
+                       latent_scale=jnp.ones(lead, jnp.float32) if fp8 else None)
+    kv_shape = (*lead, layout.kv_heads, layout.head_dim)
+    sc = (lambda: jnp.ones((*lead, layout.kv_heads), jnp.float32)) if fp8 else (lambda: None)
+    return KVPages(layout, k=jnp.zeros(kv_shape, dt), v=jnp.zeros(kv_shape, dt), k_scale=sc(), v_scale=sc())
+
+
+def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-row saturating FP8 quantization over the last axis.
+
+    x [..., D] any float -> (q [..., D] float8_e4m3fn, scale [...] f32) with x ~= q * scale.
+    Error per element <= max(|x| * 2^-4, scale * 2^-10) (3 mantissa bits; subnormal step 2^-9).
+    """
+    x = x.astype(jnp.float32)
+    # clip amax so inf inputs give a finite scale (inf / scale -> inf -> clipped to 448, never NaN)
+    amax = jnp.minimum(jnp.max(jnp.abs(x), axis=-1), jnp.finfo(jnp.float32).max)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_fp8(q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """q [..., D] f8e4m3, scale [...] f32 -> [..., D] dtype."""
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def _slot_indices(slot_mapping: jax.Array, num_pages: int, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """slot [N] int32 -> (page, offset) [N]; slot < 0 maps to page `num_pages`, out of bounds, so mode='drop' skips it."""
+    slot_mapping = slot_mapping.astype(jnp.int32)
+    page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # negative ids would wrap, not drop
+    return page, jnp.where(slot_mapping < 0, 0, slot_mapping % page_size)
+
+
+def _store(pool: jax.Array, layer: jax.Array, page: jax.Array, off: jax.Array, vals: jax.Array) -> jax.Array:
+    return pool.at[layer, page, off].set(vals.astype(pool.dtype), mode="drop")
+
+
+@jax.jit
+def write_tokens(pages: KVPages, layer: int | jax.Array, rows: jax.Array | tuple[jax.Array, jax.Array],
+                 slot_mapping: jax.Array) -> KVPages:
+    """Scatter N new tokens of one layer into the pool, quantizing if the pool is FP8.
+
+    rows: MLA [N, latent_dim] float; GQA (k [N, kv_heads, head_dim], v [N, kv_heads, head_dim]) float.
+    slot_mapping: [N] int32, `page * page_size + offset`; -1 (any negative) is padding and writes nothing.
+    Slots past the pool are dropped too. Two rows with the same slot: one of them wins (unspecified).
+    """
+    lay = pages.layout
+    page, off = _slot_indices(slot_mapping, pages.num_pages, lay.page_size)
+    fp8 = lay.dtype == "fp8"
+    if lay.kind == "mla":
+        if fp8:
+            q, s = quantize_fp8(rows)
+            return KVPages(lay, latent=_store(pages.latent, layer, page, off, q),
+                           latent_scale=_store(pages.latent_scale, layer, page, off, s))
+        return KVPages(lay, latent=_store(pages.latent, layer, page, off, rows))
+    k_rows, v_rows = rows
+    if fp8:
+        kq, ks = quantize_fp8(k_rows)
+        vq, vs = quantize_fp8(v_rows)
+        return KVPages(lay, k=_store(pages.k, layer, page, off, kq), v=_store(pages.v, layer, page, off, vq),
+                       k_scale=_store(pages.k_scale, layer, page, off, ks),
+                       v_scale=_store(pages.v_scale, layer, page, off, vs))
+    return KVPages(lay, k=_store(pages.k, layer, page, off, k_rows), v=_store(pages.v, layer, page, off, v_rows))
+
+
+def _gather(pool: jax.Array, scale: jax.Array | None, block_table: jax.Array, max_len: int,
+            out_dtype: jnp.dtype) -> jax.Array:
+    """pool [P, ps, ...] (one layer), block_table [B, M] -> [B, max_len, ...] out_dtype."""
+    b, m = block_table.shape
+    x = pool[block_table]  # [B, M, ps, ...]
+    x = x.astype(jnp.float32)
+    if scale is not None:
+        x = x * scale[block_table][..., None]
+    x = x.reshape(b, m * pool.shape[1], *pool.shape[2:])
+    return x[:, :max_len].astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "out_dtype"))
+def gather_tokens(pages: KVPages, layer: int | jax.Array, block_table: jax.Array, max_len: int | None = None,
+                  out_dtype: jnp.dtype = jnp.float32) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Dense, dequantized context of one layer through the block table.
+
+    block_table: [B, max_pages] int32, valid page ids (pad with NULL_PAGE).
+    max_len: static; output length, <= max_pages * page_size (default: all of it).
+    Returns MLA [B, max_len, latent_dim] out_dtype; GQA (k, v) each [B, max_len, kv_heads, head_dim].
+    Positions past a sequence's length hold whatever the page holds: the caller masks them.
+    """
+    lay = pages.layout
+    total = block_table.shape[1] * lay.page_size
+    max_len = total if max_len is None else max_len
+    if not 0 < max_len <= total:
+        raise ConfigError(f"max_len must be in (0, {total}]", value=max_len, param="max_len")
+    bt = block_table.astype(jnp.int32)
+    if lay.kind == "mla":
+        sc = None if pages.latent_scale is None else pages.latent_scale[layer]
+        return _gather(pages.latent[layer], sc, bt, max_len, out_dtype)
+    ks = None if pages.k_scale is None else pages.k_scale[layer]
+    vs = None if pages.v_scale is None else pages.v_scale[layer]
+    return (_gather(pages.k[layer], ks, bt, max_len, out_dtype), _gather(pages.v[layer], vs, bt, max_len, out_dtype))
+
+
+@jax.jit
+def pages_to_fp8(src: KVPages, page_ids: jax.Array) -> KVPages:
+    """Prefill -> decode hand-off, step 1 (on the prefill device): quantize selected BF16 pages, all layers.
+
+    src: BF16 pool; page_ids [n] int32 (valid ids). Returns a compact FP8 KVPages holding just those n pages
+    (half the bytes to transfer), to be placed with `insert_pages` on the decode side.
+    """
+    lay = src.layout
+    if lay.dtype != "bf16":
+        raise ConfigError("pages_to_fp8 expects a BF16 pool", value=lay.dtype, param="dtype")
+    out = lay.with_dtype("fp8")
+    if lay.kind == "mla":
+        q, s = quantize_fp8(src.latent[:, page_ids])
+        return KVPages(out, latent=q, latent_scale=s)
+    kq, ks = quantize_fp8(src.k[:, page_ids])
+    vq, vs = quantize_fp8(src.v[:, page_ids])
+    return KVPages(out, k=kq, v=vq, k_scale=ks, v_scale=vs)
+
+
+@jax.jit
+def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array) -> KVPages:
+    """Prefill -> decode hand-off, step 2 (on the decode device): write chunk's n pages at dst_page_ids [n] int32.
+
+    Layouts must match (same dtype). A negative dst page id is padding and writes nothing.
+    """
+    if dst.layout != chunk.layout:
+        raise ConfigError("insert_pages: chunk layout differs from the pool's", value=(chunk.layout, dst.layout),
+                          param="chunk")
+    ids = dst_page_ids.astype(jnp.int32)
+    ids = jnp.where(ids < 0, dst.num_pages, ids)  # out of bounds -> dropped
+    put = lambda pool, c: None if pool is None else pool.at[:, ids].set(c, mode="drop")  # noqa: E731
+    return KVPages(dst.layout, latent=put(dst.latent, chunk.latent), latent_scale=put(dst.latent_scale,
+                   chunk.latent_scale), k=put(dst.k, chunk.k), v=put(dst.v, chunk.v),
+                   k_scale=put(dst.k_scale, chunk.k_scale), v_scale=put(dst.v_scale, chunk.v_scale))
+
+
+def convert_pages_to_fp8(src: KVPages, dst: KVPages, src_page_ids: jax.Array, dst_page_ids: jax.Array) -> KVPages:
+    """Both hand-off steps on one device: quantize src's BF16 pages and write them into the FP8 pool dst."""
+    return insert_pages(dst, pages_to_fp8(src, src_page_ids), dst_page_ids)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_tags(device_tags: jax.Array, pages: jax.Array, tags: jax.Array) -> jax.Array:
+    return device_tags.at[pages].set(tags, mode="drop")
+
+
+@dataclass
+class PageAllocator:
+    """Host-side page allocator with refcounts and per-page generation tags.
+
+    Page 0 (NULL_PAGE) is reserved when `reserve_null_page` (default): never handed out, so block tables can pad
+    with it. Tags are uint32, bumped on every allocation (skipping 0 on wrap, so a tag never equals its previous
+    value and 0 means "never allocated"). Freeing does not change the tag; reallocating does.
+    """
+
+    num_pages: int
+    reserve_null_page: bool = True
+    _tags: np.ndarray = field(init=False, repr=False)
+    _refcount: np.ndarray = field(init=False, repr=False)
+    _free: list[int] = field(init=False, repr=False)
+    _dirty: set[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        first = 1 if self.reserve_null_page else 0
+        if self.num_pages <= first:
+            raise ConfigError("PageAllocator needs at least one allocatable page", value=self.num_pages,
+                              param="num_pages")
+        self._tags = np.zeros(self.num_pages, np.uint32)
+        self._refcount = np.zeros(self.num_pages, np.int32)
+        self._free = list(range(self.num_pages - 1, first - 1, -1))  # stack; pops lowest ids first
+        self._dirty = set()
+
+    @property
+    def capacity(self) -> int:
+        """Allocatable pages (the reserved null page excluded)."""
+        return self.num_pages - (1 if self.reserve_null_page else 0)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def tags(self) -> np.ndarray:
+        """Copy of the host tag array [num_pages] uint32."""
+        return self._tags.copy()
+
+    def refcount(self, page: int) -> int:
+        self._check_page(page)
+        return int(self._refcount[page])
+
+    def allocate(self, n: int) -> list[tuple[int, int]]:
+        """n fresh pages as (page, tag), refcount 1 each. All or nothing: OutOfPagesError allocates nothing."""
+        if n < 0:
+            raise PageAllocatorError(f"cannot allocate a negative number of pages ({n})", value=n, param="n")
+        if n > len(self._free):
+            raise OutOfPagesError(f"need {n} pages, {len(self._free)} free", value=n, param="n")
+        out = []
+        for _ in range(n):
+            page = self._free.pop()
+            tag = int(self._tags[page]) + 1
+            tag = 1 if tag > 0xFFFFFFFF else tag  # wrap skips 0
+            self._tags[page] = tag
+            self._refcount[page] = 1
+            self._dirty.add(page)
+            out.append((page, tag))
+        return out
+
+    def share(self, page: int, tag: int | None = None) -> None:
+        """One more owner of an allocated page (prefix cache). With `tag`, a stale pair is refused."""
+        self._check_owned(page, tag)
+        self._refcount[page] += 1
+
+    def free(self, page: int, tag: int) -> None:
+        """Drop one reference; at refcount 0 the page returns to the free list.
+
+        Raises PageAllocatorError for an unknown/reserved page, a free page (double free) or a stale tag.
+        """
+        self._check_owned(page, tag)
+        self._refcount[page] -= 1
+        if self._refcount[page] == 0:
+            self._free.append(page)
+
+    def _check_page(self, page: int) -> None:
+        if not (isinstance(page, (int, np.integer)) and 0 <= page < self.num_pages):
+            raise PageAllocatorError(f"unknown page {page!r}", value=page, param="page")
+        if self.reserve_null_page and page == NULL_PAGE:
+            raise PageAllocatorError("page 0 is the reserved null page", value=page, param="page")
+
+    def _check_owned(self, page: int, tag: int | None) -> None:
+        self._check_page(page)
+        if self._refcount[page] == 0:
+            raise PageAllocatorError(f"page {page} is not allocated (double free or use after free)", value=page,
+                                     param="page")
+        if tag is not None and int(tag) != int(self._tags[page]):
+            raise PageAllocatorError(f"stale tag {tag} for page {page} (current {int(self._tags[page])})",
+                                     value=tag, param="tag")
+
+    def device_tags(self) -> jax.Array:
+        """Full upload of the tag array [num_pages] uint32 (once, at start-up); clears the dirty set."""
+        self._dirty.clear()
+        return jnp.asarray(self._tags)
+
+    def take_dirty(self) -> tuple[np.ndarray, np.ndarray]:
+        """(pages [n] int32, tags [n] uint32) changed since the last sync; clears the set."""
+        pages = np.fromiter(sorted(self._dirty), np.int32, len(self._dirty))
+        self._dirty.clear()
+        return pages, self._tags[pages]
+
+    def sync_device_tags(self, device_tags: jax.Array) -> jax.Array:
+        """Scatter only the changed tags into `device_tags` [num_pages] uint32 (donated); returns the new array.
+
+        The update is padded to a power-of-two length (pad index out of bounds, dropped) to bound recompiles.
+        """
+        pages, tags = self.take_dirty()
+        if pages.size == 0:
+            return device_tags
+        n = 1 << (int(pages.size) - 1).bit_length()
+        pad = n - pages.size
+        pages = np.concatenate([pages, np.full(pad, self.num_pages, np.int32)])
+        tags = np.concatenate([tags, np.zeros(pad, np.uint32)])
+        return _scatter_tags(device_tags, jnp.asarray(pages), jnp.asarray(tags))
