@@ -1,0 +1,296 @@
+"""HF safetensors folder -> jaxserve Orbax checkpoint (`jaxserve convert HF_DIR OUT_DIR`).
+
+Reads the three weight layouts real Kimi / GLM checkpoints ship: plain BF16/F32; FP8 e4m3 with block scales
+(`weight_scale_inv`, `quantization_config.weight_block_size`) or per-channel `weight_scale` (compressed-tensors
+float-quantized); compressed-tensors `pack-quantized` INT4 (`weight_packed`, `weight_scale`, `weight_shape`).
+Weights are dequantized to `--dtype` (phase formats are made later by `jaxserve quantize`).
+
+Output layout (one Orbax pytree per group, so conversion and restore hold one layer at a time):
+  OUT_DIR/jaxserve.json       ModelConfig + dtype + source description, written last (marks completion)
+  OUT_DIR/config.json, tokenizer files copied from HF_DIR
+  OUT_DIR/params/embed        {"embed", "norm", "lm_head"}
+  OUT_DIR/params/layer_000 .. layer_{L-1}
+The output is built in OUT_DIR.partial and renamed at the end; on any error the partial folder is removed.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from checkpoints.safetensors_io import SafetensorsFolder
+from jaxserve.config import ModelConfig, from_hf_config
+from jaxserve.errors import CheckpointError, ConfigError
+from jaxserve.models.rope import interleave_to_half_split
+from jaxserve.quant import hf_formats
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "tokenizer.model")
+MANIFEST = "jaxserve.json"
+DTYPE_NAMES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How quantized linears are stored in the source checkpoint."""
+
+    method: str  # "none" | "fp8_block" | "fp8_channel" | "int4_pack"
+    block: tuple[int, int] = (128, 128)
+    group_size: int = 32
+
+
+def quant_scheme(raw: dict) -> QuantScheme:
+    q = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if not q:
+        return QuantScheme("none")
+    method = q.get("quant_method")
+    if method == "fp8":
+        return QuantScheme("fp8_block", block=tuple(q.get("weight_block_size") or (128, 128)))
+    if method == "compressed-tensors":
+        fmt = q.get("format")
+        groups = list((q.get("config_groups") or {}).values())
+        weights = groups[0].get("weights", {}) if groups else {}
+        if fmt == "pack-quantized":
+            if weights.get("num_bits") != 4 or weights.get("type", "int") != "int" or not weights.get("symmetric", True):
+                raise ConfigError("only symmetric 4-bit int pack-quantized weights are supported",
+                                  value=weights, param="quantization_config.config_groups")
+            return QuantScheme("int4_pack", group_size=int(weights.get("group_size") or 32))
+        if fmt == "float-quantized":
+            return QuantScheme("fp8_channel")
+        raise ConfigError(f"unsupported compressed-tensors format {fmt!r}; supported: pack-quantized, float-quantized",
+                          value=fmt, param="quantization_config.format")
+    raise ConfigError(f"unsupported quant_method {method!r}; supported: fp8, compressed-tensors", value=method,
+                      param="quantization_config.quant_method")
+
+
+class HFReader:
+    """Reads HF tensors by name, dequantizing linears, with the `language_model.` prefix of Kimi K2.5/2.6 handled."""
+
+    def __init__(self, folder: SafetensorsFolder, scheme: QuantScheme) -> None:
+        self.st = folder
+        self.scheme = scheme
+        self.prefix = "language_model." if any(n.startswith("language_model.") for n in folder.tensors) else ""
+
+    def has(self, name: str) -> bool:
+        return self.prefix + name in self.st
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        full = self.prefix + name
+        a = self.st.read(full)
+        if tuple(a.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {full!r} has shape {tuple(a.shape)}, expected {tuple(shape)}",
+                                  value=tuple(a.shape), param=full)
+        return a.astype(np.float32)
+
+    def linear(self, module: str, out_dim: int, in_dim: int) -> np.ndarray:
+        """The [out, in] weight of HF module `module` (e.g. model.layers.0.self_attn.q_a_proj), dequantized f32."""
+        p = self.prefix + module
+        if p + ".weight_packed" in self.st:
+            shape_name = p + ".weight_shape"
+            shape = tuple(int(v) for v in self.st.read(shape_name)) if shape_name in self.st else (out_dim, in_dim)
+            self._expect(shape_name, shape, (out_dim, in_dim))
+            packed, scale = self.st.read(p + ".weight_packed"), self.st.read(p + ".weight_scale")
+            try:
+                return hf_formats.dequantize_pack_quantized(packed, scale, shape, self.scheme.group_size)
+            except ValueError as e:
+                raise CheckpointError(f"{p}: {e}", value=(packed.shape, scale.shape), param=p) from e
+        w_name = p + ".weight"
+        info = self.st.info(w_name)  # raises a CheckpointError naming the missing tensor
+        self._expect(w_name, info.shape, (out_dim, in_dim))
+        w = self.st.read(w_name)
+        if info.dtype in ("F8_E4M3", "F8_E5M2"):
+            if p + ".weight_scale_inv" in self.st:
+                try:
+                    return hf_formats.dequantize_fp8_block(w, self.st.read(p + ".weight_scale_inv"), self.scheme.block)
+                except ValueError as e:
+                    raise CheckpointError(f"{p}.weight_scale_inv: {e}", value=info.shape, param=p) from e
+            if p + ".weight_scale" in self.st:
+                s = self.st.read(p + ".weight_scale").astype(np.float32).reshape(-1)
+                if s.size not in (1, out_dim):
+                    raise CheckpointError(f"{p}.weight_scale has {s.size} values, expected 1 or {out_dim}",
+                                          value=s.size, param=p + ".weight_scale")
+                return w.astype(np.float32) * (s[:, None] if s.size == out_dim else s)
+            raise CheckpointError(f"tensor {p}.weight is FP8 but neither {p}.weight_scale_inv nor "
+                                  f"{p}.weight_scale is present", value=info.dtype, param=p + ".weight_scale_inv")
+        return w.astype(np.float32)
+
+    def optional_vector(self, name: str, dim: int) -> np.ndarray | None:
+        return self.tensor(name, (dim,)) if self.has(name) else None
+
+    @staticmethod
+    def _expect(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+        if tuple(got) != tuple(want):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(got)}, expected {tuple(want)}", value=tuple(got),
+                                  param=name)
+
+
+def _rope_rows(n_heads: int, head_dim: int, rope_start: int, rope_dim: int) -> np.ndarray:
+    """Row order for a per-head projection whose rope slice is interleaved -> half-split."""
+    perm = interleave_to_half_split(rope_dim)
+    rows = []
+    for h in range(n_heads):
+        base = np.arange(head_dim) + h * head_dim
+        head = base.copy()
+        head[rope_start:rope_start + rope_dim] = base[rope_start:rope_start + rope_dim][perm]
+        rows.append(head)
+    return np.concatenate(rows)
+
+
+def _layer_params(cfg: ModelConfig, r: HFReader, i: int) -> dict:
+    """The jaxserve pure-dict params of layer i (weights [in, out], experts stacked [E, in, out])."""
+    H = cfg.hidden_size
+    L = f"model.layers.{i}"
+
+    def lin(module: str, out_dim: int, in_dim: int, rows: np.ndarray | None = None, bias: bool = False) -> dict:
+        w = r.linear(module, out_dim, in_dim)
+        if rows is not None:
+            w = w[rows]
+        d = {"weight": w.T}
+        if bias:
+            b = r.tensor(module + ".bias", (out_dim,))
+            d["bias"] = b[rows] if rows is not None else b
+        return d
+
+    def norm(name: str, dim: int, rows: np.ndarray | None = None) -> dict:
+        w = r.tensor(name + ".weight", (dim,))
+        return {"weight": w[rows] if rows is not None else w}
+
+    out: dict = {"input_norm": norm(f"{L}.input_layernorm", H), "post_norm": norm(f"{L}.post_attention_layernorm", H)}
+    A = f"{L}.self_attn"
+    N = cfg.num_heads
+    if cfg.is_mla:
+        r_, dr, dn, dv, qk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_head_dim
+        q_rows = _rope_rows(N, qk, dn, dr) if cfg.rope_interleave else None
+        kv_rows = _rope_rows(1, r_ + dr, r_, dr) if cfg.rope_interleave else None
+        bias = cfg.attention_bias
+        attn: dict = {}
+        if cfg.q_lora_rank:
+            attn["q_a"] = lin(f"{A}.q_a_proj", cfg.q_lora_rank, H, bias=bias)
+            attn["q_a_norm"] = norm(f"{A}.q_a_layernorm", cfg.q_lora_rank)
+            attn["q_b"] = lin(f"{A}.q_b_proj", N * qk, cfg.q_lora_rank, rows=q_rows)
+        else:
+            attn["q_proj"] = lin(f"{A}.q_proj", N * qk, H, rows=q_rows)
+        attn["kv_a"] = lin(f"{A}.kv_a_proj_with_mqa", r_ + dr, H, rows=kv_rows, bias=bias)
+        attn["kv_a_norm"] = norm(f"{A}.kv_a_layernorm", r_)
+        attn["kv_b"] = lin(f"{A}.kv_b_proj", N * (dn + dv), r_)
+        attn["o"] = lin(f"{A}.o_proj", H, N * dv, bias=bias)
+        if cfg.has_indexer and cfg.indexer_types[i] == "full":
+            nh, hd = cfg.index_n_heads, cfg.index_head_dim
+            irows = _rope_rows(nh, hd, 0, dr) if cfg.indexer_rope_interleave else None
+            krows = _rope_rows(1, hd, 0, dr) if cfg.indexer_rope_interleave else None
+            I = f"{A}.indexer"
+            kn = {"weight": r.tensor(f"{I}.k_norm.weight", (hd,)), "bias": r.tensor(f"{I}.k_norm.bias", (hd,))}
+            if krows is not None:
+                kn = {k: v[krows] for k, v in kn.items()}
+            attn["indexer"] = {
+                "wq_b": lin(f"{I}.wq_b", nh * hd, cfg.q_lora_rank, rows=irows),
+                "wk": lin(f"{I}.wk", hd, H, rows=krows),
+                "k_norm": kn,
+                "weights_proj": lin(f"{I}.weights_proj", nh, H),
+            }
+    else:
+        D, K = cfg.head_dim, cfg.num_kv_heads
+        b = cfg.attention_bias
+        attn = {"q": lin(f"{A}.q_proj", N * D, H, bias=b), "k": lin(f"{A}.k_proj", K * D, H, bias=b),
+                "v": lin(f"{A}.v_proj", K * D, H, bias=b), "o": lin(f"{A}.o_proj", H, N * D)}
+        if cfg.use_qk_norm:
+            attn["q_norm"] = norm(f"{A}.q_norm", D)
+            attn["k_norm"] = norm(f"{A}.k_norm", D)
+    out["attn"] = attn
+    M = f"{L}.mlp"
+
+    def mlp(prefix: str, inter: int) -> dict:
+        return {"gate": lin(f"{prefix}.gate_proj", inter, H), "up": lin(f"{prefix}.up_proj", inter, H),
+                "down": lin(f"{prefix}.down_proj", H, inter)}
+
+    if cfg.mlp_layer_types[i] == "dense":
+        out["mlp"] = mlp(M, cfg.intermediate_size)
+    else:
+        E, I_ = cfg.n_routed_experts, cfg.moe_intermediate_size
+        moe: dict = {
+            "router": r.tensor(f"{M}.gate.weight", (E, H)).T,
+            "router_bias": r.optional_vector(f"{M}.gate.e_score_correction_bias", E),
+        }
+        if moe["router_bias"] is None:
+            moe["router_bias"] = np.zeros((E,), np.float32)
+        if r.has(f"{M}.experts.gate_up_proj"):  # transformers' fused in-memory layout [E, 2I, H]
+            gu = r.tensor(f"{M}.experts.gate_up_proj", (E, 2 * I_, H))
+            moe["experts"] = {"gate": gu[:, :I_].transpose(0, 2, 1), "up": gu[:, I_:].transpose(0, 2, 1),
+                              "down": r.tensor(f"{M}.experts.down_proj", (E, H, I_)).transpose(0, 2, 1)}
+        else:
+            moe["experts"] = {
+                name: np.stack([r.linear(f"{M}.experts.{e}.{name}_proj", o, n).T for e in range(E)])
+                for name, o, n in (("gate", I_, H), ("up", I_, H), ("down", H, I_))
+            }
+        if cfg.n_shared_experts:
+            moe["shared"] = mlp(f"{M}.shared_experts", I_ * cfg.n_shared_experts)
+        out["mlp"] = moe
+    return out
+
+
+def _top_params(cfg: ModelConfig, r: HFReader) -> dict:
+    out = {"embed": r.tensor("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
+           "norm": {"weight": r.tensor("model.norm.weight", (cfg.hidden_size,))}}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = {"weight": r.linear("lm_head", cfg.vocab_size, cfg.hidden_size).T}
+    return out
+
+
+def _cast(tree: dict, dtype: np.dtype, keep_f32: Callable[[str], bool], path: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        p = f"{path}.{k}" if path else k
+        out[k] = _cast(v, dtype, keep_f32, p) if isinstance(v, dict) else \
+            np.ascontiguousarray(v.astype(np.float32 if keep_f32(p) else dtype))
+    return out
+
+
+def _keep_f32(path: str) -> bool:
+    # Router, its bias and the DSA weights_proj stay f32 (as HF keeps them): routing is rounding-sensitive.
+    return path.endswith(("router", "router_bias")) or "weights_proj" in path
+
+
+def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16", progress: bool = True) -> Path:
+    """Convert an HF folder to a jaxserve checkpoint; returns OUT_DIR. Raises CheckpointError / ConfigError."""
+    from jaxserve.checkpoint import save_group  # the Orbax layout lives with the loader
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if dtype not in DTYPE_NAMES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_NAMES)}", value=dtype,
+                          param="dtype")
+    if out_dir.exists():
+        raise CheckpointError(f"output folder {out_dir} already exists", value=str(out_dir), param="out_dir")
+    raw = json.loads((hf_dir / "config.json").read_text()) if (hf_dir / "config.json").exists() else None
+    if raw is None:
+        raise CheckpointError(f"no config.json in {hf_dir}", value=str(hf_dir), param="config.json")
+    cfg = from_hf_config(raw)
+    reader = HFReader(SafetensorsFolder(hf_dir), quant_scheme(raw))
+    np_dtype = np.dtype(DTYPE_NAMES[dtype])
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    try:
+        (partial / "params").mkdir(parents=True)
+        groups = ["embed"] + [f"layer_{i:03d}" for i in range(cfg.num_layers)]
+        for g in tqdm(groups, desc=f"convert {hf_dir.name}", unit="group", disable=not progress):
+            tree = _top_params(cfg, reader) if g == "embed" else _layer_params(cfg, reader, int(g[6:]))
+            save_group(partial / "params" / g, _cast(tree, np_dtype, _keep_f32))
+        for name in TOKENIZER_FILES:
+            if (hf_dir / name).exists():
+                shutil.copy2(hf_dir / name, partial / name)
+        shutil.copy2(hf_dir / "config.json", partial / "config.json")
+        manifest = {"format": "jaxserve-orbax-v1", "dtype": dtype, "model": cfg.to_dict(),
+                    "source": {"path": str(hf_dir), "quantization": reader.scheme.method},
+                    "groups": groups}
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        partial.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out_dir

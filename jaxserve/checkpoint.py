@@ -1,0 +1,109 @@
+"""jaxserve checkpoints: one Orbax pytree per group (embed, layer_000, ...), restored onto given shardings."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.errors import CheckpointError
+from jaxserve.models import CausalLM
+
+MANIFEST = "jaxserve.json"
+ShardingFn = Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding]
+
+
+def save_group(path: Path, tree: dict) -> None:
+    """Write one pytree of NumPy/JAX arrays as an Orbax checkpoint at `path`."""
+    with ocp.PyTreeCheckpointer() as ckptr:
+        ckptr.save(Path(path).absolute(), tree)
+
+
+def read_manifest(checkpoint_dir: str | Path) -> dict:
+    p = Path(checkpoint_dir) / MANIFEST
+    if not p.exists():
+        raise CheckpointError(f"{checkpoint_dir} is not a complete jaxserve checkpoint (no {MANIFEST})",
+                              value=str(checkpoint_dir), param="checkpoint")
+    return json.loads(p.read_text())
+
+
+def load_config(checkpoint_dir: str | Path) -> ModelConfig:
+    return ModelConfig.from_dict(read_manifest(checkpoint_dir)["model"])
+
+
+def _group_of(path: tuple) -> tuple[str, tuple]:
+    if path[0] == "layers":
+        return f"layer_{int(path[1]):03d}", path[2:]
+    return "embed", path
+
+
+def _path_str(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _default_sharding(_: str, __: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None,
+         sharding: ShardingFn | None = None) -> tuple[ModelConfig, CausalLM]:
+    """Restore a converted checkpoint into a CausalLM.
+
+    dtype: the model's compute/storage dtype (default: the checkpoint's). sharding(path, abstract) -> the
+    Sharding of each parameter (default: the first device); each array is restored directly onto it.
+    """
+    checkpoint_dir = Path(checkpoint_dir).absolute()
+    manifest = read_manifest(checkpoint_dir)
+    cfg = ModelConfig.from_dict(manifest["model"])
+    dtype = dtype or {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[manifest["dtype"]]
+    sharding = sharding or _default_sharding
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    targets: dict[str, dict] = {}
+    for path, var in flat:
+        group, sub = _group_of(path)
+        sds = jax.ShapeDtypeStruct(var.shape, var.dtype)
+        node = targets.setdefault(group, {})
+        for k in sub[:-1]:
+            node = node.setdefault(str(k), {})
+        node[str(sub[-1])] = (sds, sharding(_path_str(path), sds))
+    restored: dict[str, dict] = {}
+    with ocp.PyTreeCheckpointer() as ckptr:
+        for group, tree in targets.items():
+            gpath = checkpoint_dir / "params" / group
+            if not gpath.exists():
+                raise CheckpointError(f"checkpoint group {group} is missing", value=str(gpath), param=group)
+            is_leaf = lambda x: isinstance(x, tuple)  # noqa: E731
+            restore_args = jax.tree.map(
+                lambda t: ocp.ArrayRestoreArgs(sharding=t[1], global_shape=t[0].shape, dtype=t[0].dtype), tree,
+                is_leaf=is_leaf)
+            item = jax.tree.map(lambda t: t[0], tree, is_leaf=is_leaf)
+            try:
+                restored[group] = ckptr.restore(gpath, args=ocp.args.PyTreeRestore(item=item,
+                                                                                    restore_args=restore_args))
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"checkpoint group {group} does not match the model: {e}", value=group,
+                                      param=group) from e
+    for path, var in flat:
+        group, sub = _group_of(path)
+        node = restored[group]
+        for k in sub:
+            node = node[str(k)]
+        if tuple(node.shape) != tuple(var.shape):
+            raise CheckpointError(f"parameter {_path_str(path)} has shape {node.shape}, expected {var.shape}",
+                                  value=tuple(node.shape), param=_path_str(path))
+        var.set_value(node)
+    return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def model_params(model: CausalLM) -> dict[str, np.ndarray]:
+    """Flat {path: array} of a model's parameters (for tests and inspection)."""
+    _, state = nnx.split(model)
+    return {_path_str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}

@@ -1,0 +1,222 @@
+"""The HF -> Orbax converter on real safetensors files: FP8 block-scaled and INT4 pack-quantized layouts, errors."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_tiny
+import jaxserve
+from checkpoints.convert import convert
+from jaxserve.checkpoint import model_params
+from jaxserve.errors import CheckpointError, ConfigError
+from jaxserve.quant import hf_formats
+
+NOT_QUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "e_score_correction_bias")
+
+
+@pytest.fixture(scope="module")
+def kimi_hf(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    folder = tmp_path_factory.mktemp("kimi") / "hf"
+    hf_tiny.save(hf_tiny.build("deepseek_v3"), folder)
+    return folder, {k: v.numpy() for k, v in load_file(folder / "model.safetensors").items()}
+
+
+def _write(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _quantized_linear_names(state: dict[str, np.ndarray], only_experts: bool) -> list[str]:
+    names = [k for k in state if k.endswith(".weight") and state[k].ndim == 2 and not any(s in k for s in NOT_QUANTIZED)]
+    return [k for k in names if ".mlp.experts." in k] if only_experts else names
+
+
+def _converted_param(params: dict[str, np.ndarray], hf_name: str) -> np.ndarray:
+    """The jaxserve parameter holding HF linear `hf_name`, back in HF [out, in] layout (experts unstacked)."""
+    parts = hf_name.removeprefix("language_model.").split(".")
+    layer = parts[2]
+    if parts[4] == "experts":
+        e, proj = int(parts[5]), parts[6].removesuffix("_proj")
+        return params[f"layers.{layer}.mlp.experts.{proj}"][e].T
+    mapping = {"q_a_proj": "attn.q_a", "q_b_proj": "attn.q_b", "kv_a_proj_with_mqa": "attn.kv_a",
+               "kv_b_proj": "attn.kv_b", "o_proj": "attn.o", "gate_proj": "gate", "up_proj": "up",
+               "down_proj": "down"}
+    module = parts[-2]
+    prefix = ".".join(parts[3:-2])  # self_attn | mlp | mlp.shared_experts
+    if prefix == "self_attn":
+        return params[f"layers.{layer}.{mapping[module]}.weight"].T
+    sub = "mlp.shared" if prefix == "mlp.shared_experts" else "mlp"
+    return params[f"layers.{layer}.{sub}.{mapping[module]}.weight"].T
+
+
+def _unpermute_rope(cfg, hf_name: str, w: np.ndarray) -> np.ndarray:
+    """Undo the converter's interleaved -> half-split row permutation (q_b rope rows, kv_a rope rows)."""
+    from checkpoints.convert import _rope_rows
+
+    if "q_b_proj" in hf_name:
+        rows = _rope_rows(cfg.num_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)
+    elif "kv_a_proj_with_mqa" in hf_name:
+        rows = _rope_rows(1, cfg.latent_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    else:
+        return w
+    out = np.empty_like(w)
+    out[rows] = w
+    return out
+
+
+def test_fp8_block_scaled_checkpoint(kimi_hf, tmp_path):
+    """DeepSeek/Kimi FP8: e4m3 weights + weight_scale_inv per block (16x16 here: several tiles, partial edges)."""
+    folder, state = kimi_hf
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16]}
+    tensors, scales = {}, {}
+    for k, v in state.items():
+        tensors[k] = torch.from_numpy(v)
+    for k in _quantized_linear_names(state, only_experts=False):
+        q, s = hf_formats.quantize_fp8_block(state[k], (16, 16))
+        tensors[k] = torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+        tensors[k.removesuffix("weight") + "weight_scale_inv"] = torch.from_numpy(s)
+        scales[k] = s
+    assert any(s.shape[0] * 16 != state[k].shape[0] for k, s in scales.items())  # a partial edge tile exists
+    _write(tmp_path / "fp8", tensors, config)
+    convert(tmp_path / "fp8", tmp_path / "out", dtype="float32", progress=False)
+    cfg, model = jaxserve.load(tmp_path / "out")
+    params = model_params(model)
+    for k, s in scales.items():
+        got = _unpermute_rope(cfg, k, _converted_param(params, k))
+        src = state[k]
+        per_elem_scale = np.repeat(np.repeat(s, 16, 0), 16, 1)[: src.shape[0], : src.shape[1]]
+        # e4m3: 3 mantissa bits -> half-ulp 2^-4 relative for normals; subnormal spacing 2^-9 (half 2^-10) x scale.
+        bound = np.maximum(np.abs(src) * 2.0**-4, per_elem_scale * 2.0**-10) * 1.0001
+        assert np.all(np.abs(got - src) <= bound), k
+        exact = hf_formats.dequantize_fp8_block(tensors[k].view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn), s,
+                                                (16, 16))
+        np.testing.assert_array_equal(got, exact)
+
+
+def test_int4_pack_quantized_checkpoint(kimi_hf, tmp_path):
+    """Kimi K2.5/K2.6 layout: routed experts INT4 pack-quantized (group 32), the rest BF16-style plain,
+    `language_model.` prefix and a kimi_k25 config with the text model in text_config."""
+    folder, state = kimi_hf
+    text_config = json.loads((folder / "config.json").read_text())
+    group = 32
+    text_config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
+    config = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+              "text_config": text_config, "vision_config": {"vt_hidden_size": 8}}
+    tensors: dict[str, torch.Tensor] = {"vision_tower.patch_embed.proj.weight": torch.zeros(2, 3)}
+    written = {}
+    for k, v in state.items():
+        tensors["language_model." + k] = torch.from_numpy(v)
+    for k in _quantized_linear_names(state, only_experts=True):
+        q, s = hf_formats.quantize_int4_group(state[k], group)
+        s_bf16 = torch.from_numpy(s).to(torch.bfloat16)
+        base = "language_model." + k.removesuffix("weight")
+        del tensors["language_model." + k]
+        tensors[base + "weight_packed"] = torch.from_numpy(hf_formats.pack_int4(q))
+        tensors[base + "weight_scale"] = s_bf16
+        tensors[base + "weight_shape"] = torch.tensor(state[k].shape, dtype=torch.int32)
+        written[k] = (q, s_bf16.float().numpy())
+    _write(tmp_path / "int4", tensors, config)
+    convert(tmp_path / "int4", tmp_path / "out", dtype="float32", progress=False)
+    cfg, model = jaxserve.load(tmp_path / "out")
+    assert cfg.model_type == "deepseek_v3"
+    params = model_params(model)
+    for k, (q, s) in written.items():
+        got = _converted_param(params, k)
+        np.testing.assert_array_equal(got, hf_formats.dequantize_int4_group(q, s, group))
+        s_elem = np.repeat(s, group, 1)[:, : state[k].shape[1]]
+        # Round to nearest: half a step, plus what the bf16 rounding of the scale moves (8 steps x 2^-9 relative).
+        assert np.all(np.abs(got - state[k]) <= s_elem * (0.5 + 8 * 2.0**-8) + 1e-7), k
+
+
+def _break(kimi_hf, tmp_path: Path, edit) -> Path:
+    folder, state = kimi_hf
+    tensors = {k: torch.from_numpy(v) for k, v in state.items()}
+    config = json.loads((folder / "config.json").read_text())
+    edit(tensors, config)
+    return _write(tmp_path / "bad", tensors, config)
+
+
+def _assert_nothing_left(tmp_path: Path) -> None:
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out.partial").exists()
+
+
+def test_missing_tensor_is_named(kimi_hf, tmp_path):
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    bad = _break(kimi_hf, tmp_path, lambda t, c: t.pop(name))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")) as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert e.value.value == name
+    _assert_nothing_left(tmp_path)
+
+
+def test_wrong_shape_names_tensor_and_expected(kimi_hf, tmp_path):
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    bad = _break(kimi_hf, tmp_path, lambda t, c: t.__setitem__(name, t[name][:, :-1].contiguous()))
+    with pytest.raises(CheckpointError, match=r"kv_b_proj\.weight.*\(128, 15\).*expected \(128, 16\)"):
+        convert(bad, tmp_path / "out", progress=False)
+    _assert_nothing_left(tmp_path)
+
+
+def test_fp8_weight_without_scale(kimi_hf, tmp_path):
+    name = "model.layers.1.self_attn.o_proj.weight"
+    bad = _break(kimi_hf, tmp_path, lambda t, c: t.__setitem__(name, t[name].to(torch.float8_e4m3fn)))
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight_scale_inv"):
+        convert(bad, tmp_path / "out", progress=False)
+    _assert_nothing_left(tmp_path)
+
+
+def test_unreadable_dtype_is_named(kimi_hf, tmp_path):
+    folder, state = kimi_hf
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((folder / "config.json").read_text())
+    header, blobs, offset = {}, [], 0
+    for k, v in state.items():
+        raw = np.ascontiguousarray(v).tobytes()
+        dtype = "C64" if k == "model.norm.weight" else "F32"
+        header[k] = {"dtype": dtype, "shape": list(v.shape) if dtype == "F32" else [v.shape[0] // 2],
+                     "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    h = json.dumps(header).encode()
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*C64"):
+        convert(bad, tmp_path / "out", progress=False)
+    _assert_nothing_left(tmp_path)
+
+
+def test_unknown_model_type_lists_supported(kimi_hf, tmp_path):
+    bad = _break(kimi_hf, tmp_path, lambda t, c: c.__setitem__("model_type", "llama"))
+    with pytest.raises(ConfigError, match="deepseek_v3.*glm4_moe.*glm_moe_dsa") as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert e.value.value == "llama"
+    _assert_nothing_left(tmp_path)
+
+
+def test_existing_output_is_refused(kimi_hf, tmp_path):
+    folder, _ = kimi_hf
+    (tmp_path / "out").mkdir()
+    with pytest.raises(CheckpointError, match="already exists"):
+        convert(folder, tmp_path / "out", progress=False)
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path):
+    (tmp_path / "params").mkdir()
+    with pytest.raises(CheckpointError, match="not a complete jaxserve checkpoint"):
+        jaxserve.load(tmp_path)
