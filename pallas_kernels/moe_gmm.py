@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +54,10 @@ def choose_gmm_blocks(m: int, n: int, num_groups: int) -> GmmBlocks:
     return GmmBlocks(block_m, block_n)
 
 
-@dataclass(frozen=True)
-class TileLayout:
-    """Where each row goes: x_pad = x[row_src] masked by row_valid; y = y_pad[row_dst] masked by out_valid."""
+class TileLayout(NamedTuple):
+    """Where each row goes: x_pad = x[row_src] masked by row_valid; y = y_pad[row_dst] masked by out_valid.
+
+    A NamedTuple (immutable, and a pytree, so it can leave a jit)."""
 
     row_src: jax.Array  # [T*bm] int32: source row of each padded row
     row_valid: jax.Array  # [T*bm] bool: padded row holds a real token

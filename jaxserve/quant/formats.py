@@ -16,6 +16,7 @@ compressed-tensors' groups along the input dim, so both HF conversions are exact
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ def int4_group_size(w: Array, scale: Array) -> int:
 # --------------------------------------------------------------------------------------------- quantize
 
 
+@jax.jit
 def _fp8_quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[..., K, N] f32 -> (float8_e4m3fn [..., K, N], f32 [..., ceil(K/128), ceil(N/128)]), amax per tile."""
     *lead, k, n = w.shape
@@ -71,6 +73,7 @@ def _fp8_quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
+@functools.partial(jax.jit, static_argnames="group_size")
 def _int4_quantize(w: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
     """[..., K, N] f32 -> (uint8 [..., K//2, N], bf16 [..., K//g, N]), symmetric absmax/7 per group along K."""
     *lead, k, n = w.shape
@@ -103,6 +106,7 @@ def quantize(w: Array, fmt: str, group_size: int = 32) -> tuple[jax.Array, jax.A
 # ------------------------------------------------------------------------------------------- dequantize
 
 
+@jax.jit
 def pack_int4(q: jax.Array) -> jax.Array:
     """Signed int values [..., K, N] in [-8, 7] (K even) -> uint8 [..., K//2, N], even k in the low nibble."""
     *lead, k, n = q.shape
@@ -110,6 +114,7 @@ def pack_int4(q: jax.Array) -> jax.Array:
     return (nib[..., 0, :] | (nib[..., 1, :] << 4)).astype(jnp.uint8)
 
 
+@jax.jit
 def unpack_int4(w: jax.Array) -> jax.Array:
     """uint8 [..., K//2, N] -> int8 values [..., K, N] in [-8, 7]."""
     *lead, half, n = w.shape
@@ -124,6 +129,7 @@ def _expand_fp8_scale(scale: jax.Array, k: int, n: int) -> jax.Array:
     return rep[..., :k, :n]
 
 
+@functools.partial(jax.jit, static_argnames="fmt")
 def dequantize(w: Array, scale: Array | None, fmt: str) -> jax.Array:
     """Runtime `(w, scale)` in `fmt` -> f32 [..., K, N] (`...` is empty or the expert axis E)."""
     check_fmt(fmt)

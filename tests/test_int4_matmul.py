@@ -1,0 +1,116 @@
+"""Pallas INT4 matmul (interpret mode) vs the dequantize-then-dot reference, and `ops.linear` dispatch.
+
+Tolerance: both sides see the same bf16 activations and the same (exactly dequantized) weights; the kernel
+accumulates in f32 and rounds the output to bf16 (relative 2^-9), so ||out - ref|| / ||ref|| <= 1e-2 is loose
+(measured ~1.7e-3) while a wrong nibble, group or scale index gives errors of order 1.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+import numpy as np
+import pytest
+
+from jaxserve.errors import ConfigError
+from jaxserve.quant import formats, ops
+from pallas_kernels.int4_matmul import Int4Blocks, choose_blocks, int4_matmul
+from pallas_kernels.reference import int4_matmul_reference
+
+REL_TOL = 1e-2
+
+
+def _rel_err(out: jax.Array, ref: jax.Array) -> float:
+    ref = jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+
+
+def _case(seed: int, m: int, k: int, n: int, g: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((k, n)).astype(np.float32) * rng.uniform(0.1, 2.0, size=(1, n)).astype(np.float32)
+    wq, scale = formats.quantize(w, "int4", g)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    return x, wq, scale
+
+
+@pytest.mark.parametrize("seed, m, k, n, g, blocks", [
+    (0, 1, 256, 128, 32, None),  # decode: one row padded to a 16-row tile
+    (1, 7, 512, 200, 128, None),  # N with no power-of-two divisor >= 16: partial edge tile
+    (2, 64, 256, 96, 32, None),
+    (3, 256, 1024, 256, 128, None),  # prefill-sized: two 128-row tiles, 8 groups of 128
+    (4, 33, 128, 64, 32, Int4Blocks(16, 32)),  # explicit blocks: 3 M tiles (padded), 2 N tiles
+])
+def test_int4_matmul_matches_reference(seed: int, m: int, k: int, n: int, g: int,
+                                       blocks: Int4Blocks | None) -> None:
+    x, wq, scale = _case(seed, m, k, n, g)
+    out = int4_matmul(x, wq, scale, blocks=blocks, interpret=True)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert _rel_err(out, int4_matmul_reference(x, wq, scale)) <= REL_TOL
+
+
+def test_choose_blocks() -> None:
+    assert choose_blocks(1, 2048) == Int4Blocks(16, 256)
+    assert choose_blocks(100, 7168) == Int4Blocks(128, 256)
+    assert choose_blocks(4096, 576) == Int4Blocks(128, 64)
+    assert choose_blocks(8, 200) == Int4Blocks(16, 128)
+
+
+def _no_weight_sized_float_outside_kernel(jaxpr: jex_core.Jaxpr, size: int) -> bool:
+    """True if no equation outside pallas_call bodies produces a float array with >= `size` elements."""
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            aval = v.aval
+            if (hasattr(aval, "shape") and jnp.issubdtype(aval.dtype, jnp.floating)
+                    and int(np.prod(aval.shape)) >= size and eqn.primitive.name != "pallas_call"):
+                return False
+        if eqn.primitive.name == "pallas_call":
+            continue  # the kernel body works on VMEM/register tiles
+        for p in eqn.params.values():
+            sub = getattr(p, "jaxpr", p)
+            if isinstance(sub, jex_core.Jaxpr) and not _no_weight_sized_float_outside_kernel(sub, size):
+                return False
+    return True
+
+
+def test_kernel_path_never_materializes_dequantized_weight() -> None:
+    m, k, n = 4, 512, 256  # K*N = 131072 floats would be the dequantized weight; activations are 2048
+    x, wq, scale = _case(5, m, k, n, 32)
+    kernel = jax.make_jaxpr(lambda a, b, c: ops.linear(a, b, c, "int4", use_kernel=True, interpret=True))
+    xla = jax.make_jaxpr(lambda a, b, c: ops.linear(a, b, c, "int4"))
+    assert _no_weight_sized_float_outside_kernel(kernel(x, wq, scale).jaxpr, k * n)
+    assert not _no_weight_sized_float_outside_kernel(xla(x, wq, scale).jaxpr, k * n)  # the check can fail
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f32", "fp8", "int4"])
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_linear_dispatch_matches_dequantize_dot(fmt: str, use_kernel: bool) -> None:
+    rng = np.random.default_rng(hash((fmt, use_kernel)) % 2 ** 32)
+    k, n = 256, 192
+    wq, scale = formats.quantize(rng.standard_normal((k, n)).astype(np.float32), fmt, 32)
+    x = jnp.asarray(rng.standard_normal((2, 3, k)), jnp.bfloat16)  # leading dims are flattened and restored
+    out = ops.linear(x, wq, scale, fmt, use_kernel=use_kernel, interpret=True)
+    assert out.shape == (2, 3, n) and out.dtype == jnp.bfloat16
+    ref = jnp.einsum("abk,kn->abn", x.astype(jnp.float32), formats.dequantize(wq, scale, fmt))
+    assert _rel_err(out, ref) <= REL_TOL
+
+
+def test_linear_f32_activations_and_fp8_partial_k() -> None:
+    # f32 x keeps f32 out; fp8 with K % 128 != 0 takes the XLA path even with use_kernel
+    rng = np.random.default_rng(7)
+    wq, scale = formats.quantize(rng.standard_normal((96, 40)).astype(np.float32), "fp8")
+    x = jnp.asarray(rng.standard_normal((5, 96)), jnp.float32)
+    out = ops.linear(x, wq, scale, "fp8", use_kernel=True, interpret=True)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x @ formats.dequantize(wq, scale, "fp8")),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_linear_rejects_bad_format_and_shapes() -> None:
+    x = jnp.ones((2, 64), jnp.bfloat16)
+    with pytest.raises(ConfigError) as e:
+        ops.linear(x, jnp.ones((64, 8), jnp.bfloat16), None, "int8")
+    assert e.value.value == "int8"
+    wq, scale = formats.quantize(np.ones((128, 8), np.float32), "int4", 32)
+    with pytest.raises(ConfigError) as e:
+        ops.linear(x, wq, scale, "int4")
+    assert e.value.value == (64, 8)
