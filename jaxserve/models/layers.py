@@ -6,28 +6,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.quant import formats, ops
 
 INIT_STD = 0.02
 DENSE_FORMATS = ("f32", "bf16")
-
-
-def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None, fmt: str) -> jax.Array:
-    """x [..., K] @ w [K, N] in `fmt` -> [..., N] x.dtype, f32 accumulation; quantized formats go to quant.ops."""
-    if fmt in DENSE_FORMATS:
-        return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-    from jaxserve.quant import ops as qops  # quantized paths live with their kernels
-
-    return qops.linear(x, w, scale, fmt)
-
-
-def grouped_linear(x: jax.Array, w: jax.Array, scale: jax.Array | None, group_sizes: jax.Array, fmt: str) -> jax.Array:
-    """x_sorted [M, K] @ w [E, K, N] by expert groups -> [M, N] x.dtype."""
-    if fmt in DENSE_FORMATS:
-        return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
-                                  preferred_element_type=jnp.float32).astype(x.dtype)
-    from jaxserve.quant import ops as qops
-
-    return qops.grouped_linear(x, w, scale, group_sizes, fmt)
 
 
 class RMSNorm(nnx.Module):
@@ -64,20 +46,21 @@ class Linear(nnx.Module):
 
     def __init__(self, din: int, dout: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False) -> None:
         self.fmt = "f32" if dtype == jnp.float32 else "bf16"
+        self.use_kernel = False  # quantized formats: Pallas kernels (GPU/TPU) instead of the XLA dequant path
+        self.interpret = False
         self.weight = nnx.Param((jax.random.normal(rngs.params(), (din, dout), jnp.float32) * INIT_STD).astype(dtype))
-        self.scale = None
+        self.scale = nnx.data(None)  # set to a Param when the weight is quantized
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
     def dense_weight(self) -> jax.Array:
         """The weight as a dense [din, dout] array (dequantized f32 for quantized formats)."""
         if self.fmt in DENSE_FORMATS:
             return self.weight[...]
-        from jaxserve.quant import formats
-
         return formats.dequantize(self.weight[...], self.scale[...], self.fmt)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = linear(x, self.weight[...], None if self.scale is None else self.scale[...], self.fmt)
+        y = ops.linear(x, self.weight[...], None if self.scale is None else self.scale[...], self.fmt,
+                       use_kernel=self.use_kernel, interpret=self.interpret)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
@@ -100,6 +83,8 @@ class Experts(nnx.Module):
 
     def __init__(self, n: int, hidden: int, inter: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.fmt = "f32" if dtype == jnp.float32 else "bf16"
+        self.use_kernel = False
+        self.interpret = False
 
         def init(shape: tuple[int, ...]) -> nnx.Param:
             return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
@@ -107,13 +92,16 @@ class Experts(nnx.Module):
         self.gate = init((n, hidden, inter))
         self.up = init((n, hidden, inter))
         self.down = init((n, inter, hidden))
-        self.gate_scale = self.up_scale = self.down_scale = None
+        self.gate_scale = nnx.data(None)  # scales appear when the experts are quantized
+        self.up_scale = nnx.data(None)
+        self.down_scale = nnx.data(None)
 
     def __call__(self, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """x_sorted [M, H] (rows grouped by expert), group_sizes [E] int32 -> [M, H]."""
 
         def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None) -> jax.Array:
-            return grouped_linear(x, w[...], None if s is None else s[...], group_sizes, self.fmt)
+            return ops.grouped_linear(x, w[...], None if s is None else s[...], group_sizes, self.fmt,
+                                      use_kernel=self.use_kernel, interpret=self.interpret)
 
         h = jax.nn.silu(mm(x_sorted, self.gate, self.gate_scale)) * mm(x_sorted, self.up, self.up_scale)
         return mm(h, self.down, self.down_scale)

@@ -1,0 +1,183 @@
+"""The library API: `Engine.from_checkpoint(path, EngineConfig(...))`, `generate`, streaming `submit`, `abort`,
+`stats`. A background thread runs the scheduler loop; `start=False` gives a synchronous engine driven by `step()`
+(tests, benchmarks)."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jaxserve.checkpoint import load
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.programs import Programs
+from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
+from jaxserve.models import CausalLM
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+class Engine:
+    def __init__(self, model: CausalLM, cfg: EngineConfig, tokenizer: object | None = None, *,
+                 start: bool = True) -> None:
+        self.cfg = cfg
+        self.model_cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.programs = Programs(model, cfg)
+        self._queues: dict[str, queue.Queue[TokenEvent]] = {}
+        self._qlock = threading.Lock()
+        self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, cfg: EngineConfig = EngineConfig(), *, start: bool = True) -> Engine:
+        """Load a converted checkpoint (and its tokenizer, if the folder has one)."""
+        from jaxserve.tokenizer import Tokenizer
+
+        _, model = load(path, dtype=_DTYPES[cfg.dtype])
+        has_tok = any((Path(path) / f).exists() for f in ("tokenizer.json", "tiktoken.model"))
+        return cls(model, cfg, Tokenizer(path) if has_tok else None, start=start)
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass token ids", value=prompt[:40],
+                                          param="prompt")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def validate(self, req: Request) -> None:
+        """Raise InvalidRequestError naming what is wrong; nothing is queued for a bad request."""
+        V = self.model_cfg.vocab_size
+        if not req.prompt:
+            raise InvalidRequestError("the prompt is empty", value=req.prompt, param="prompt")
+        bad = [t for t in req.prompt if not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {V})", value=bad[:5], param="prompt")
+        if len(req.prompt) >= self.cfg.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(req.prompt)} tokens; the context window is "
+                                      f"{self.cfg.max_model_len}", value=len(req.prompt), param="prompt")
+        req.params.validate(V)
+
+    def submit(self, req: Request) -> Iterator[TokenEvent]:
+        """Queue a request; returns the iterator of its events (tokens, then one finish event)."""
+        self.validate(req)
+        q: queue.Queue[TokenEvent] = queue.Queue()
+        with self._qlock:
+            if len(self._queues) >= self.cfg.max_queue:
+                raise QueueFullError(f"{len(self._queues)} requests in flight (max_queue {self.cfg.max_queue})",
+                                     value=len(self._queues), param="max_queue")
+            if req.request_id in self._queues:
+                raise InvalidRequestError("a request with this id is in flight", value=req.request_id,
+                                          param="request_id")
+            self._queues[req.request_id] = q
+        decoder = None
+        if self.tokenizer is not None:
+            from jaxserve.tokenizer import StreamDecoder
+
+            decoder = StreamDecoder(self.tokenizer)
+        self.scheduler.submit(req, decoder)
+        self._wake.set()
+        return self._events(req.request_id, q)
+
+    def _events(self, rid: str, q: queue.Queue[TokenEvent]) -> Iterator[TokenEvent]:
+        try:
+            while True:
+                if self._thread is None:
+                    while q.empty():
+                        self.step()
+                ev = q.get()
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            with self._qlock:
+                finished = rid not in self._queues
+                self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)  # the consumer went away (client disconnect): free its pages
+
+    def _emit(self, ev: TokenEvent) -> None:
+        with self._qlock:
+            q = self._queues.get(ev.request_id)
+            if ev.finish_reason is not None:
+                self._queues.pop(ev.request_id, None)
+        if q is not None:
+            q.put(ev)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._wake.set()
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 = SamplingParams()) -> list[RequestOutput]:
+        """Run prompts concurrently to completion; results in prompt order."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        reqs = [Request(self.encode(p), sp) for p, sp in zip(prompts, plist, strict=True)]
+        streams = [self.submit(r) for r in reqs]
+        outs = []
+        for req, stream in zip(reqs, streams):
+            ids, lps, text = [], [], []
+            end: TokenEvent | None = None
+            for ev in stream:
+                if ev.token_id is not None:
+                    ids.append(ev.token_id)
+                    lps.append(ev.logprob)
+                    text.append(ev.text)
+                if ev.finish_reason is not None:
+                    end = ev
+            outs.append(RequestOutput(req.request_id, len(req.prompt), ids, lps, "".join(text), end.finish_reason,
+                                      end.cached_tokens, end.error))
+        return outs
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One scheduler iteration. A failure inside fails the in-flight requests (with their pages freed), not
+        the engine."""
+        try:
+            self.scheduler.step()
+        except Exception as e:  # noqa: BLE001 - any failure must end requests cleanly, never hang them
+            err = e if isinstance(e, JaxserveError) else JaxserveError(f"engine step failed: {e!r}")
+            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.scheduler._finish(seq, "error", err)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self.scheduler.has_work():
+                self.step()
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler
+        st = s.stats
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        return {
+            "decode_pages_used": s.decode_alloc.num_used, "decode_pages_free": s.decode_alloc.num_free,
+            "prefill_pages_used": s.prefill_alloc.num_used, "prefill_pages_free": s.prefill_alloc.num_free,
+            "prefix_cache_pages": len(s.prefix_cache) if s.prefix_cache else 0,
+            "waiting": len(s.waiting) + s.pending(), "running": len(s.running),
+            "tag_mismatches": st.tag_mismatches, "preemptions": st.preemptions,
+            "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
+            "generated_tokens": st.generated_tokens, "finished": st.finished, "aborted": st.aborted,
+            "tokens_per_s": st.generated_tokens / elapsed, "steps": st.steps,
+        }

@@ -1,0 +1,185 @@
+"""The separately jitted prefill and decode programs, each with its own weight format, KV dtype and mesh.
+
+prefill: BF16 page pool, prefill weights (FP8 by default), plain MLA, chunked; samples the first token.
+decode:  FP8 (or BF16) page pool, decode weights (INT4 by default), tag check, absorbed MLA attention, sampling.
+handoff: BF16 prefill pages -> decode pool pages (FP8 conversion on the prefill side, then a device transfer).
+
+Shapes are bucketed (rows, chunk tokens, pages per row) to powers of two so steady state never recompiles.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+from jaxserve.cache import KVLayout, KVPages, init_pages, insert_pages, pages_to_fp8
+from jaxserve.config import ModelConfig
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.sampling import SamplingArrays, sample
+from jaxserve.engine.sharding import make_mesh, pages_sharding, param_spec
+from jaxserve.errors import ConfigError
+from jaxserve.models import CausalLM
+from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
+from jaxserve.quant.apply import WeightFormat, quantize_model
+
+
+def bucket(n: int, cap: int, floor: int = 1) -> int:
+    """Smallest power of two >= max(n, floor), capped at `cap`."""
+    b = max(floor, 1)
+    while b < n:
+        b *= 2
+    return min(b, cap)
+
+
+def kv_layout(cfg: ModelConfig, page_size: int, dtype: str) -> KVLayout:
+    if cfg.is_mla:
+        return KVLayout.mla(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size=page_size, dtype=dtype)
+    return KVLayout.gqa(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size=page_size, dtype=dtype)
+
+
+def _path(p: tuple) -> str:
+    return ".".join(str(x) for x in p)
+
+
+@dataclass
+class Phase:
+    """One phase's model (graph + sharded state), mesh and page pool."""
+
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    mesh: jax.sharding.Mesh
+    pages: KVPages
+    pages_sharding: KVPages
+
+
+def _take_pages(src: KVPages, page_ids: jax.Array) -> KVPages:
+    """Same-dtype hand-off: the selected pages of every layer, as a compact pool."""
+    take = lambda x: None if x is None else x[:, page_ids]  # noqa: E731
+    return KVPages(src.layout, latent=take(src.latent), latent_scale=take(src.latent_scale), k=take(src.k),
+                   v=take(src.v), k_scale=take(src.k_scale), v_scale=take(src.v_scale))
+
+
+class Programs:
+    """Owns both phases and their compiled programs. `compiles` counts traces per program (recompile check)."""
+
+    def __init__(self, model: CausalLM, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.model_cfg = model.cfg
+        if model.cfg.has_indexer and cfg.max_model_len > model.cfg.index_topk:
+            raise ConfigError(
+                f"glm_moe_dsa over paged KV needs max_model_len <= index_topk ({model.cfg.index_topk}): the DSA "
+                "indexer key cache is not implemented, and within index_topk DSA equals dense attention",
+                value=cfg.max_model_len, param="max_model_len")
+        devices = jax.devices()
+        if cfg.devices > len(devices):
+            raise ConfigError(f"EngineConfig.devices={cfg.devices} but only {len(devices)} devices exist",
+                              value=cfg.devices, param="devices")
+        devices = devices[: cfg.devices]
+        half = len(devices) // 2
+        p_dev, d_dev = (devices[:half], devices[half:]) if cfg.disaggregate else (devices, devices)
+        interpret = cfg.attention == "pallas_interpret"
+
+        def fmt(name: str) -> WeightFormat:
+            return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret)
+
+        self.prefill_phase = self._phase(quantize_model(model, fmt(cfg.prefill_weights)), p_dev,
+                                         kv_layout(model.cfg, cfg.page_size, "bf16"), cfg.num_prefill_pages)
+        self.decode_phase = self._phase(quantize_model(model, fmt(cfg.decode_weights)), d_dev,
+                                        kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype), cfg.num_decode_pages)
+        self.compiles: collections.Counter[str] = collections.Counter()
+        rep_p = NamedSharding(self.prefill_phase.mesh, P())
+        rep_d = NamedSharding(self.decode_phase.mesh, P())
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
+                                out_shardings=(rep_p, rep_p, self.prefill_phase.pages_sharding))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
+                               out_shardings=(rep_d, rep_d, rep_d, self.decode_phase.pages_sharding))
+        self._export = jax.jit(self._export_fn)
+        self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=self.decode_phase.pages_sharding)
+
+    def _phase(self, model: CausalLM, devices: list[jax.Device], layout: KVLayout, num_pages: int) -> Phase:
+        mesh = make_mesh(devices)
+        graphdef, state = nnx.split(model)
+        n = len(devices)
+        flat = nnx.to_flat_state(state)
+        for path, var in flat:
+            v = var.get_value()
+            spec = param_spec(_path(path), v.shape, n, expert_parallel=self.cfg.expert_parallel)
+            var.set_value(jax.device_put(v, NamedSharding(mesh, spec)))
+        pages = init_pages(layout, num_pages)
+        shard = pages_sharding(pages, mesh, self.model_cfg)
+        pages = jax.device_put(pages, shard)
+        return Phase(graphdef, nnx.from_flat_state(flat), mesh, pages, shard)
+
+    # ---- traced bodies (the Counter increments only while tracing) ----------------------------------------
+    def _prefill_fn(self, state: nnx.State, pages: KVPages, batch: PrefillBatch, samp: SamplingArrays):
+        self.compiles["prefill"] += 1
+        model = nnx.merge(self.prefill_phase.graphdef, state)
+        logits, pages = prefill(model, pages, batch)
+        tokens, logprobs = sample(logits, samp)
+        return tokens, logprobs, pages
+
+    def _decode_fn(self, state: nnx.State, pages: KVPages, tags: jax.Array, batch: DecodeBatch,
+                   samp: SamplingArrays):
+        self.compiles["decode"] += 1
+        model = nnx.merge(self.decode_phase.graphdef, state)
+        logits, pages, ok = decode(model, pages, tags, batch, integrity=self.cfg.integrity,
+                                   attention=self.cfg.attention)
+        tokens, logprobs = sample(logits, samp)
+        return tokens, logprobs, ok, pages
+
+    def _export_fn(self, pages: KVPages, page_ids: jax.Array) -> KVPages:
+        self.compiles["handoff"] += 1
+        return pages_to_fp8(pages, page_ids) if self.cfg.kv_dtype == "fp8" else _take_pages(pages, page_ids)
+
+    # ---- host entry points -----------------------------------------------------------------------------------
+    def run_prefill(self, batch: PrefillBatch, samp: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
+        ph = self.prefill_phase
+        tokens, logprobs, ph.pages = self._prefill(ph.state, ph.pages, batch, samp)
+        return np.asarray(tokens), np.asarray(logprobs)
+
+    def run_decode(self, tags: jax.Array, batch: DecodeBatch, samp: SamplingArrays
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ph = self.decode_phase
+        tokens, logprobs, ok, ph.pages = self._decode(ph.state, ph.pages, tags, batch, samp)
+        return np.asarray(tokens), np.asarray(logprobs), np.asarray(ok)
+
+    def handoff(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Copy prefill pages to decode pages (FP8 conversion when the decode pool is FP8). Padded to a power of
+        two: padding reads the null page and writes nowhere."""
+        n = bucket(len(src_pages), cap=1 << 30)
+        src = np.zeros(n, np.int32)
+        dst = np.full(n, -1, np.int32)
+        src[: len(src_pages)] = src_pages
+        dst[: len(dst_pages)] = dst_pages
+        chunk = self._export(self.prefill_phase.pages, jnp.asarray(src))
+        # disaggregated: the compact chunk crosses from the prefill devices to the decode devices
+        mesh = self.decode_phase.mesh
+        chunk = jax.device_put(chunk, jax.tree.map(lambda x: _on_mesh(x, mesh), chunk))
+        self.decode_phase.pages = self._import(self.decode_phase.pages, chunk, jnp.asarray(dst))
+
+    def warmup(self, batch_sizes: list[int], page_buckets: list[int], chunk_sizes: list[int],
+               progress: bool = True) -> None:
+        """Compile the bucketed programs ahead of traffic (rows x pages x chunk), with a progress bar."""
+        from jaxserve.engine.scheduler import dummy_decode, dummy_prefill  # the scheduler builds real batches
+
+        combos = [("decode", b, m, 0) for b in batch_sizes for m in page_buckets]
+        combos += [("prefill", b, m, t) for b in batch_sizes for m in page_buckets for t in chunk_sizes]
+        tags = jnp.zeros((self.cfg.num_decode_pages,), jnp.uint32)
+        for kind, b, m, t in tqdm(combos, desc="warm-up compiles", disable=not progress):
+            if kind == "decode":
+                self.run_decode(tags, *dummy_decode(b, m))
+            else:
+                self.run_prefill(*dummy_prefill(b, t, m))
+
+
+def _on_mesh(x: jax.Array, mesh: jax.sharding.Mesh) -> NamedSharding:
+    """The same partitioning as x, on another mesh (prefill -> decode transfer)."""
+    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
+    return NamedSharding(mesh, spec)

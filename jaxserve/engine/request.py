@@ -1,0 +1,93 @@
+"""Requests, sampling parameters and the events a request's stream yields."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from jaxserve.errors import InvalidRequestError, JaxserveError
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        checks = [
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 100,
+             "a number in [0, 100]"),
+            ("top_k", isinstance(self.top_k, int) and 0 <= self.top_k <= vocab_size, f"an integer in [0, {vocab_size}]"),
+            ("top_p", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+             "an integer in [0, 2^32)"),
+            ("stop_token_ids", all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids),
+             f"token ids in [0, {vocab_size})"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise InvalidRequestError(f"{name} must be {want}", value=getattr(self, name), param=name)
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One generation request. `prompt` is token ids; `session_id` routes to a decode worker (affinity)."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    session_id: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One streamed step of a request: a new token (token_id set), or its end (finish_reason set).
+
+    finish_reason: "stop" (eos, stop token or stop string), "length" (max_tokens or context), "abort", "error".
+    text: the newly completed text, when the engine has a tokenizer.
+    """
+
+    request_id: str
+    token_id: int | None = None
+    logprob: float | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    error: JaxserveError | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """The whole result of a finished request (Engine.generate)."""
+
+    request_id: str
+    prompt_tokens: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    cached_tokens: int
+    error: JaxserveError | None = None

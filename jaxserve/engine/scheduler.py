@@ -1,0 +1,388 @@
+"""Continuous batching: FCFS admission by free pages, chunked prefill interleaved with decode, hand-off of finished
+prefills to the decode pool, preemption by recompute when decode pages run out, aborts, stop conditions.
+
+Every path that ends a sequence (finish, abort, integrity failure, preemption) returns its pages to the pools.
+The scheduler is single-threaded: only the engine loop calls `step()`; other threads talk to it through `submit`
+and `abort`, which only touch a locked inbox.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.cache import NULL_PAGE, PageAllocator
+from jaxserve.config import ModelConfig
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.prefix_cache import PrefixCache
+from jaxserve.engine.programs import Programs, bucket
+from jaxserve.engine.request import Request, Status, TokenEvent
+from jaxserve.engine.sampling import SamplingArrays
+from jaxserve.errors import JaxserveError, KVIntegrityError, OutOfPagesError
+from jaxserve.models.paged import DecodeBatch, PrefillBatch
+
+Emit = Callable[[TokenEvent], None]
+
+
+@dataclass
+class Sequence:
+    """A request's serving state."""
+
+    req: Request
+    order: int  # admission order, for FCFS and for choosing whom to preempt (the youngest)
+    status: Status = Status.WAITING
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prefill_pages: list[tuple[int, int]] = field(default_factory=list)
+    decode_pages: list[tuple[int, int]] = field(default_factory=list)
+    target: int = 0  # tokens to prefill (prompt + already generated, after a preemption)
+    computed: int = 0  # tokens of `target` already in the prefill pool
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    decode_len: int = 0  # tokens in the decode pool
+    text_sent: int = 0  # characters of `text` already streamed
+    text: str = ""
+    decoder: object = None  # tokenizer.StreamDecoder, when the engine has a tokenizer
+    preemptions: int = 0
+    pending: tuple[int, float] | None = None  # first token sampled by prefill, emitted after the hand-off
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.req.prompt + self.generated
+
+
+@dataclass
+class Stats:
+    tag_mismatches: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    steps: int = 0
+
+
+def dummy_prefill(b: int, t: int, m: int) -> tuple[PrefillBatch, SamplingArrays]:
+    """An all-padding prefill batch of bucket shape (b rows, t tokens, m pages): for warm-up compiles."""
+    z = jnp.zeros
+    return (PrefillBatch(z((b, t), jnp.int32), z((b, t), jnp.int32), jnp.full((b, t), -1, jnp.int32),
+                         z((b, m), jnp.int32), z((b,), jnp.int32), z((b,), jnp.int32)), _samp_arrays([None] * b))
+
+
+def dummy_decode(b: int, m: int) -> tuple[DecodeBatch, SamplingArrays]:
+    z = jnp.zeros
+    return (DecodeBatch(z((b,), jnp.int32), z((b,), jnp.int32), jnp.full((b,), -1, jnp.int32), z((b, m), jnp.int32),
+                        z((b,), jnp.int32), z((b, m), jnp.uint32), z((b,), jnp.int32)), _samp_arrays([None] * b))
+
+
+def _samp_arrays(seqs: list[Sequence | None]) -> SamplingArrays:
+    def col(f, dtype):  # noqa: ANN001
+        return jnp.asarray(np.array([f(s) if s is not None else 0 for s in seqs], dtype))
+
+    return SamplingArrays(
+        temperature=col(lambda s: s.req.params.temperature, np.float32),
+        top_k=col(lambda s: s.req.params.top_k, np.int32),
+        top_p=jnp.asarray(np.array([s.req.params.top_p if s is not None else 1.0 for s in seqs], np.float32)),
+        seed=col(lambda s: s.req.params.seed if s.req.params.seed is not None else hash(s.req.request_id) % 2**32,
+                 np.uint32),
+        step=col(lambda s: len(s.generated), np.int32),
+    )
+
+
+class Scheduler:
+    def __init__(self, programs: Programs, model_cfg: ModelConfig, cfg: EngineConfig, emit: Emit,
+                 tokenizer: object | None = None) -> None:
+        self.programs = programs
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        self.emit = emit
+        self.tokenizer = tokenizer
+        self.prefill_alloc = PageAllocator(cfg.num_prefill_pages)
+        self.decode_alloc = PageAllocator(cfg.num_decode_pages)
+        self.device_tags = self.decode_alloc.device_tags()
+        self.prefix_cache = PrefixCache(self.prefill_alloc, cfg.page_size) if cfg.prefix_cache else None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # prefilling or decoding, in admission order
+        self.stats = Stats()
+        self._order = 0
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+        self.eos = set(model_cfg.eos_token_ids)
+        if tokenizer is not None:
+            self.eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
+
+    # ---- cross-thread entry points ------------------------------------------------------------------------
+    def submit(self, req: Request, decoder: object | None = None) -> None:
+        """Queue a validated request; `decoder` streams its text (a tokenizer.StreamDecoder) when given."""
+        with self._lock:
+            self._inbox.append(Sequence(req, order=-1, decoder=decoder))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._inbox)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts or self.waiting or self.running)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One scheduling iteration: intake, aborts, admission, a prefill batch, hand-offs, a decode batch."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for seq in inbox:
+            seq.order = self._order
+            self._order += 1
+            self.waiting.append(seq)
+        for rid in aborts:
+            self._abort(rid)
+        self._admit()
+        self._prefill_step()
+        self._decode_step()
+        self.stats.steps += 1
+
+    def _abort(self, rid: str) -> None:
+        for seq in list(self.waiting) + self.running:
+            if seq.req.request_id == rid:
+                self._finish(seq, "abort")
+                self.stats.aborted += 1
+
+    # ---- admission ----------------------------------------------------------------------------------------
+    def _pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.cfg.page_size)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_batch:
+            seq = self.waiting[0]
+            tokens = seq.tokens
+            if self.decode_alloc.num_free < self._pages_for(len(tokens) + 1):
+                return  # FCFS: nobody overtakes a request that waits for decode pages
+            cached = self.prefix_cache.lookup(tokens) if self.prefix_cache else []
+            need = self._pages_for(len(tokens)) - len(cached)
+            fresh = self._allocate(self.prefill_alloc, need, evict=True)
+            if fresh is None:
+                for page, tag in cached:
+                    self.prefill_alloc.free(page, tag)
+                return
+            self.waiting.popleft()
+            seq.prefill_pages = cached + fresh
+            seq.target = len(tokens)
+            seq.computed = len(cached) * self.cfg.page_size
+            if not seq.generated:
+                seq.cached_tokens = seq.computed
+                self.stats.prompt_tokens += len(tokens)
+                self.stats.cached_tokens += seq.computed
+            seq.status = Status.PREFILLING
+            self.running.append(seq)
+
+    def _allocate(self, alloc: PageAllocator, n: int, *, evict: bool) -> list[tuple[int, int]] | None:
+        if n <= 0:
+            return []
+        if alloc.num_free < n and evict and self.prefix_cache is not None:
+            self.prefix_cache.evict(n - alloc.num_free)
+        try:
+            return alloc.allocate(n)
+        except OutOfPagesError:
+            return None
+
+    # ---- prefill ------------------------------------------------------------------------------------------
+    def _prefill_step(self) -> None:
+        cfg, ps = self.cfg, self.cfg.page_size
+        budget = cfg.max_prefill_tokens
+        rows: list[tuple[Sequence, int, int]] = []  # (seq, start, n)
+        for seq in self.running:
+            if seq.status is not Status.PREFILLING or seq.computed >= seq.target or budget <= 0:
+                continue
+            n = min(cfg.prefill_chunk, seq.target - seq.computed, budget)
+            rows.append((seq, seq.computed, n))
+            budget -= n
+        if rows:
+            B = bucket(len(rows), cap=cfg.max_batch)
+            T = bucket(max(n for _, _, n in rows), cap=cfg.prefill_chunk, floor=8)
+            M = bucket(max(self._pages_for(s + n) for _, s, n in rows), cap=cfg.max_pages_per_seq)
+            tokens = np.zeros((B, T), np.int32)
+            positions = np.zeros((B, T), np.int32)
+            slots = np.full((B, T), -1, np.int32)
+            tables = np.full((B, M), NULL_PAGE, np.int32)
+            ctx = np.zeros(B, np.int32)
+            chunk = np.zeros(B, np.int32)
+            for i, (seq, start, n) in enumerate(rows):
+                toks = seq.tokens
+                pos = np.arange(start, start + n)
+                pages = np.array([p for p, _ in seq.prefill_pages], np.int32)
+                tokens[i, :n] = toks[start:start + n]
+                positions[i, :n] = pos
+                slots[i, :n] = pages[pos // ps] * ps + pos % ps
+                used = self._pages_for(start + n)
+                tables[i, :used] = pages[:used]
+                ctx[i], chunk[i] = start + n, n
+            batch = PrefillBatch(*(jnp.asarray(a) for a in (tokens, positions, slots, tables, ctx, chunk)))
+            sampled, logprobs = self.programs.run_prefill(batch, _samp_arrays([r[0] for r in rows] +
+                                                                             [None] * (B - len(rows))))
+            for i, (seq, start, n) in enumerate(rows):
+                seq.computed = start + n
+                if seq.computed == seq.target:
+                    self._complete_prefill(seq, int(sampled[i]), float(logprobs[i]))
+        for seq in [s for s in self.running if s.status is Status.PREFILLING and s.computed == s.target
+                    and not s.decode_pages]:
+            self._handoff(seq)  # retried each step while the decode pool is full
+
+    def _complete_prefill(self, seq: Sequence, token: int, logprob: float) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(seq.tokens[: seq.target], seq.prefill_pages)
+        seq.pending = (token, logprob)
+        self._handoff(seq)
+
+    def _handoff(self, seq: Sequence) -> None:
+        pages = self._allocate(self.decode_alloc, len(seq.prefill_pages), evict=False)
+        if pages is None:
+            return
+        self.programs.handoff([p for p, _ in seq.prefill_pages], [p for p, _ in pages])
+        self._release(self.prefill_alloc, seq.prefill_pages)
+        seq.prefill_pages = []
+        seq.decode_pages = pages
+        seq.decode_len = seq.target
+        seq.status = Status.DECODING
+        token, logprob = seq.pending
+        self._accept(seq, token, logprob)
+
+    # ---- decode -------------------------------------------------------------------------------------------
+    def _decode_step(self) -> None:
+        cfg, ps = self.cfg, self.cfg.page_size
+        rows = [s for s in self.running if s.status is Status.DECODING]
+        ready: list[Sequence] = []
+        for seq in rows:
+            if seq.status is not Status.DECODING:
+                continue  # preempted while making room for an earlier row
+            if seq.decode_len == len(seq.decode_pages) * ps and not self._grow(seq):
+                continue
+            if seq.status is Status.DECODING:
+                ready.append(seq)
+        ready = [s for s in ready if s.status is Status.DECODING]
+        if not ready:
+            return
+        B = bucket(len(ready), cap=cfg.max_batch)
+        M = bucket(max(len(s.decode_pages) for s in ready), cap=cfg.max_pages_per_seq)
+        tokens = np.zeros(B, np.int32)
+        positions = np.zeros(B, np.int32)
+        slots = np.full(B, -1, np.int32)
+        tables = np.full((B, M), NULL_PAGE, np.int32)
+        expected = np.zeros((B, M), np.uint32)
+        lengths = np.zeros(B, np.int32)
+        num_pages = np.zeros(B, np.int32)
+        for i, seq in enumerate(ready):
+            pos = seq.decode_len
+            tokens[i] = seq.generated[-1]
+            positions[i] = pos
+            n = len(seq.decode_pages)
+            tables[i, :n] = [p for p, _ in seq.decode_pages]
+            expected[i, :n] = [t for _, t in seq.decode_pages]
+            slots[i] = tables[i, pos // ps] * ps + pos % ps
+            lengths[i] = pos + 1
+            num_pages[i] = n
+        self.device_tags = self.decode_alloc.sync_device_tags(self.device_tags)
+        batch = DecodeBatch(*(jnp.asarray(a) for a in (tokens, positions, slots, tables, lengths, expected,
+                                                         num_pages)))
+        sampled, logprobs, ok = self.programs.run_decode(self.device_tags, batch,
+                                                         _samp_arrays(ready + [None] * (B - len(ready))))
+        for i, seq in enumerate(ready):
+            if not ok[i]:
+                self.stats.tag_mismatches += 1
+                err = KVIntegrityError(f"KV page tags of request {seq.req.request_id!r} no longer match the pool; "
+                                       "aborted (fail closed)", value=seq.req.request_id, param="request_id")
+                self._finish(seq, "error", err)
+                continue
+            seq.decode_len += 1
+            self._accept(seq, int(sampled[i]), float(logprobs[i]))
+
+    def _grow(self, seq: Sequence) -> bool:
+        """One more decode page for seq; preempts the youngest decoding sequences if the pool is full."""
+        while True:
+            pages = self._allocate(self.decode_alloc, 1, evict=False)
+            if pages is not None:
+                seq.decode_pages += pages
+                return True
+            victims = [s for s in self.running if s.status is Status.DECODING]
+            victim = max(victims, key=lambda s: s.order)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free everything and requeue at the front; it will recompute prompt + generated tokens."""
+        self._release(self.decode_alloc, seq.decode_pages)
+        self._release(self.prefill_alloc, seq.prefill_pages)
+        seq.decode_pages, seq.prefill_pages = [], []
+        seq.status = Status.WAITING
+        seq.computed = seq.decode_len = 0
+        seq.preemptions += 1
+        self.stats.preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    # ---- tokens, stops, ends ------------------------------------------------------------------------------
+    def _accept(self, seq: Sequence, token: int, logprob: float) -> None:
+        p = seq.req.params
+        seq.generated.append(token)
+        seq.logprobs.append(logprob)
+        self.stats.generated_tokens += 1
+        reason = None
+        if not p.ignore_eos and token in self.eos or token in p.stop_token_ids:
+            reason = "stop"
+        delta = ""
+        if seq.decoder is not None and reason is None:
+            seq.text += seq.decoder.push(token)
+            cut = _find_stop(seq.text, p.stop)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                reason = "stop"
+            hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
+            end = max(seq.text_sent, len(seq.text) - hold)
+            delta, seq.text_sent = seq.text[seq.text_sent:end], end
+        if reason is None and len(seq.generated) >= p.max_tokens:
+            reason = "length"
+        if reason is None and seq.decode_len + 1 >= self.cfg.max_model_len:
+            reason = "length"
+        if reason is not None and seq.decoder is not None and reason != "stop":
+            seq.text += seq.decoder.flush()
+        if reason is not None and seq.decoder is not None:
+            delta += seq.text[seq.text_sent:]
+            seq.text_sent = len(seq.text)
+        self.emit(TokenEvent(seq.req.request_id, token_id=token, logprob=logprob, text=delta))
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _release(self, alloc: PageAllocator, pages: list[tuple[int, int]]) -> None:
+        tags = alloc.tags
+        for page, tag in pages:
+            if int(tags[page]) == tag and alloc.refcount(page) > 0:  # a stale page belongs to someone else now
+                alloc.free(page, tag)
+
+    def _finish(self, seq: Sequence, reason: str, error: JaxserveError | None = None) -> None:
+        self._release(self.decode_alloc, seq.decode_pages)
+        self._release(self.prefill_alloc, seq.prefill_pages)
+        seq.decode_pages, seq.prefill_pages = [], []
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        self.stats.finished += 1
+        self.emit(TokenEvent(seq.req.request_id, finish_reason=reason, error=error,
+                             prompt_tokens=len(seq.req.prompt), cached_tokens=seq.cached_tokens,
+                             completion_tokens=len(seq.generated)))
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None

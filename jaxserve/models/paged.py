@@ -1,0 +1,142 @@
+"""The models over a paged KV cache: chunked prefill (BF16 pages, plain MLA) and decode (absorbed MLA, FP8 or BF16
+pages, integrity check before attention). Pure functions of (model, pages, batch); the engine jits them.
+
+Shapes: B batch rows, T chunk tokens, M pages per row (block table width), ps page size, L layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.cache import KVPages, check_tags, gather_tokens, mask_outputs, write_tokens
+from jaxserve.models.transformer import CausalLM
+from pallas_kernels.paged_attention import paged_gqa_decode, paged_mla_decode
+from pallas_kernels.reference_paged import paged_gqa_reference, paged_mla_reference
+
+AttentionImpl = Literal["pallas", "pallas_interpret", "xla"]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PrefillBatch:
+    """A chunk of each row's prompt. Rows with chunk_lens 0 are padding.
+
+    tokens [B, T] int32; positions [B, T] int32 (absolute); slots [B, T] int32 (pool slot of each chunk token, -1
+    for padding); block_tables [B, M] int32 (the row's pages covering prior context + this chunk);
+    ctx_lens [B] int32 (prior tokens + chunk tokens); chunk_lens [B] int32.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    slots: jax.Array
+    block_tables: jax.Array
+    ctx_lens: jax.Array
+    chunk_lens: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One new token per row. Padding rows have lengths 0 and slot -1.
+
+    tokens [B] int32 (the last sampled token, not yet in the cache); positions [B] int32; slots [B] int32;
+    block_tables [B, M] int32; lengths [B] int32 (context including this token); expected_tags [B, M] uint32;
+    num_pages [B] int32 (live entries of the block table).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    slots: jax.Array
+    block_tables: jax.Array
+    lengths: jax.Array
+    expected_tags: jax.Array
+    num_pages: jax.Array
+
+
+def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch) -> tuple[jax.Array, KVPages]:
+    """Write the chunk's KV into `pages` and attend over the row's whole context read back from the pool.
+
+    Reading the context (this chunk included) from the pool makes the result independent of how a prompt is
+    chunked or whether its prefix came from the prefix cache. -> (logits at each row's last chunk token [B, V] f32,
+    pages).
+    """
+    cfg = model.cfg
+    B, T = batch.tokens.shape
+    S = batch.block_tables.shape[1] * pages.layout.page_size
+    kpos = jnp.arange(S, dtype=jnp.int32)
+    mask = (kpos[None, None, :] <= batch.positions[:, :, None]) & (kpos[None, None, :] < batch.ctx_lens[:, None, None])
+    cos, sin = model.rope(batch.positions)
+    flat_slots = batch.slots.reshape(-1)
+    h = model.embed_tokens(batch.tokens)
+    for i, layer in enumerate(model.layers):
+        x = layer.input_norm(h)
+        attn = layer.attn
+        if cfg.is_mla:
+            q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
+            pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots)
+            ctx = gather_tokens(pages, i, batch.block_tables, out_dtype=jnp.float32)
+            o = attn.attend_plain(q_nope, q_rope, ctx.astype(x.dtype), mask)
+        else:
+            q, k, v = attn.project(x, cos, sin)
+            pages = write_tokens(pages, i, (k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])),
+                                 flat_slots)
+            ck, cv = gather_tokens(pages, i, batch.block_tables, out_dtype=jnp.float32)
+            o = attn.attend(q, ck.astype(x.dtype), cv.astype(x.dtype), mask)
+        h = h + attn.o(o.reshape(B, T, -1))
+        h = h + layer.mlp(layer.post_norm(h))
+    last = jnp.clip(batch.chunk_lens - 1, 0, T - 1)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    return model.logits(h_last), pages
+
+
+def decode(model: CausalLM, pages: KVPages, pool_tags: jax.Array, batch: DecodeBatch, *, integrity: bool,
+           attention: AttentionImpl) -> tuple[jax.Array, KVPages, jax.Array]:
+    """One decode step. The tag check runs first: a failed row writes nothing, reads nothing it should not trust
+    (its attention output is masked to zero) and is reported. -> (logits [B, V] f32, pages, ok [B] bool)."""
+    cfg = model.cfg
+    ok = check_tags(pool_tags, batch.block_tables, batch.expected_tags, batch.num_pages, enabled=integrity)
+    slots = jnp.where(ok, batch.slots, -1)
+    lengths = jnp.where(ok, batch.lengths, 0)
+    positions = batch.positions[:, None]
+    cos, sin = model.rope(positions)
+    h = model.embed_tokens(batch.tokens[:, None])  # [B, 1, H]
+    B = h.shape[0]
+    for i, layer in enumerate(model.layers):
+        x = layer.input_norm(h)
+        attn = layer.attn
+        if cfg.is_mla:
+            q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
+            pages = write_tokens(pages, i, latent[:, 0], slots)
+            q = attn.absorb_query(q_nope, q_rope)[:, 0]  # [B, N, r + dr] f32
+            lat, lat_scale = pages.layer(i)
+            o_lat = _mla_attention(q, lat, lat_scale, batch.block_tables, lengths, cfg.kv_lora_rank,
+                                   cfg.softmax_scale, attention)
+            o = attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype)
+        else:
+            q, k, v = attn.project(x, cos, sin)
+            pages = write_tokens(pages, i, (k[:, 0], v[:, 0]), slots)
+            kp, vp, ks, vs = pages.layer(i)
+            o = _gqa_attention(q[:, 0], kp, vp, ks, vs, batch.block_tables, lengths, cfg.softmax_scale, attention)
+            o = mask_outputs(ok, o)[:, None].astype(x.dtype)
+        h = h + attn.o(o.reshape(B, 1, -1))
+        h = h + layer.mlp(layer.post_norm(h))
+    return model.logits(h[:, 0]), pages, ok
+
+
+def _mla_attention(q: jax.Array, lat: jax.Array, scale: jax.Array | None, bt: jax.Array, lengths: jax.Array,
+                   rank: int, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
+    if impl == "xla":
+        return paged_mla_reference(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale)
+    return paged_mla_decode(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
+                            interpret=impl == "pallas_interpret", out_dtype=jnp.float32)
+
+
+def _gqa_attention(q: jax.Array, kp: jax.Array, vp: jax.Array, ks: jax.Array | None, vs: jax.Array | None,
+                   bt: jax.Array, lengths: jax.Array, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
+    if impl == "xla":
+        return paged_gqa_reference(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale)
+    return paged_gqa_decode(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale,
+                            interpret=impl == "pallas_interpret", out_dtype=jnp.float32)

@@ -1,0 +1,69 @@
+"""Put a model's weights into a phase format: FP8 (prefill) or INT4 (decode) for the quantizable tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.quant import formats
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """fmt: "bf16" | "f32" | "fp8" | "int4"; attention: also quantize attention projections;
+    use_kernel/interpret: Pallas kernels for the quantized matmuls (interpret on CPU)."""
+
+    fmt: str = "bf16"
+    group_size: int = 32
+    attention: bool = False
+    use_kernel: bool = False
+    interpret: bool = False
+
+
+def _path(p: tuple) -> str:
+    return ".".join(str(x) for x in p)
+
+
+def quantize_model(model: nnx.Module, wf: WeightFormat) -> nnx.Module:
+    """A copy of `model` whose quantizable Linear / Experts weights are stored in `wf.fmt` (others unchanged).
+    Dense formats only change the kernel switches."""
+    from jaxserve.models.layers import Experts, Linear
+
+    formats.check_fmt(wf.fmt)
+    out = nnx.clone(model)
+    quantized = wf.fmt in ("fp8", "int4")
+    for path, module in nnx.iter_graph(out):
+        if isinstance(module, Linear):
+            name = _path(path)
+            module.use_kernel, module.interpret = wf.use_kernel, wf.interpret
+            if quantized and module.fmt in ("bf16", "f32") and formats.quantizable(name, attention=wf.attention) \
+                    and module.weight.shape[0] % (wf.group_size if wf.fmt == "int4" else 1) == 0:
+                w, s = formats.quantize(module.weight[...].astype(jnp.float32), wf.fmt, wf.group_size)
+                module.weight = nnx.Param(w)
+                module.scale = nnx.Param(s)
+                module.fmt = wf.fmt
+        elif isinstance(module, Experts):
+            module.use_kernel, module.interpret = wf.use_kernel, wf.interpret
+            if quantized and module.fmt in ("bf16", "f32"):
+                for name in ("gate", "up", "down"):
+                    w, s = formats.quantize(getattr(module, name)[...].astype(jnp.float32), wf.fmt, wf.group_size)
+                    setattr(module, name, nnx.Param(w))
+                    setattr(module, f"{name}_scale", nnx.Param(s))
+                module.fmt = wf.fmt
+    return out
+
+
+def weight_bytes(model: nnx.Module, *, experts_only: bool = False) -> int:
+    """Bytes of the model's parameters (quantized weights with their scales), optionally routed experts only."""
+    _, state = nnx.split(model)
+    total = 0
+    for path, var in nnx.to_flat_state(state):
+        if experts_only and "experts" not in _path(path):
+            continue
+        v = var.get_value()
+        total += int(v.size) * jnp.dtype(v.dtype).itemsize
+    return total
+
+
