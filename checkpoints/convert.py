@@ -294,3 +294,14 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out_dir
+
+
+def add_arguments(p) -> None:  # noqa: ANN001 - argparse.ArgumentParser
+    p.add_argument("hf_dir", help="HF folder: config.json + safetensors shards")
+    p.add_argument("out_dir", help="output folder (must not exist)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_NAMES))
+
+
+def run(args) -> int:  # noqa: ANN001 - argparse.Namespace
+    print(f"wrote {convert(args.hf_dir, args.out_dir, dtype=args.dtype)}")
+    return 0

@@ -1,35 +1,56 @@
-"""The `jaxserve` command: convert, quantize, generate, serve, eval-quality."""
+"""The `jaxserve` command: convert, quantize, generate, serve, eval-quality.
+
+Each subcommand's arguments and body live with what it drives (`add_arguments(parser)` + `run(args) -> int`);
+this module only wires them and turns typed errors into a one-line message and exit code 2.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from pathlib import Path
 
 from jaxserve.errors import JaxserveError
 
+# subcommand -> (module with add_arguments/run, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "convert": ("checkpoints.convert", "HF safetensors folder -> jaxserve Orbax checkpoint"),
+    "quantize": ("jaxserve.quant.checkpoint", "write FP8 prefill / INT4 decode weights beside a checkpoint"),
+    "generate": ("jaxserve.engine.generate", "generate a continuation of a prompt (default: the embedded model)"),
+    "serve": ("jaxserve.server.main", "serve the OpenAI-compatible HTTP API (default: the embedded model)"),
+    "eval-quality": ("jaxserve.eval.quality", "compare weight and KV formats on held-out text"),
+}
 
-def _convert(args: argparse.Namespace) -> int:
-    from checkpoints.convert import convert
 
-    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype)
-    print(f"wrote {out}")
-    return 0
+def default_checkpoint() -> Path:
+    """The embedded tiny Kimi-architecture model shipped in checkpoints/tiny-kimi."""
+    import checkpoints
+
+    return Path(checkpoints.__file__).resolve().parent / "tiny-kimi"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
+    p = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA inference server for Kimi and GLM MoE models")
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="HF safetensors folder -> jaxserve Orbax checkpoint")
-    c.add_argument("hf_dir")
-    c.add_argument("out_dir")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    c.set_defaults(func=_convert)
+    for name, (module, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text)
+        sp.set_defaults(module=module)
+        try:
+            importlib.import_module(module).add_arguments(sp)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise  # a missing dependency, not a missing subcommand
+            sp.set_defaults(module=None)  # a subcommand whose module is not built yet
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.module is None:
+        print(f"jaxserve {args.command}: not available in this build", file=sys.stderr)
+        return 2
     try:
-        return args.func(args)
+        return importlib.import_module(args.module).run(args)
     except JaxserveError as e:
         print(f"jaxserve {args.command}: error: {e.message}", file=sys.stderr)
         return 2

@@ -56,11 +56,13 @@ class DecodeBatch:
     num_pages: jax.Array
 
 
-def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch) -> tuple[jax.Array, KVPages]:
+def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits: bool = False
+            ) -> tuple[jax.Array, KVPages]:
     """Write the chunk's KV into `pages` and attend over the row's whole context read back from the pool.
 
     Reading the context (this chunk included) from the pool makes the result independent of how a prompt is
-    chunked or whether its prefix came from the prefix cache. -> (logits at each row's last chunk token [B, V] f32,
+    chunked or whether its prefix came from the prefix cache; over an FP8 pool it is exactly what decode reads.
+    -> (logits at each row's last chunk token [B, V] f32, or at every chunk token [B, T, V] with all_logits;
     pages).
     """
     cfg = model.cfg
@@ -87,6 +89,8 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch) -> tuple[jax.A
             o = attn.attend(q, ck.astype(x.dtype), cv.astype(x.dtype), mask)
         h = h + attn.o(o.reshape(B, T, -1))
         h = h + layer.mlp(layer.post_norm(h))
+    if all_logits:
+        return model.logits(h), pages
     last = jnp.clip(batch.chunk_lens - 1, 0, T - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
     return model.logits(h_last), pages
