@@ -14,6 +14,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.errors import CheckpointError
 from jaxserve.models import CausalLM
+from jaxserve.quant.apply import WeightFormat, quantize_model
 
 MANIFEST = "jaxserve.json"
 ShardingFn = Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding]
@@ -51,19 +52,62 @@ def _default_sharding(_: str, __: jax.ShapeDtypeStruct) -> jax.sharding.Sharding
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
+def format_dir(fmt: str) -> str:
+    """The params folder that `jaxserve quantize` writes format `fmt` to."""
+    return f"params_{fmt}"
+
+
+def _base_fmt(manifest: dict) -> str | None:
+    """The runtime format name of the checkpoint's own `params/` (None when it holds quantized formats only)."""
+    if manifest.get("base", True) is False:
+        return None
+    return {"bfloat16": "bf16", "float32": "f32"}[manifest["dtype"]]
+
+
+def load_formats(checkpoint_dir: str | Path) -> list[str]:
+    """The weight formats a checkpoint can be loaded in (`load(dir, weights=fmt)`): its own dtype's ("bf16" or
+    "f32") when it has `params/`, plus every format `jaxserve quantize` wrote (e.g. "fp8", "int4")."""
+    manifest = read_manifest(checkpoint_dir)
+    base = _base_fmt(manifest)
+    return ([base] if base else []) + [f for f in manifest.get("formats", {}) if f != base]
+
+
 def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None,
-         sharding: ShardingFn | None = None) -> tuple[ModelConfig, CausalLM]:
+         sharding: ShardingFn | None = None, weights: str | None = None) -> tuple[ModelConfig, CausalLM]:
     """Restore a converted checkpoint into a CausalLM.
 
     dtype: the model's compute/storage dtype (default: the checkpoint's). sharding(path, abstract) -> the
     Sharding of each parameter (default: the first device); each array is restored directly onto it.
+    weights: a format from `load_formats` (None: the checkpoint's own `params/`). A quantized format ("fp8",
+    "int4") is restored into a model built in that format: the abstract model comes from `quantize_model` under
+    `nnx.eval_shape`, so no BF16 copy of the quantized tensors is ever materialized.
     """
     checkpoint_dir = Path(checkpoint_dir).absolute()
     manifest = read_manifest(checkpoint_dir)
     cfg = ModelConfig.from_dict(manifest["model"])
     dtype = dtype or {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[manifest["dtype"]]
     sharding = sharding or _default_sharding
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    base = _base_fmt(manifest)
+    stored = manifest.get("formats", {})
+    if weights is None or (weights == base and weights not in stored):
+        if base is None:
+            raise CheckpointError(f"{checkpoint_dir} holds only quantized weights {sorted(stored)}: pass weights=",
+                                  value=None, param="weights")
+        params_dir = checkpoint_dir / "params"
+        abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    elif weights in stored:
+        spec = stored[weights]
+        params_dir = checkpoint_dir / spec["dir"]
+        wf = WeightFormat(weights, int(spec["group_size"]), bool(spec["attention"]))
+        abstract = nnx.eval_shape(lambda: quantize_model(CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), wf))
+    else:
+        raise CheckpointError(f"checkpoint {checkpoint_dir} has no {weights!r} weights; it has "
+                              f"{load_formats(checkpoint_dir)}", value=weights, param="weights")
+    return cfg, _restore(params_dir, abstract, sharding)
+
+
+def _restore(params_dir: Path, abstract: CausalLM, sharding: ShardingFn) -> CausalLM:
+    """Fill an abstract model's parameters from the per-group Orbax pytrees under `params_dir`."""
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     targets: dict[str, dict] = {}
@@ -77,7 +121,7 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None,
     restored: dict[str, dict] = {}
     with ocp.PyTreeCheckpointer() as ckptr:
         for group, tree in targets.items():
-            gpath = checkpoint_dir / "params" / group
+            gpath = params_dir / group
             if not gpath.exists():
                 raise CheckpointError(f"checkpoint group {group} is missing", value=str(gpath), param=group)
             is_leaf = lambda x: isinstance(x, tuple)  # noqa: E731
@@ -100,7 +144,21 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None,
             raise CheckpointError(f"parameter {_path_str(path)} has shape {node.shape}, expected {var.shape}",
                                   value=tuple(node.shape), param=_path_str(path))
         var.set_value(node)
-    return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def group_trees(model: CausalLM) -> dict[str, dict]:
+    """A model's parameters as the checkpoint's per-group nested pytrees {group: {name: ... array}} (the layout
+    `load` restores)."""
+    _, state = nnx.split(model)
+    trees: dict[str, dict] = {}
+    for path, var in nnx.to_flat_state(state):
+        group, sub = _group_of(path)
+        node = trees.setdefault(group, {})
+        for k in sub[:-1]:
+            node = node.setdefault(str(k), {})
+        node[str(sub[-1])] = var.get_value()
+    return trees
 
 
 def model_params(model: CausalLM) -> dict[str, np.ndarray]:

@@ -1,0 +1,1 @@
+"""Quality evaluation of the serving formats: `jaxserve.eval.quality` (`jaxserve eval-quality`)."""
