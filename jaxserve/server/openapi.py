@@ -1,0 +1,136 @@
+"""The OpenAPI 3.1 description of the HTTP API, served at /openapi.json."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: str) -> dict[str, Any]:
+    text = {"400": "invalid request: malformed JSON, a wrong type or range (the field is named in `param`), unknown "
+                   "model, prompt + max_tokens over the context window",
+            "413": "body over 4 MiB",
+            "429": "the engine's queue is full; retry after the `Retry-After` seconds",
+            "500": "the engine failed the request (e.g. `kv_integrity_error`: a KV page tag mismatch, failed closed)"}
+    return {c: _json(_ref("Error"), text[c]) for c in codes}
+
+
+_SAMPLING: dict[str, Any] = {
+    "model": {"type": "string", "description": "the served model's id (GET /v1/models)"},
+    "max_tokens": {"type": "integer", "minimum": 1, "description": "prompt + max_tokens must fit the context window"},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1, "description": "0 is greedy"},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
+    "top_k": {"type": "integer", "minimum": 0, "default": 0, "description": "extension; 0 disables"},
+    "seed": {"type": "integer", "minimum": 0, "maximum": 4294967295},
+    "stop": {"oneOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "extension"},
+    "ignore_eos": {"type": "boolean", "default": False, "description": "extension: do not stop at end-of-sequence"},
+    "stream": {"type": "boolean", "default": False, "description": "Server-Sent Events ending in `data: [DONE]`"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                       "additionalProperties": False},
+    "n": {"type": "integer", "enum": [1]},
+    "user": {"type": "string"},
+    "presence_penalty": {"type": "number", "enum": [0]},
+    "frequency_penalty": {"type": "number", "enum": [0]},
+}
+
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+    "total_tokens": {"type": "integer"},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {
+        "type": "integer", "description": "prompt tokens served from the prefix cache (whole KV pages)"}}}}}
+
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+
+
+def openapi_spec(model_name: str) -> dict[str, Any]:
+    """The OpenAPI document; `model_name` is the only accepted `model`."""
+    completion_req = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False,
+                      "properties": {**_SAMPLING, "max_tokens": {**_SAMPLING["max_tokens"], "default": 16},
+                                     "prompt": {"oneOf": [{"type": "string"},
+                                                          {"type": "array", "items": {"type": "integer"}},
+                                                          {"type": "array", "maxItems": 1}]},
+                                     "logprobs": {"type": ["integer", "null"], "enum": [0, None], "description":
+                                                  "0: the sampled tokens' logprobs (top alternatives are not "
+                                                  "computed)"},
+                                     "echo": {"type": "boolean", "enum": [False]},
+                                     "best_of": {"type": "integer", "enum": [1]}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+            "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+        "name": {"type": "string"}, "tool_calls": {"type": "array"}, "tool_call_id": {"type": "string"}}}
+    chat_req = {"type": "object", "required": ["model", "messages"], "additionalProperties": False,
+                "properties": {**_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": message},
+                               "max_completion_tokens": {"type": "integer", "minimum": 1,
+                                                         "description": "preferred over max_tokens; default: the "
+                                                                        "rest of the context window"},
+                               "logprobs": {"type": "boolean"},
+                               "top_logprobs": {"type": "integer", "enum": [0]},
+                               "tools": {"type": "array", "items": {"type": "object"},
+                                         "description": "passed to the chat template"},
+                               "tool_choice": {"enum": ["auto", "none"]}}}
+    completion = {"type": "object", "properties": {
+        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": _USAGE,
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
+            "logprobs": {"type": ["object", "null"], "properties": {
+                "tokens": {"type": "array", "items": {"type": "string"}},
+                "token_logprobs": {"type": "array", "items": {"type": "number"}},
+                "text_offset": {"type": "array", "items": {"type": "integer"}}}}}}}}}
+    chat = {"type": "object", "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": _USAGE,
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "index": {"type": "integer"}, "finish_reason": _FINISH,
+            "message": {"type": "object", "properties": {"role": {"const": "assistant"},
+                                                         "content": {"type": "string"}}},
+            "logprobs": {"type": ["object", "null"], "properties": {"content": {"type": "array", "items": {
+                "type": "object", "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
+                                                 "bytes": {"type": ["array", "null"]}}}}}}}}}}}
+    error = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "null"]}}}}}
+    sse = {"text/event-stream": {"schema": {"type": "string", "description":
+                                            "`data: <chunk JSON>` events, then `data: [DONE]`; an engine failure "
+                                            "mid-stream is sent as `data: <Error JSON>` before `data: [DONE]`"}}}
+
+    def generation(summary: str, req: str, resp: str) -> dict[str, Any]:
+        return {"post": {
+            "summary": summary,
+            "parameters": [{"name": "x-session-affinity", "in": "header", "required": False,
+                            "schema": {"type": "string"}, "description": "routes the request's session"}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(req)}}},
+            "responses": {"200": {"description": "the completion, or its stream",
+                                  "content": {"application/json": {"schema": _ref(resp)}, **sse}},
+                          **_errors("400", "413", "429", "500")}}}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxserve", "version": "0.1.0",
+                 "description": f"OpenAI-compatible API serving `{model_name}`."},
+        "paths": {
+            "/v1/models": {"get": {"summary": "the served model", "responses": {"200": _json(
+                {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array"}}},
+                "one model card")}}},
+            "/v1/completions": generation("text completion", "CompletionRequest", "Completion"),
+            "/v1/chat/completions": generation("chat completion (the tokenizer's chat template)", "ChatRequest",
+                                               "ChatCompletion"),
+            "/health": {"get": {"summary": "liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+                "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "this document",
+                                      "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")}}},
+        },
+        "components": {"schemas": {"CompletionRequest": completion_req, "ChatRequest": chat_req,
+                                   "Completion": completion, "ChatCompletion": chat, "Error": error}},
+    }
