@@ -40,6 +40,10 @@ class EngineConfig:
     disaggregate: bool = False
     expert_parallel: bool = False
     dtype: str = "bfloat16"
+    # smallest shape buckets: fewer distinct programs to compile, at the price of some padding
+    min_rows_bucket: int = 4
+    min_pages_bucket: int = 8
+    min_chunk_bucket: int = 16
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> None:
@@ -66,3 +70,23 @@ class EngineConfig:
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+    def buckets(self, floor: int, cap: int) -> list[int]:
+        """The power-of-two shape buckets from `floor` up to `cap` (cap itself included)."""
+        out, b = [], max(1, min(floor, cap))
+        while b < cap:
+            out.append(b)
+            b *= 2
+        return out + [cap]
+
+    @property
+    def row_buckets(self) -> list[int]:
+        return self.buckets(self.min_rows_bucket, self.max_batch)
+
+    @property
+    def page_buckets(self) -> list[int]:
+        return self.buckets(self.min_pages_bucket, self.max_pages_per_seq)
+
+    @property
+    def chunk_buckets(self) -> list[int]:
+        return self.buckets(self.min_chunk_bucket, self.prefill_chunk)

@@ -24,11 +24,13 @@ _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 class Engine:
     def __init__(self, model: CausalLM, cfg: EngineConfig, tokenizer: object | None = None, *,
-                 start: bool = True) -> None:
+                 start: bool = True, warmup: bool = False) -> None:
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.programs = Programs(model, cfg)
+        if warmup:
+            self.programs.warmup()
         self._queues: dict[str, queue.Queue[TokenEvent]] = {}
         self._qlock = threading.Lock()
         self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer)
@@ -41,13 +43,14 @@ class Engine:
             self._thread.start()
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, cfg: EngineConfig = EngineConfig(), *, start: bool = True) -> Engine:
+    def from_checkpoint(cls, path: str | Path, cfg: EngineConfig = EngineConfig(), *, start: bool = True,
+                        warmup: bool = False) -> Engine:
         """Load a converted checkpoint (and its tokenizer, if the folder has one)."""
         from jaxserve.tokenizer import Tokenizer
 
         _, model = load(path, dtype=_DTYPES[cfg.dtype])
         has_tok = any((Path(path) / f).exists() for f in ("tokenizer.json", "tiktoken.model"))
-        return cls(model, cfg, Tokenizer(path) if has_tok else None, start=start)
+        return cls(model, cfg, Tokenizer(path) if has_tok else None, start=start, warmup=warmup)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

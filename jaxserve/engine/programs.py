@@ -153,7 +153,7 @@ class Programs:
     def handoff(self, src_pages: list[int], dst_pages: list[int]) -> None:
         """Copy prefill pages to decode pages (FP8 conversion when the decode pool is FP8). Padded to a power of
         two: padding reads the null page and writes nowhere."""
-        n = bucket(len(src_pages), cap=1 << 30)
+        n = bucket(len(src_pages), cap=self.cfg.max_pages_per_seq, floor=self.cfg.min_pages_bucket)
         src = np.zeros(n, np.int32)
         dst = np.full(n, -1, np.int32)
         src[: len(src_pages)] = src_pages
@@ -164,19 +164,23 @@ class Programs:
         chunk = jax.device_put(chunk, jax.tree.map(lambda x: _on_mesh(x, mesh), chunk))
         self.decode_phase.pages = self._import(self.decode_phase.pages, chunk, jnp.asarray(dst))
 
-    def warmup(self, batch_sizes: list[int], page_buckets: list[int], chunk_sizes: list[int],
-               progress: bool = True) -> None:
-        """Compile the bucketed programs ahead of traffic (rows x pages x chunk), with a progress bar."""
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every bucketed program ahead of traffic (decode rows x pages, prefill rows x chunk x pages,
+        hand-off sizes), with a progress bar; afterwards no request shape compiles anything."""
         from jaxserve.engine.scheduler import dummy_decode, dummy_prefill  # the scheduler builds real batches
 
-        combos = [("decode", b, m, 0) for b in batch_sizes for m in page_buckets]
-        combos += [("prefill", b, m, t) for b in batch_sizes for m in page_buckets for t in chunk_sizes]
-        tags = jnp.zeros((self.cfg.num_decode_pages,), jnp.uint32)
+        c = self.cfg
+        combos = [("decode", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
+        combos += [("prefill", b, m, t) for b in c.row_buckets for m in c.page_buckets for t in c.chunk_buckets]
+        combos += [("handoff", 0, m, 0) for m in c.page_buckets]
+        tags = jnp.zeros((c.num_decode_pages,), jnp.uint32)
         for kind, b, m, t in tqdm(combos, desc="warm-up compiles", disable=not progress):
             if kind == "decode":
                 self.run_decode(tags, *dummy_decode(b, m))
-            else:
+            elif kind == "prefill":
                 self.run_prefill(*dummy_prefill(b, t, m))
+            else:
+                self.handoff([0] * m, [-1] * m)  # reads the null page, writes nowhere
 
 
 def _on_mesh(x: jax.Array, mesh: jax.sharding.Mesh) -> NamedSharding:

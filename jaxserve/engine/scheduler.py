@@ -207,9 +207,10 @@ class Scheduler:
             rows.append((seq, seq.computed, n))
             budget -= n
         if rows:
-            B = bucket(len(rows), cap=cfg.max_batch)
-            T = bucket(max(n for _, _, n in rows), cap=cfg.prefill_chunk, floor=8)
-            M = bucket(max(self._pages_for(s + n) for _, s, n in rows), cap=cfg.max_pages_per_seq)
+            B = bucket(len(rows), cap=cfg.max_batch, floor=cfg.min_rows_bucket)
+            T = bucket(max(n for _, _, n in rows), cap=cfg.prefill_chunk, floor=cfg.min_chunk_bucket)
+            M = bucket(max(self._pages_for(s + n) for _, s, n in rows), cap=cfg.max_pages_per_seq,
+                       floor=cfg.min_pages_bucket)
             tokens = np.zeros((B, T), np.int32)
             positions = np.zeros((B, T), np.int32)
             slots = np.full((B, T), -1, np.int32)
@@ -271,8 +272,8 @@ class Scheduler:
         ready = [s for s in ready if s.status is Status.DECODING]
         if not ready:
             return
-        B = bucket(len(ready), cap=cfg.max_batch)
-        M = bucket(max(len(s.decode_pages) for s in ready), cap=cfg.max_pages_per_seq)
+        B = bucket(len(ready), cap=cfg.max_batch, floor=cfg.min_rows_bucket)
+        M = bucket(max(len(s.decode_pages) for s in ready), cap=cfg.max_pages_per_seq, floor=cfg.min_pages_bucket)
         tokens = np.zeros(B, np.int32)
         positions = np.zeros(B, np.int32)
         slots = np.full(B, -1, np.int32)

@@ -1,0 +1,52 @@
+"""Small engines over random tiny models, for the engine tests."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import hf_tiny
+from jaxserve.config import from_hf_config
+from jaxserve.engine import Engine, EngineConfig
+from jaxserve.models import CausalLM, forward
+
+
+def tiny_model(arch: str = "deepseek_v3", seed: int = 0) -> CausalLM:
+    cfg = from_hf_config(hf_tiny.CONFIGS[arch]().to_dict())
+    return CausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+
+
+def small_config(**overrides: object) -> EngineConfig:
+    base = dict(kv_dtype="bf16", prefill_weights="f32", decode_weights="f32", dtype="float32", page_size=4,
+                num_decode_pages=96, num_prefill_pages=96, max_batch=8, max_prefill_tokens=32, prefill_chunk=16,
+                max_model_len=64)
+    base.update(overrides)
+    return EngineConfig(**base)
+
+
+def engine(model: CausalLM, **overrides: object) -> Engine:
+    return Engine(model, small_config(**overrides), start=False)
+
+
+def prompts(n: int, seed: int = 0, lengths: tuple[int, ...] = (5, 17, 9, 30, 3, 12)) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(0, 256, lengths[i % len(lengths)]))) for i in range(n)]
+
+
+def greedy_reference(model: CausalLM, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation by the full-sequence (un-paged) forward: the engine's ground truth."""
+    width = 64  # one padded shape: one compile for every call
+    seq, out = list(prompt), []
+    for _ in range(n):
+        row = np.zeros((1, width), np.int32)
+        row[0, : len(seq)] = seq
+        logits = forward(model, jnp.asarray(row), lengths=jnp.asarray([len(seq)], jnp.int32))
+        tok = int(np.asarray(logits)[0, len(seq) - 1].argmax())
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+def pool_is_full(e: Engine) -> bool:
+    s = e.stats()
+    return s["decode_pages_used"] == 0 and s["prefill_pages_used"] == s["prefix_cache_pages"]
