@@ -97,16 +97,22 @@ def _bad(param: str, message: str, value: Any = None) -> InvalidRequestError:
 
 class Body:
     """Typed, range-checked access to a JSON object's fields; each failure is an InvalidRequestError naming the
-    field. `allowed` is the set of accepted keys: anything else is refused, so a typo is not silently ignored."""
+    field (`prefix` names a nested object, e.g. "messages[2]"). `allowed` is the set of accepted keys: anything
+    else is refused, so a typo is not silently ignored."""
 
-    def __init__(self, raw: Any, allowed: frozenset[str], where: str = "") -> None:
+    def __init__(self, raw: Any, allowed: frozenset[str], prefix: str = "") -> None:
+        self.prefix = prefix
         if not isinstance(raw, dict):
-            raise MalformedBodyError(f"the request body{where} must be a JSON object, got {_kind(raw)}",
-                                     value=_kind(raw), param=where.strip(" '") or None)
+            if prefix:
+                raise _bad(prefix, f"must be an object, got {_kind(raw)}", _kind(raw))
+            raise MalformedBodyError(f"the request body must be a JSON object, got {_kind(raw)}", value=_kind(raw))
         unknown = sorted(k for k in raw if k not in allowed)
         if unknown:
-            raise _bad(unknown[0], "unrecognized request argument", unknown[0])
+            raise _bad(self.name(unknown[0][:100]), "unrecognized request argument", unknown[0][:100])
         self.raw = raw
+
+    def name(self, field: str) -> str:
+        return f"{self.prefix}.{field}" if self.prefix else field
 
     def has(self, name: str) -> bool:
         return self.raw.get(name) is not None
@@ -115,10 +121,10 @@ class Body:
         v = self.raw.get(name)
         if v is None:
             if required:
-                raise _bad(name, "is required")
+                raise _bad(self.name(name), "is required")
             return default
         if not isinstance(v, str):
-            raise _bad(name, f"must be a string, got {_kind(v)}", _kind(v))
+            raise _bad(self.name(name), f"must be a string, got {_kind(v)}", _kind(v))
         return v
 
     def integer(self, name: str, lo: int, hi: int, default: int | None = None) -> int | None:
@@ -126,9 +132,9 @@ class Body:
         if v is None:
             return default
         if isinstance(v, bool) or not isinstance(v, int):  # bool is an int subclass in Python, not in JSON
-            raise _bad(name, f"must be an integer, got {_kind(v)}", _kind(v))
+            raise _bad(self.name(name), f"must be an integer, got {_kind(v)}", _kind(v))
         if not lo <= v <= hi:
-            raise _bad(name, f"must be in [{lo}, {hi}], got {v if abs(v) < 10**30 else 'a huge number'}",
+            raise _bad(self.name(name), f"must be in [{lo}, {hi}], got {v if abs(v) < 10**30 else 'a huge number'}",
                        v if abs(v) < 10**30 else None)
         return v
 
@@ -137,11 +143,11 @@ class Body:
         if v is None:
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise _bad(name, f"must be a number, got {_kind(v)}", _kind(v))
+            raise _bad(self.name(name), f"must be a number, got {_kind(v)}", _kind(v))
         f = float(v) if not isinstance(v, int) or abs(v) < 10**300 else math.inf
         if not math.isfinite(f) or not (lo < f if open_lo else lo <= f) or f > hi:
             lo_s = f"({lo}" if open_lo else f"[{lo}"
-            raise _bad(name, f"must be a number in {lo_s}, {hi}]", None)
+            raise _bad(self.name(name), f"must be a number in {lo_s}, {hi}]", None)
         return f
 
     def boolean(self, name: str, default: bool) -> bool:
@@ -149,7 +155,7 @@ class Body:
         if v is None:
             return default
         if not isinstance(v, bool):
-            raise _bad(name, f"must be a boolean, got {_kind(v)}", _kind(v))
+            raise _bad(self.name(name), f"must be a boolean, got {_kind(v)}", _kind(v))
         return v
 
     def stop(self) -> tuple[str, ...]:
@@ -158,9 +164,9 @@ class Body:
             return ()
         items = [v] if isinstance(v, str) else v
         if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-            raise _bad("stop", "must be a non-empty string or an array of non-empty strings")
+            raise _bad(self.name("stop"), "must be a non-empty string or an array of non-empty strings")
         if len(items) > MAX_STOP_STRINGS:
-            raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings", len(items))
+            raise _bad(self.name("stop"), f"at most {MAX_STOP_STRINGS} stop strings", len(items))
         return tuple(items)
 
     def token_ids(self, name: str, vocab: int) -> tuple[int, ...]:
@@ -168,7 +174,7 @@ class Body:
         if v is None:
             return ()
         if not isinstance(v, list) or not all(_is_token(t, vocab) for t in v):
-            raise _bad(name, f"must be an array of token ids in [0, {vocab})")
+            raise _bad(self.name(name), f"must be an array of token ids in [0, {vocab})")
         return tuple(v)
 
     def only(self, name: str, allowed: tuple[Any, ...], why: str) -> None:
@@ -176,7 +182,7 @@ class Body:
         v = self.raw.get(name)
         if v is None or (any(v == a and type(v) is type(a) for a in allowed)):
             return
-        raise UnsupportedParameterError(f"'{name}': {why}", value=_kind(v), param=name)
+        raise UnsupportedParameterError(f"'{self.name(name)}': {why}", value=_kind(v), param=self.name(name))
 
 
 def _is_token(t: Any, vocab: int) -> bool:
@@ -210,7 +216,7 @@ def _stream_options(body: Body, stream: bool) -> bool:
         return False
     if not stream:
         raise _bad("stream_options", "is only allowed when 'stream' is true")
-    opts = Body(raw, frozenset({"include_usage"}), " 'stream_options'")
+    opts = Body(raw, frozenset({"include_usage"}), "stream_options")
     return opts.boolean("include_usage", False)
 
 
@@ -222,13 +228,14 @@ def _common_params(body: Body, prompt: list[int], max_tokens: int | None, defaul
     body.only("frequency_penalty", (0, 0.0), "penalties are not supported (only 0)")
     room = max_len - len(prompt)
     if room < 1:
-        raise ContextLengthError(f"the prompt has {len(prompt)} tokens; this model's context window is {max_len} "
-                                 "tokens (prompt + completion)", value=len(prompt), param=prompt_param)
+        raise ContextLengthError(f"'{prompt_param}': the prompt has {len(prompt)} tokens; this model's context "
+                                 f"window is {max_len} tokens (prompt + completion)", value=len(prompt),
+                                 param=prompt_param)
     if max_tokens is None:
         max_tokens = min(default_max, room)
     elif max_tokens > room:
         raise ContextLengthError(f"this model's context window is {max_len} tokens; you requested {len(prompt)} "
-                                 f"prompt + {max_tokens} completion tokens", value=max_tokens, param="max_tokens")
+                                 f"prompt + {max_tokens} completion tokens (max_tokens)", value=max_tokens, param="max_tokens")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.number("temperature", 0.0, 2.0, 1.0),
@@ -301,11 +308,10 @@ def _message_text(msg: Body, i: int) -> str | None:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            pb = Body(part, frozenset({"type", "text"}), f" 'messages[{i}].content[{j}]'")
+            pb = Body(part, frozenset({"type", "text"}), f"messages[{i}].content[{j}]")
             if pb.raw.get("type") != "text":
-                raise UnsupportedParameterError(f"'messages[{i}].content[{j}].type': only 'text' parts are "
-                                                "supported", value=_kind(pb.raw.get("type")),
-                                                param=f"messages[{i}].content")
+                raise UnsupportedParameterError(f"'{pb.name('type')}': only 'text' parts are supported",
+                                                value=_kind(pb.raw.get("type")), param=pb.name("type"))
             parts.append(pb.string("text", required=True))
         return "".join(parts)
     raise _bad(f"messages[{i}].content", f"must be a string or an array of text parts, got {_kind(content)}")
@@ -325,7 +331,7 @@ def parse_chat(raw: Any, engine: Engine, model_name: str) -> Generation:
         raise _bad("messages", "is required: a non-empty array of message objects")
     messages = []
     for i, m in enumerate(msgs):
-        mb = Body(m, MESSAGE_FIELDS, f" 'messages[{i}]'")
+        mb = Body(m, MESSAGE_FIELDS, f"messages[{i}]")
         role = mb.string("role", required=True)
         if role not in ROLES:
             raise _bad(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}")
