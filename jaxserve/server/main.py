@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,10 @@ def make_server(app: Flask, cfg: ServeConfig) -> BaseWSGIServer | MultiSocketSer
                          clear_untrusted_proxy_headers=True)
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def run(args: argparse.Namespace) -> int:
     from jaxserve.cli import default_checkpoint
     from jaxserve.server.app import create_app
@@ -65,11 +70,11 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True)
     name = model_name(checkpoint)
     server = make_server(create_app(engine, name), ServeConfig(args.host, args.port, args.threads))
+    # SIGTERM (what process managers send) shuts down like Ctrl-C: waitress's loop ends on SystemExit
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     print(f"jaxserve: serving {name} on http://{args.host}:{server.effective_port}/v1", file=sys.stderr, flush=True)
     try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
+        server.run()  # returns after Ctrl-C / SIGTERM (waitress catches KeyboardInterrupt and SystemExit)
     finally:
         server.close()
         engine.close()
