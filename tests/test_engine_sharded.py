@@ -1,0 +1,74 @@
+"""Sharded, disaggregated and multi-process engines give the single-device results (8 simulated CPU devices)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+from engine_util import engine, prompts, tiny_model
+from jaxserve.engine import SamplingParams
+
+SP = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return {kv: [o.token_ids for o in engine(model, kv_dtype=kv).generate(prompts(3), SP)] for kv in ("bf16", "fp8")}
+
+
+def _specs(e, phase: str) -> dict[str, str]:
+    state = getattr(e.programs, phase).state
+    return {".".join(map(str, p)): str(v.get_value().sharding.spec) for p, v in nnx.to_flat_state(state)}
+
+
+def test_tensor_parallel_4_devices_equals_single_device(model, reference):
+    e = engine(model, devices=4)
+    specs = _specs(e, "decode_phase")
+    assert specs["layers.1.attn.q_b.weight"] == "P(None, 'tp')"  # heads split 4 ways
+    assert specs["layers.1.mlp.experts.gate"] == "P(None, None, 'tp')"  # expert FFN split
+    assert [o.token_ids for o in e.generate(prompts(3), SP)] == reference["bf16"]
+
+
+def test_expert_parallel_8_devices_equals_single_device(model, reference):
+    e = engine(model, devices=8, expert_parallel=True)
+    assert _specs(e, "decode_phase")["layers.1.mlp.experts.down"] == "P('tp', None, None)"
+    assert [o.token_ids for o in e.generate(prompts(3), SP)] == reference["bf16"]
+
+
+def test_disaggregated_4_plus_4_equals_same_device(model, reference):
+    e = engine(model, devices=8, disaggregate=True, kv_dtype="fp8")
+    p_dev = set(e.programs.prefill_phase.mesh.devices.flat)
+    d_dev = set(e.programs.decode_phase.mesh.devices.flat)
+    assert len(p_dev) == len(d_dev) == 4 and not p_dev & d_dev
+    leaf = e.programs.decode_phase.pages.latent
+    assert set(leaf.devices()) == d_dev and leaf.dtype.name == "float8_e4m3fn"
+    assert [o.token_ids for o in e.generate(prompts(3), SP)] == reference["fp8"]
+
+
+def test_two_processes_under_jax_distributed(reference):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).with_name("dist_worker.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+        results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[7:]))
+    for r in results:
+        assert r["devices"] == 2 and r["local"] == 1
+        assert r["tokens"] == reference["bf16"]
