@@ -35,6 +35,7 @@ class Engine:
         self._qlock = threading.Lock()
         self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer)
         self._wake = threading.Event()
+        self._step_lock = threading.Lock()  # the scheduler is single-threaded: one step at a time, any caller
         self._stop = threading.Event()
         self._started = time.monotonic()
         self._thread: threading.Thread | None = None
@@ -66,7 +67,7 @@ class Engine:
         V = self.model_cfg.vocab_size
         if not req.prompt:
             raise InvalidRequestError("the prompt is empty", value=req.prompt, param="prompt")
-        bad = [t for t in req.prompt if not isinstance(t, int) or not 0 <= t < V]
+        bad = [t for t in req.prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be in [0, {V})", value=bad[:5], param="prompt")
         if len(req.prompt) >= self.cfg.max_model_len:
@@ -150,7 +151,8 @@ class Engine:
         """One scheduler iteration. A failure inside fails the in-flight requests (with their pages freed), not
         the engine."""
         try:
-            self.scheduler.step()
+            with self._step_lock:
+                self.scheduler.step()
         except Exception as e:  # noqa: BLE001 - any failure must end requests cleanly, never hang them
             err = e if isinstance(e, JaxserveError) else JaxserveError(f"engine step failed: {e!r}")
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):

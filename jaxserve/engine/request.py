@@ -26,15 +26,21 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first bad field."""
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
-            ("temperature", isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 100,
+            ("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", is_num(self.temperature) and 0 <= self.temperature <= 100,
              "a number in [0, 100]"),
-            ("top_k", isinstance(self.top_k, int) and 0 <= self.top_k <= vocab_size, f"an integer in [0, {vocab_size}]"),
-            ("top_p", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+            ("top_k", is_int(self.top_k) and 0 <= self.top_k <= vocab_size, f"an integer in [0, {vocab_size}]"),
+            ("top_p", is_num(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**32),
              "an integer in [0, 2^32)"),
-            ("stop_token_ids", all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids),
+            ("stop_token_ids", all(is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids),
              f"token ids in [0, {vocab_size})"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
         ]
