@@ -26,6 +26,7 @@ class Engine:
     def __init__(self, model: CausalLM, cfg: EngineConfig, tokenizer: object | None = None, *,
                  start: bool = True, warmup: bool = False) -> None:
         self.cfg = cfg
+        self.model = model  # the source weights (each phase keeps its own formatted copy)
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.programs = Programs(model, cfg)

@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-weights", choices=["fp8", "bf16"], default="fp8")
     p.add_argument("--integrity", choices=["on", "off"], default="on", help="KV page generation-tag checks")
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1,
+                   help="engine workers; requests with the same x-session-affinity header stick to one")
     p.add_argument("--max-model-len", type=int, default=2048, help="context window (prompt + completion)")
 
 
@@ -68,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
     engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True)
+    if args.workers > 1:
+        from jaxserve.engine.router import SessionRouter
+
+        engine = SessionRouter([engine] + [Engine(engine.model, engine.cfg, engine.tokenizer)
+                                           for _ in range(args.workers - 1)])
     name = model_name(checkpoint)
     server = make_server(create_app(engine, name), ServeConfig(args.host, args.port, args.threads))
     # SIGTERM (what process managers send) shuts down like Ctrl-C: waitress's loop ends on SystemExit
