@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -192,6 +193,7 @@ def bench_model(checkpoint: Path | None) -> tuple[str, CausalLM]:
 
 
 def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict:
+    load_start = os.getloadavg()  # the host is shared: record how busy it was around the timed runs
     name, model = bench_model(checkpoint)
     mb = model_bytes(model, spec.group_size)
     kimi = {f"int4_g{g}": analytic_expert_bytes(KIMI_K26, "int4", g) for g in (32, 64, 128)}
@@ -207,6 +209,8 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
     return {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()[:1]],
             "cpu_figures": jax.default_backend() == "cpu", "spec": asdict(spec), "bytes": bytes_,
             "speed": speed(model, spec, progress),
+            "host_load_average_1_5_15min": {"start": list(load_start), "end": list(os.getloadavg()),
+                                            "cpu_count": os.cpu_count()},
             "notes": "tokens/s are medians of the timed runs (all runs listed); "
                      + ("CPU figures: XLA on host cores, no Pallas kernels, not indicative of GPU speed"
                         if jax.default_backend() == "cpu" else "GPU figures with Pallas kernels")}
