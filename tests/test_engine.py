@@ -141,3 +141,10 @@ def test_bad_requests_are_refused_and_lose_nothing(eng):
         eng.submit(Request([1, 2], SamplingParams(max_tokens=0)))
     assert e.value.param == "max_tokens"
     assert eng.stats()["waiting"] == 0 and pool_is_full(eng)
+
+
+def test_a_request_larger_than_the_pool_is_refused(model):
+    e = engine(model, num_decode_pages=5)  # 4 usable pages of 4 tokens
+    with pytest.raises(InvalidRequestError, match="KV pages"):
+        e.submit(Request(list(range(10)), SamplingParams(max_tokens=20)))
+    assert e.generate([list(range(6))], SamplingParams(max_tokens=4, ignore_eos=True))[0].finish_reason == "length"

@@ -75,6 +75,13 @@ class Engine:
             raise InvalidRequestError(f"the prompt has {len(req.prompt)} tokens; the context window is "
                                       f"{self.cfg.max_model_len}", value=len(req.prompt), param="prompt")
         req.params.validate(V)
+        ps = self.cfg.page_size
+        need = -(-min(len(req.prompt) + req.params.max_tokens, self.cfg.max_model_len) // ps)
+        capacity = min(self.cfg.num_decode_pages, self.cfg.num_prefill_pages) - 1  # page 0 is the null page
+        if need > capacity:
+            # it could never be admitted: refuse now rather than queue it forever
+            raise InvalidRequestError(f"the request needs {need} KV pages of {ps} tokens; the pools hold {capacity}",
+                                      value=need, param="max_tokens")
 
     def submit(self, req: Request) -> Iterator[TokenEvent]:
         """Queue a request; returns the iterator of its events (tokens, then one finish event)."""
