@@ -215,9 +215,9 @@ def evaluate(checkpoint: str | Path, spec: QualitySpec = QualitySpec(), *, progr
 
 def report_table(report: dict) -> str:
     """The report as a text table."""
-    lines = [f"{'pair':<34}{'ppl a':>9}{'ppl b':>9}{'mean KL':>10}{'max KL':>9}{'top-1':>8}"]
+    lines = [f"{'pair':<34}{'ppl a':>11}{'ppl b':>11}{'mean KL':>10}{'max KL':>9}{'top-1':>8}"]
     for p in report["pairs"]:
-        lines.append(f"{p['label']:<34}{p['ppl_a']:>9.4f}{p['ppl_b']:>9.4f}{p['mean_kl']:>10.5f}"
+        lines.append(f"{p['label']:<34}{p['ppl_a']:>11.4f}{p['ppl_b']:>11.4f}{p['mean_kl']:>10.5f}"
                      f"{p['max_kl']:>9.4f}{p['top1_agreement']:>8.4f}")
     lines.append(f"{'engine greedy (vs all-BF16)':<34}{'identical':>12}{'before 1st diff':>17}")
     for g in report["greedy"]:
