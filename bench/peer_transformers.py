@@ -1,0 +1,222 @@
+"""Peer comparison: the same tiny model through transformers' generate() (PyTorch, CPU) vs jaxserve's Engine.
+
+Usage: python bench/peer_transformers.py [--quick | --smoke] [--checkpoint DIR] --json OUT.json
+
+The jaxserve model (checkpoints/tiny-kimi, or a random model of its architecture when absent) is exported to an
+HF folder with checkpoints.train_tiny.export_hf (f32, the real transformers DeepseekV3 format) and loaded with
+AutoModelForCausalLM (eager attention, f32). Both sides get the same prompts (equal length, so no padding), the
+same greedy decoding and exactly `new_tokens` tokens (eos ignored: min_new_tokens = max_new_tokens in HF,
+ignore_eos in jaxserve), at concurrency 1 (one prompt) and 16 (one batch of 16 / 16 concurrent requests).
+tokens/s = generated tokens / wall seconds of the whole call (prefill included on both sides), median of
+interleaved runs after a warm-up (jaxserve compiles its shape buckets on first use; HF warms its kernels).
+Two jaxserve configurations: "f32" (f32 weights in both phases, BF16 KV: the closest to the HF reference) and
+"serving" (BF16 model, FP8 prefill / INT4 decode weights, FP8 KV: the default recipe).
+Agreement: per row, whether the greedy tokens equal HF's, and the common prefix length (greedy paths fork at
+the first near-tie, after which the rest differs by construction).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxserve.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from jaxserve.models import CausalLM  # noqa: E402
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """concurrency: rows per call; prompt_len/new_tokens: each row's workload; reps: timed runs per side."""
+
+    concurrency: tuple[int, ...] = (1, 16)
+    prompt_len: int = 64
+    new_tokens: int = 32
+    reps: int = 3
+    seed: int = 0
+
+
+QUICK = BenchSpec(prompt_len=32, new_tokens=16, reps=2)
+SMOKE = BenchSpec(concurrency=(1, 2), prompt_len=8, new_tokens=4, reps=1)
+
+
+def machine() -> dict:
+    """What ran this: CPU model, cores, load average, library versions."""
+    import torch
+    import transformers
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
+            "backend": jax.default_backend(), "jax": jax.__version__, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__}
+
+
+def bench_models(checkpoint: Path | None) -> tuple[str, CausalLM, CausalLM]:
+    """(name, f32 model, bf16 model) of the checkpoint (default checkpoints/tiny-kimi) or a random tiny-kimi."""
+    from flax import nnx
+
+    from jaxserve.checkpoint import load
+    from jaxserve.cli import default_checkpoint
+
+    ckpt = checkpoint or default_checkpoint()
+    if (ckpt / "jaxserve.json").exists():
+        return ckpt.name, load(ckpt, dtype=jnp.float32)[1], load(ckpt, dtype=jnp.bfloat16)[1]
+    if checkpoint is not None:
+        load(checkpoint)  # raises the typed CheckpointError naming what is missing
+    from checkpoints.train_tiny import ModelSize, hf_config_dict
+    from jaxserve.config import from_hf_config
+
+    cfg = from_hf_config(hf_config_dict(ModelSize()))
+    # the initializers draw in f32 and cast, so the same seed gives the same weights (rounded) in both dtypes
+    return ("random tiny-kimi architecture (checkpoints/tiny-kimi absent)",
+            CausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+
+
+def hf_model(model: CausalLM, out: Path):  # noqa: ANN201 - a transformers PreTrainedModel
+    """Export the f32 jaxserve model as an HF folder and load it with transformers."""
+    import torch
+    import transformers
+
+    from checkpoints.train_tiny import ModelSize, export_hf, hf_config_dict
+
+    raw = hf_config_dict(ModelSize())
+    if raw["vocab_size"] != model.cfg.vocab_size or raw["hidden_size"] != model.cfg.hidden_size:
+        raise SystemExit("peer_transformers exports the tiny-kimi architecture only (ModelSize())")
+    export_hf(model, raw, out)
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+def engine_config(kind: str, spec: BenchSpec) -> EngineConfig:
+    rows = max(spec.concurrency)
+    pages = rows * (-(-(spec.prompt_len + spec.new_tokens + 1) // 16)) + 8
+    on_gpu = jax.default_backend() != "cpu"
+    fmt = dict(prefill_weights="f32", decode_weights="f32", kv_dtype="bf16", dtype="float32") if kind == "f32" \
+        else dict(prefill_weights="fp8", decode_weights="int4", kv_dtype="fp8")
+    return EngineConfig(**fmt, num_decode_pages=pages, num_prefill_pages=pages, max_batch=rows,
+                        max_model_len=256, prefix_cache=False, use_kernels=on_gpu and kind != "f32",
+                        attention="pallas" if on_gpu else "xla")
+
+
+def run_hf(hf, prompts: np.ndarray, new_tokens: int) -> tuple[float, np.ndarray]:  # noqa: ANN001
+    """One generate() call -> (seconds, generated tokens [rows, new_tokens])."""
+    import torch
+
+    ids = torch.from_numpy(prompts).long()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    dt = time.perf_counter() - t0
+    return dt, out[:, prompts.shape[1]:].numpy()
+
+
+def run_js(engine: Engine, prompts: np.ndarray, new_tokens: int) -> tuple[float, np.ndarray]:
+    """One Engine.generate call over all rows (concurrent requests) -> (seconds, tokens [rows, new_tokens])."""
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts.tolist(), SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    dt = time.perf_counter() - t0
+    if any(o.error is not None for o in outs):
+        raise next(o.error for o in outs if o.error is not None)
+    return dt, np.array([o.token_ids for o in outs])
+
+
+def agreement(ref: np.ndarray, got: np.ndarray) -> dict:
+    """Rows equal, and the mean common-prefix length as a fraction of the tokens."""
+    same = ref == got
+    prefix = [int(np.argmin(r)) if not r.all() else len(r) for r in same]
+    return {"rows_equal": int(same.all(axis=1).sum()), "rows": len(ref), "token_match": float(same.mean()),
+            "mean_common_prefix_frac": float(np.mean(prefix) / ref.shape[1])}
+
+
+def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict:
+    import torch
+
+    name, m32, m16 = bench_models(checkpoint)
+    with tempfile.TemporaryDirectory() as td:
+        hf = hf_model(m32, Path(td) / "hf")
+    engines = {"f32": Engine(m32, engine_config("f32", spec), start=False),
+               "serving": Engine(m16, engine_config("serving", spec), start=False)}
+    sides = ("hf", *engines)
+    rng = np.random.default_rng(spec.seed)
+    rows = []
+    for c in tqdm(spec.concurrency, desc="concurrency", disable=not progress):
+        prompts = rng.integers(1, m32.cfg.vocab_size, size=(c, spec.prompt_len)).astype(np.int64)
+
+        def call(side: str) -> tuple[float, np.ndarray]:
+            return run_hf(hf, prompts, spec.new_tokens) if side == "hf" else run_js(engines[side], prompts,
+                                                                                  spec.new_tokens)
+
+        outs = {s: call(s)[1] for s in sides}  # warm-up (compiles), and the outputs compared below
+        times: dict[str, list[float]] = {s: [] for s in sides}
+        for _ in range(spec.reps):
+            for s in sides:
+                times[s].append(call(s)[0])
+        tps = {s: c * spec.new_tokens / statistics.median(times[s]) for s in sides}
+        rows.append({"concurrency": c, "tokens_per_s": tps, "seconds": times,
+                     "jaxserve_over_hf": {s: tps[s] / tps["hf"] for s in engines},
+                     "agreement_vs_hf": {s: agreement(outs["hf"], outs[s]) for s in engines}})
+    return {"bench": "peer_transformers", "model": name, "machine": machine(), "spec": asdict(spec),
+            "cpu_figures": jax.default_backend() == "cpu", "torch_threads": torch.get_num_threads(),
+            "configs": {"hf": "transformers generate(), f32, eager attention, greedy",
+                        "f32": "jaxserve Engine, f32 weights, BF16 KV", "serving":
+                        "jaxserve Engine, BF16 model, FP8 prefill / INT4 decode weights, FP8 KV"},
+            "rows": rows,
+            "notes": "medians of interleaved runs after a warm-up; wall time of the whole call (prefill included);"
+                     " shared busy CPU host"}
+
+
+def table(r: dict) -> str:
+    lines = [f"model: {r['model']}  (tokens/s, whole generate call)",
+             f"  {'conc':>4} {'hf':>9} {'js f32':>9} {'js serving':>11} {'f32/hf':>7} {'serv/hf':>8} "
+             f"{'agree f32':>10} {'agree serv':>11}"]
+    for row in r["rows"]:
+        t, q, a = row["tokens_per_s"], row["jaxserve_over_hf"], row["agreement_vs_hf"]
+        ag = lambda x: f"{x['rows_equal']}/{x['rows']} {x['token_match']:.2f}"  # noqa: E731
+        lines.append(f"  {row['concurrency']:>4} {t['hf']:>9.1f} {t['f32']:>9.1f} {t['serving']:>11.1f} "
+                     f"{q['f32']:>7.2f} {q['serving']:>8.2f} {ag(a['f32']):>10} {ag(a['serving']):>11}")
+    lines.append("  agree: rows identical / fraction of token positions equal")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="shorter prompts and outputs (about a minute)")
+    mode.add_argument("--smoke", action="store_true", help="concurrency 1 and 2, 4 tokens (CI schema check)")
+    ap.add_argument("--checkpoint", type=Path, default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None)
+    ap.add_argument("--json", dest="json_out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    spec = SMOKE if args.smoke else QUICK if args.quick else BenchSpec()
+    if args.concurrency:
+        spec = replace(spec, concurrency=tuple(args.concurrency))
+    r = run(spec, args.checkpoint)
+    print(table(r))
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(r, indent=1) + "\n")
+    print(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
