@@ -1,0 +1,329 @@
+"""Decode-step roofline: the bytes one decode step must read, the machine's memory bandwidth, the lower bound on
+step time, and jaxserve's measured step time against it.
+
+Usage: python bench/roofline.py [--quick | --smoke] [--checkpoint DIR] --json OUT.json
+
+Bytes per step = weights read + KV read. Weights: everything the step touches in the step's format (FP8/INT4
+apply, as in jaxserve.quant, to routed experts, shared experts and dense MLPs; attention, router, norms and
+lm_head stay BF16; of the embedding table only the batch's rows), with routed experts either all or only the
+activated ones: under uniform routing a batch of B tokens with top-k of E experts touches
+E * (1 - (1 - k/E)^B) distinct experts per layer in expectation. KV: batch * context * KVLayout.bytes_per_token.
+Bandwidth: a jitted sum over a large f32 array (read-only) and a jitted x + 1 (read + write), median of reps.
+Lower bound = bytes / bandwidth (a step can not be faster than reading its bytes once; compute, launch and host
+costs are not in it). Measured: the jitted decode program alone (as bench/integrity_overhead.py times it) and a
+whole Engine.step (host scheduling included), tiny model, this machine. Kimi K2.6: bytes from its shapes; bounds
+at an H200's nominal HBM bandwidth (4.8 TB/s, one GPU, and 8 GPUs tensor-parallel, communication ignored) and
+the seeds' measured FP8-KV decode tokens/s turned into step times for comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxserve.cache.pages import KVLayout  # noqa: E402
+from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
+from jaxserve.engine.programs import kv_layout  # noqa: E402
+from jaxserve.engine.request import Status  # noqa: E402
+from jaxserve.models import CausalLM  # noqa: E402
+from jaxserve.quant import formats  # noqa: E402
+from jaxserve.quant.apply import WeightFormat, quantize_model  # noqa: E402
+
+H200_HBM_BYTES_PER_S = 4.8e12  # NVIDIA's H200 SXM figure
+SEEDS_FP8_KV_TOKENS_PER_S = {1: 125, 8: 689, 16: 1028, 64: 2192}  # FACTS.md, Kimi K2.6 decode pool
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """batches: decode rows; context: tokens per row already in the KV; formats: decode weight formats measured;
+    copy_mib: bandwidth test array size; steps/reps: timing loop per measurement."""
+
+    batches: tuple[int, ...] = (1, 8, 32)
+    context: int = 128
+    formats: tuple[str, ...] = ("bf16", "int4")
+    copy_mib: int = 512
+    steps: int = 10
+    reps: int = 5
+
+
+QUICK = BenchSpec(batches=(1, 8), formats=("int4",), copy_mib=256, steps=5, reps=3)
+SMOKE = BenchSpec(batches=(1,), context=16, formats=("int4",), copy_mib=32, steps=2, reps=2)
+
+
+@dataclass(frozen=True)
+class KimiShapes:
+    """Kimi K2.6 (DeepSeek-V3 backbone) decode-relevant shapes."""
+
+    layers: int = 61
+    dense_layers: int = 1
+    hidden: int = 7168
+    dense_inter: int = 18432
+    experts: int = 384
+    top_k: int = 8
+    shared: int = 1
+    expert_inter: int = 2048
+    heads: int = 64
+    q_lora: int = 1536
+    kv_lora: int = 512
+    qk_nope: int = 128
+    qk_rope: int = 64
+    v_head: int = 128
+    vocab: int = 163840
+
+
+def machine() -> dict:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "backend": jax.default_backend(), "device": str(jax.devices()[0]),
+            "loadavg_at_start": os.getloadavg(), "jax": jax.__version__}
+
+
+# ---------------------------------------------------------------------------------------------------- bandwidth
+
+
+def bandwidth(mib: int, reps: int) -> dict:
+    """Measured bytes/s of a read-only reduction and of a read+write elementwise pass over mib MiB of f32."""
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    red = jax.jit(lambda a: jnp.sum(a))
+    cpy = jax.jit(lambda a: a + 1.0)
+    red(x).block_until_ready()
+    cpy(x).block_until_ready()
+    out = {}
+    for name, f, moved in (("reduce_read", red, x.nbytes), ("copy_read_write", cpy, 2 * x.nbytes)):
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f(x).block_until_ready()
+            ts.append(time.perf_counter() - t)
+        out[name] = moved / statistics.median(ts)
+    out["array_bytes"] = x.nbytes
+    out["used_for_bound"] = max(out["reduce_read"], out["copy_read_write"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- bytes
+
+
+def expected_distinct(experts: int, k: int, tokens: int) -> float:
+    """Expected distinct experts hit by `tokens` tokens each routing to k of `experts` (uniform routing)."""
+    return experts * (1.0 - (1.0 - k / experts) ** tokens)
+
+
+def tiny_weight_groups(model: CausalLM, fmt: str) -> dict[str, int]:
+    """Bytes of the model in decode format `fmt`, split: routed experts, embedding table, the rest."""
+    q = model if fmt == "bf16" else quantize_model(model, WeightFormat(fmt, 32))
+    _, state = nnx.split(q)
+    g = {"routed_experts": 0, "embed": 0, "other": 0}
+    for path, var in nnx.to_flat_state(state):
+        p = ".".join(str(s) for s in path)
+        v = var.get_value()
+        b = int(v.size) * jnp.dtype(v.dtype).itemsize
+        key = "routed_experts" if "experts" in p and "shared" not in p else "embed" if p.startswith("embed") \
+            else "other"
+        g[key] += b
+    return g
+
+
+def step_bytes(groups: dict[str, int], hidden: int, experts: int, k: int, moe_layers_frac: float, batch: int,
+               context: int, kv_bytes_per_token: int, activated_only: bool) -> dict[str, float]:
+    """Bytes one decode step reads for `batch` rows of `context` tokens."""
+    frac = expected_distinct(experts, k, batch) / experts if activated_only else 1.0
+    w = groups["other"] + groups["routed_experts"] * frac + batch * hidden * 2  # embedding rows: BF16
+    kv = batch * context * kv_bytes_per_token
+    return {"weights": w, "kv": kv, "total": w + kv, "expert_fraction_read": frac}
+
+
+def kimi_groups(s: KimiShapes, fmt: str) -> dict[str, int]:
+    """Kimi K2.6 bytes by group in decode format `fmt` (MLP weights in fmt, everything else BF16)."""
+    def mat_bytes(k: int, n: int, count: int) -> int:
+        sds = jax.ShapeDtypeStruct((1, k, n), jnp.bfloat16)
+        w, sc = jax.eval_shape(lambda x: formats.quantize(x, fmt, 32), sds)
+        return count * formats.weight_bytes(w, sc)
+
+    moe = s.layers - s.dense_layers
+    attn = (s.hidden * s.q_lora + s.q_lora * s.heads * (s.qk_nope + s.qk_rope) + s.hidden * (s.kv_lora + s.qk_rope)
+            + s.kv_lora * s.heads * (s.qk_nope + s.v_head) + s.heads * s.v_head * s.hidden)
+    routed = moe * (2 * mat_bytes(s.hidden, s.expert_inter, s.experts) + mat_bytes(s.expert_inter, s.hidden, s.experts))
+    shared = moe * s.shared * (2 * mat_bytes(s.hidden, s.expert_inter, 1) + mat_bytes(s.expert_inter, s.hidden, 1))
+    dense = s.dense_layers * (2 * mat_bytes(s.hidden, s.dense_inter, 1) + mat_bytes(s.dense_inter, s.hidden, 1))
+    other_bf16 = 2 * (s.layers * attn + moe * s.hidden * s.experts + s.vocab * s.hidden)  # + router + lm_head
+    return {"routed_experts": routed, "embed": 2 * s.vocab * s.hidden, "other": other_bf16 + shared + dense}
+
+
+# ---------------------------------------------------------------------------------------------------- measured
+
+
+def bench_model(checkpoint: Path | None) -> tuple[str, CausalLM]:
+    from jaxserve.checkpoint import load
+    from jaxserve.cli import default_checkpoint
+
+    ckpt = checkpoint or default_checkpoint()
+    if (ckpt / "jaxserve.json").exists():
+        return ckpt.name, load(ckpt, dtype=jnp.bfloat16)[1]
+    if checkpoint is not None:
+        load(checkpoint)
+    from checkpoints.train_tiny import ModelSize, hf_config_dict
+    from jaxserve.config import from_hf_config
+
+    cfg = from_hf_config(hf_config_dict(ModelSize()))
+    return "random tiny-kimi architecture (checkpoints/tiny-kimi absent)", CausalLM(cfg, rngs=nnx.Rngs(0))
+
+
+def measured_step(engine: Engine, batch: int, context: int, vocab: int, steps: int, reps: int) -> dict[str, float]:
+    """Prefill `batch` rows of `context` tokens, then time (a) the decode program alone on the captured batch
+    and (b) whole engine steps. Medians over reps, seconds per step."""
+    rng = np.random.default_rng(batch)
+    sched = engine.scheduler
+    for _ in range(batch):
+        engine.submit(Request(rng.integers(1, vocab, context).tolist(),
+                              SamplingParams(max_tokens=2 * steps * reps + 16, ignore_eos=True)))
+    while sum(s.status is Status.DECODING for s in sched.running) < batch:
+        engine.step()
+    cap: dict = {}
+    real = engine.programs.run_decode
+
+    def capture(tags, b, samp):  # noqa: ANN001, ANN202
+        cap.update(tags=tags, b=b, samp=samp)
+        return real(tags, b, samp)
+
+    engine.programs.run_decode = capture
+    engine.step()
+    engine.programs.run_decode = real
+    prog, whole = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(steps):
+            real(cap["tags"], cap["b"], cap["samp"])
+        prog.append((time.perf_counter() - t) / steps)
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        whole.append((time.perf_counter() - t) / steps)
+    for s in list(sched.running):
+        engine.abort(s.req.request_id)
+    engine.step()
+    return {"program_s": statistics.median(prog), "engine_step_s": statistics.median(whole)}
+
+
+def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict:
+    name, model = bench_model(checkpoint)
+    cfg = model.cfg
+    bw = bandwidth(spec.copy_mib, spec.reps)
+    kv_fp8 = kv_layout(cfg, 16, "fp8").bytes_per_token()
+    on_gpu = jax.default_backend() != "cpu"
+    moe_frac = 1.0
+    tiny_rows = []
+    for fmt in tqdm(spec.formats, desc="decode formats", disable=not progress):
+        groups = tiny_weight_groups(model, fmt)
+        ecfg = EngineConfig(kv_dtype="fp8", prefill_weights="fp8", decode_weights=fmt, page_size=16,
+                            num_decode_pages=max(spec.batches) * ((spec.context + 2 * spec.steps * spec.reps + 16) // 16 + 2) + 8,
+                            num_prefill_pages=max(spec.batches) * (spec.context // 16 + 2) + 8,
+                            max_batch=max(spec.batches), max_model_len=max(256, 2 * spec.context + 64),
+                            prefix_cache=False, use_kernels=on_gpu, attention="pallas" if on_gpu else "xla")
+        engine = Engine(model, ecfg, start=False)
+        for b in spec.batches:
+            m = measured_step(engine, b, spec.context, cfg.vocab_size, spec.steps, spec.reps)
+            ctx = spec.context + spec.steps * spec.reps  # the KV grows during the timing; use its middle
+            row = {"format": fmt, "batch": b, "context": ctx, "weight_groups": groups, **m}
+            for mode in ("activated", "all"):
+                sb = step_bytes(groups, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, moe_frac, b,
+                                ctx, kv_fp8, activated_only=mode == "activated")
+                bound = sb["total"] / bw["used_for_bound"]
+                row[mode] = {**sb, "bound_s": bound, "program_over_bound": m["program_s"] / bound,
+                             "engine_step_over_bound": m["engine_step_s"] / bound}
+            tiny_rows.append(row)
+    ks = KimiShapes()
+    kimi_rows = []
+    for kv_dtype in ("bf16", "fp8"):
+        kbpt = KVLayout.mla(ks.layers, ks.kv_lora, ks.qk_rope, dtype=kv_dtype).bytes_per_token()
+        for fmt in ("bf16", "fp8", "int4"):
+            g = kimi_groups(ks, fmt)
+            for b in (1, 8, 16, 32, 64):
+                ctx = 8192
+                sb = step_bytes(g, ks.hidden, ks.experts, ks.top_k, 1.0, b, ctx, kbpt, activated_only=True)
+                sa = step_bytes(g, ks.hidden, ks.experts, ks.top_k, 1.0, b, ctx, kbpt, activated_only=False)
+                one = sb["total"] / H200_HBM_BYTES_PER_S
+                row = {"kv_dtype": kv_dtype, "weights": fmt, "batch": b, "context": ctx, "activated": sb,
+                       "all_total": sa["total"], "bound_s_1xH200": one, "bound_s_8xH200_tp": one / 8,
+                       "tokens_per_s_bound_8xH200": b / (one / 8)}
+                if kv_dtype == "fp8" and fmt == "int4" and b in SEEDS_FP8_KV_TOKENS_PER_S:
+                    step = b / SEEDS_FP8_KV_TOKENS_PER_S[b]
+                    row["seeds_step_s"] = step
+                    row["seeds_step_over_8xH200_bound"] = step / (one / 8)
+                kimi_rows.append(row)
+    return {"bench": "roofline", "model": name, "machine": machine(), "spec": asdict(spec),
+            "cpu_figures": jax.default_backend() == "cpu", "bandwidth_bytes_per_s": bw,
+            "tiny": {"kv_bytes_per_token_fp8": kv_fp8, "rows": tiny_rows},
+            "kimi_k2.6": {"shapes": asdict(ks), "h200_hbm_bytes_per_s": H200_HBM_BYTES_PER_S, "rows": kimi_rows,
+                          "note": "context 8192 per row; routed experts activated (uniform routing expectation); "
+                                  "MLPs in the weight format, attention/router/lm_head BF16; the seeds' step times "
+                                  "come from their FP8-KV tokens/s (their weights' format and GPU count are not "
+                                  "stated for that table; 8 GPUs assumed here)"},
+            "notes": "lower bound = bytes / measured bandwidth; on CPU a tiny model's step is dominated by "
+                     "per-op overhead, so the measured/bound ratio is large and says little about an H200"}
+
+
+def table(r: dict) -> str:
+    bw = r["bandwidth_bytes_per_s"]
+    lines = [f"bandwidth ({r['machine']['cpu']}): reduce {bw['reduce_read'] / 1e9:.1f} GB/s, copy "
+             f"{bw['copy_read_write'] / 1e9:.1f} GB/s",
+             f"tiny ({r['model']}), decode step, context ~{r['tiny']['rows'][0]['context']}:",
+             f"  {'fmt':<5} {'batch':>5} {'MB act':>8} {'MB all':>8} {'bound us':>9} {'program us':>11} "
+             f"{'step us':>9} {'prog/bound':>11}"]
+    for row in r["tiny"]["rows"]:
+        a, al = row["activated"], row["all"]
+        lines.append(f"  {row['format']:<5} {row['batch']:>5} {a['total'] / 1e6:>8.3f} {al['total'] / 1e6:>8.3f} "
+                     f"{a['bound_s'] * 1e6:>9.1f} {row['program_s'] * 1e6:>11.1f} {row['engine_step_s'] * 1e6:>9.1f}"
+                     f" {a['program_over_bound']:>11.1f}")
+    lines.append("kimi-k2.6, FP8 KV, 8192 context, activated experts: GB/step and 8xH200 bound (ms) by weights:")
+    for row in r["kimi_k2.6"]["rows"]:
+        if row["kv_dtype"] != "fp8":
+            continue
+        extra = f"  seeds {row['seeds_step_s'] * 1e3:.2f} ms ({row['seeds_step_over_8xH200_bound']:.1f}x)" \
+            if "seeds_step_s" in row else ""
+        lines.append(f"  {row['weights']:<5} batch {row['batch']:>3}: {row['activated']['total'] / 1e9:7.2f} GB, "
+                     f"{row['bound_s_8xH200_tp'] * 1e3:6.3f} ms{extra}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true")
+    mode.add_argument("--smoke", action="store_true")
+    ap.add_argument("--checkpoint", type=Path, default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--json", dest="json_out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    spec = SMOKE if args.smoke else QUICK if args.quick else BenchSpec()
+    if args.batches:
+        spec = replace(spec, batches=tuple(args.batches))
+    r = run(spec, args.checkpoint)
+    print(table(r))
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(r, indent=1) + "\n")
+    print(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
