@@ -39,17 +39,19 @@ from jaxserve.models import CausalLM  # noqa: E402
 
 @dataclass(frozen=True)
 class BenchSpec:
-    """concurrency: rows per call; prompt_len/new_tokens: each row's workload; reps: timed runs per side."""
+    """concurrency: rows per call; prompt_len/new_tokens: each row's workload; reps: timed runs per side;
+    configs: the jaxserve engine configurations run ("f32", "serving")."""
 
     concurrency: tuple[int, ...] = (1, 16)
     prompt_len: int = 64
     new_tokens: int = 32
     reps: int = 3
     seed: int = 0
+    configs: tuple[str, ...] = ("f32", "serving")
 
 
 QUICK = BenchSpec(prompt_len=32, new_tokens=16, reps=2)
-SMOKE = BenchSpec(concurrency=(1, 2), prompt_len=8, new_tokens=4, reps=1)
+SMOKE = BenchSpec(concurrency=(1, 2), prompt_len=8, new_tokens=4, reps=1, configs=("f32",))
 
 
 def machine() -> dict:
@@ -154,8 +156,7 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
     name, m32, m16 = bench_models(checkpoint)
     with tempfile.TemporaryDirectory() as td:
         hf = hf_model(m32, Path(td) / "hf")
-    engines = {"f32": Engine(m32, engine_config("f32", spec), start=False),
-               "serving": Engine(m16, engine_config("serving", spec), start=False)}
+    engines = {k: Engine(m32 if k == "f32" else m16, engine_config(k, spec), start=False) for k in spec.configs}
     sides = ("hf", *engines)
     rng = np.random.default_rng(spec.seed)
     rows = []
@@ -192,8 +193,10 @@ def table(r: dict) -> str:
     for row in r["rows"]:
         t, q, a = row["tokens_per_s"], row["jaxserve_over_hf"], row["agreement_vs_hf"]
         ag = lambda x: f"{x['rows_equal']}/{x['rows']} {x['token_match']:.2f}"  # noqa: E731
-        lines.append(f"  {row['concurrency']:>4} {t['hf']:>9.1f} {t['f32']:>9.1f} {t['serving']:>11.1f} "
-                     f"{q['f32']:>7.2f} {q['serving']:>8.2f} {ag(a['f32']):>10} {ag(a['serving']):>11}")
+        g = lambda d, k, f: f(d[k]) if k in d else "-"  # noqa: E731 - a config may not have run
+        lines.append(f"  {row['concurrency']:>4} {t['hf']:>9.1f} {g(t, 'f32', '{:.1f}'.format):>9} "
+                     f"{g(t, 'serving', '{:.1f}'.format):>11} {g(q, 'f32', '{:.2f}'.format):>7} "
+                     f"{g(q, 'serving', '{:.2f}'.format):>8} {g(a, 'f32', ag):>10} {g(a, 'serving', ag):>11}")
     lines.append("  agree: rows identical / fraction of token positions equal")
     return "\n".join(lines)
 
