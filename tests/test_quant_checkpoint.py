@@ -10,6 +10,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jaxserve
 from flax import nnx
 
 import hf_tiny
@@ -132,3 +134,29 @@ def test_errors(ckpt, quantized, tmp_path, capsys):
         err = capsys.readouterr().err
         assert msg in err, (argv, err)
     assert not any(p.name.endswith(".partial") or p.name.startswith("o") for p in tmp_path.iterdir())
+
+
+def test_engine_serves_a_quantized_checkpoint_per_phase(tmp_path):
+    """jaxserve quantize output: prefill runs the stored FP8 weights, decode the stored INT4 ones."""
+    import hf_tiny
+    from checkpoints.convert import convert
+    from jaxserve.engine import Engine, EngineConfig, SamplingParams
+    from jaxserve.errors import ConfigError
+    from jaxserve.quant.checkpoint import QuantizeSpec, quantize_checkpoint
+
+    hf_tiny.save(hf_tiny.build("deepseek_v3"), tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "jx", dtype="float32", progress=False)
+    quantize_checkpoint(tmp_path / "jx", tmp_path / "q", QuantizeSpec())
+    cfg = EngineConfig(kv_dtype="fp8", prefill_weights="fp8", decode_weights="int4", dtype="float32", page_size=4,
+                       num_decode_pages=32, num_prefill_pages=32, max_batch=4, max_prefill_tokens=16,
+                       prefill_chunk=16, max_model_len=32)
+    e = Engine.from_checkpoint(tmp_path / "q", cfg, start=False)
+    fmts = {ph: {m.fmt for _, m in nnx.iter_graph(nnx.merge(getattr(e.programs, ph).graphdef,
+                                                                  getattr(e.programs, ph).state))
+                 if type(m).__name__ == "Experts"} for ph in ("prefill_phase", "decode_phase")}
+    assert fmts == {"prefill_phase": {"fp8"}, "decode_phase": {"int4"}}
+    out = e.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    _, int4_model = jaxserve.load(tmp_path / "q", weights="int4")
+    with pytest.raises(ConfigError, match="stored as int4"):  # an INT4 model cannot run an FP8 prefill phase
+        Engine(int4_model, cfg, start=False)

@@ -24,12 +24,12 @@ _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 class Engine:
     def __init__(self, model: CausalLM, cfg: EngineConfig, tokenizer: object | None = None, *,
-                 start: bool = True, warmup: bool = False) -> None:
+                 start: bool = True, warmup: bool = False, decode_model: CausalLM | None = None) -> None:
         self.cfg = cfg
         self.model = model  # the source weights (each phase keeps its own formatted copy)
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
-        self.programs = Programs(model, cfg)
+        self.programs = Programs(model, cfg, decode_model)
         if warmup:
             self.programs.warmup()
         self._queues: dict[str, queue.Queue[TokenEvent]] = {}
@@ -47,12 +47,26 @@ class Engine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, cfg: EngineConfig = EngineConfig(), *, start: bool = True,
                         warmup: bool = False) -> Engine:
-        """Load a converted checkpoint (and its tokenizer, if the folder has one)."""
+        """Load a checkpoint (and its tokenizer, if the folder has one). A phase whose format the checkpoint
+        stores (`jaxserve quantize` output: fp8 / int4) loads those weights directly; otherwise it is quantized
+        from the checkpoint's own weights."""
+        from jaxserve.checkpoint import load_formats
         from jaxserve.tokenizer import Tokenizer
 
-        _, model = load(path, dtype=_DTYPES[cfg.dtype])
+        stored = load_formats(path)
+        dtype = _DTYPES[cfg.dtype]
+        loaded: dict[str | None, CausalLM] = {}
+
+        def model_for(fmt: str) -> CausalLM:
+            key = fmt if fmt in stored and fmt in ("fp8", "int4") else None
+            if key not in loaded:
+                loaded[key] = load(path, dtype=dtype, weights=key)[1]
+            return loaded[key]
+
+        prefill_model, decode_model = model_for(cfg.prefill_weights), model_for(cfg.decode_weights)
         has_tok = any((Path(path) / f).exists() for f in ("tokenizer.json", "tiktoken.model"))
-        return cls(model, cfg, Tokenizer(path) if has_tok else None, start=start, warmup=warmup)
+        return cls(prefill_model, cfg, Tokenizer(path) if has_tok else None, start=start, warmup=warmup,
+                   decode_model=decode_model)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

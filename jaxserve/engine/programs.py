@@ -69,7 +69,9 @@ def _take_pages(src: KVPages, page_ids: jax.Array) -> KVPages:
 class Programs:
     """Owns both phases and their compiled programs. `compiles` counts traces per program (recompile check)."""
 
-    def __init__(self, model: CausalLM, cfg: EngineConfig) -> None:
+    def __init__(self, model: CausalLM, cfg: EngineConfig, decode_model: CausalLM | None = None) -> None:
+        """model: the prefill phase's weights (and decode's, unless `decode_model` is given); each is put in its
+        phase's format (a model already stored in that format, e.g. from `jaxserve quantize`, is used as is)."""
         self.cfg = cfg
         self.model_cfg = model.cfg
         if model.cfg.has_indexer and cfg.max_model_len > model.cfg.index_topk:
@@ -89,9 +91,9 @@ class Programs:
         def fmt(name: str) -> WeightFormat:
             return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret)
 
-        self.prefill_phase = self._phase(quantize_model(model, fmt(cfg.prefill_weights)), p_dev,
+        self.prefill_phase = self._phase(_in_format(model, fmt(cfg.prefill_weights)), p_dev,
                                          kv_layout(model.cfg, cfg.page_size, "bf16"), cfg.num_prefill_pages)
-        self.decode_phase = self._phase(quantize_model(model, fmt(cfg.decode_weights)), d_dev,
+        self.decode_phase = self._phase(_in_format(decode_model or model, fmt(cfg.decode_weights)), d_dev,
                                         kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype), cfg.num_decode_pages)
         self.compiles: collections.Counter[str] = collections.Counter()
         rep_p = NamedSharding(self.prefill_phase.mesh, P())
@@ -181,6 +183,18 @@ class Programs:
                 self.run_prefill(*dummy_prefill(b, t, m))
             else:
                 self.handoff([0] * m, [-1] * m)  # reads the null page, writes nowhere
+
+
+def _in_format(model: CausalLM, wf: WeightFormat) -> CausalLM:
+    """`model` with its quantizable weights in wf.fmt; a weight already quantized differently is an error."""
+    from jaxserve.models.layers import Experts, Linear
+
+    out = quantize_model(model, wf)
+    for path, module in nnx.iter_graph(out):
+        if isinstance(module, (Linear, Experts)) and module.fmt in ("fp8", "int4") and module.fmt != wf.fmt:
+            raise ConfigError(f"{_path(path)} is stored as {module.fmt}, but this phase runs {wf.fmt} weights",
+                              value=module.fmt, param="weights")
+    return out
 
 
 def _on_mesh(x: jax.Array, mesh: jax.sharding.Mesh) -> NamedSharding:

@@ -255,6 +255,7 @@ class Scheduler:
         seq.decode_len = seq.target
         seq.status = Status.DECODING
         token, logprob = seq.pending
+        seq.pending = None
         self._accept(seq, token, logprob)
 
     # ---- decode -------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def _path(p: tuple) -> str:
 
 def quantize_model(model: nnx.Module, wf: WeightFormat) -> nnx.Module:
     """A copy of `model` whose quantizable Linear / Experts weights are stored in `wf.fmt` (others unchanged).
-    Dense formats only change the kernel switches."""
+    Dense formats only change the kernel switches. A Linear whose input dim is not a multiple of the INT4 group
+    size stays in its dense format (`jaxserve quantize` refuses such a group size instead)."""
     from jaxserve.models.layers import Experts, Linear
 
     formats.check_fmt(wf.fmt)
@@ -60,7 +61,7 @@ def weight_bytes(model: nnx.Module, *, experts_only: bool = False) -> int:
     _, state = nnx.split(model)
     total = 0
     for path, var in nnx.to_flat_state(state):
-        if experts_only and "experts" not in _path(path):
+        if experts_only and ".mlp.experts." not in f".{_path(path)}":
             continue
         v = var.get_value()
         total += int(v.size) * jnp.dtype(v.dtype).itemsize
