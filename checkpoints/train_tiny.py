@@ -80,6 +80,7 @@ class TrainConfig:
     seed: int = 0
     minutes: float = 40.0
     steps: int | None = None  # None: fit the schedule to `minutes` after timing `calib_steps` steps
+    stop_after: int | None = None  # stop after this many steps, schedule unchanged (replays a wall-time stop)
     batch_size: int = 8
     seq_len: int = 512
     peak_lr: float = 2e-3
@@ -430,7 +431,7 @@ def train(size: ModelSize, tcfg: TrainConfig, train_tokens: np.ndarray, eval_tok
     bar = tqdm(total=total_steps if tcfg.steps is not None else None, desc="train", unit="step",
                disable=not progress)
     step = 0
-    while step < total_steps and time.perf_counter() - t0 < budget:
+    while step < total_steps and time.perf_counter() - t0 < budget and step != tcfg.stop_after:
         lr = learning_rate(step, total_steps, tcfg)
         batch = jnp.asarray(sample_batch(train_tokens, rng, tcfg.batch_size, tcfg.seq_len))
         params, opt_state, metrics = step_fn(params, opt_state, batch, jnp.float32(lr))
@@ -563,6 +564,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minutes", type=float, default=TrainConfig.minutes)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--steps", type=int, default=None, help="fixed step count (default: fit to --minutes)")
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="stop after this many steps without changing the schedule (replays a wall-time stop)")
     parser.add_argument("--evaluate", metavar="CHECKPOINT_DIR", help="score a converted checkpoint, write eval.json")
     parser.add_argument("--summary", help="with --evaluate: training_summary.json to copy numbers from")
     args = parser.parse_args(argv)
@@ -571,7 +574,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.out_dir:
         parser.error("out_dir is required unless --evaluate is given")
-    tcfg = replace(TrainConfig(), minutes=args.minutes, seed=args.seed, steps=args.steps)
+    tcfg = replace(TrainConfig(), minutes=args.minutes, seed=args.seed, steps=args.steps,
+                   stop_after=args.stop_after)
     size = ModelSize()
     tokenizer = Tokenizer(TOKENIZER_DIR)
     eos_id = tokenizer.token_to_id(EOS)
