@@ -48,10 +48,12 @@ def test_greedy_agreement():
     assert g == {"identical_fraction": 7 / 8, "prefix_fraction": (2 / 4 + 1) / 2, "n_tokens": 8}
 
 
-# The goal's bounds. NOT yet tightened: checkpoints/tiny-kimi was not committed while this was written; measure with
-# `jaxserve eval-quality` (2048 tokens, 8 windows x 256, as below) and tighten to the measured values with margin.
-INT4_TOP1_MIN, INT4_KL_MAX = 0.95, 0.05
-FP8KV_TOP1_MIN, FP8KV_KL_MAX = 0.95, 0.05
+# Measured on checkpoints/tiny-kimi (2048 held-out tokens, 8 windows x 256, as below; deterministic on CPU):
+# INT4 g32 weights vs BF16: top-1 0.9546, mean KL 0.0044, ppl 59.13 -> 59.03;
+# FP8 KV vs BF16 KV:        top-1 0.9731, mean KL 0.0019, ppl 59.13 -> 59.21.
+# KL bounds are tightened to ~2x the measurement; INT4 top-1 stays at the goal (0.95), which it clears narrowly.
+INT4_TOP1_MIN, INT4_KL_MAX = 0.95, 0.01
+FP8KV_TOP1_MIN, FP8KV_KL_MAX = 0.96, 0.005
 
 
 @needs_embedded
