@@ -1,6 +1,6 @@
 """KV integrity check cost: decode throughput with the tag check on vs off, measured side by side.
 
-Usage: python bench/integrity_overhead.py [--quick] [--checkpoint DIR] --json OUT.json
+Usage: python bench/integrity_overhead.py [--quick | --smoke] [--checkpoint DIR] --json OUT.json
 
 Two engines share one model and differ only in EngineConfig.integrity. For each batch size, both are brought to the
 same steady decode state (the same prompts prefilled), then timed rounds alternate on, off, on, off, ...; each
@@ -98,11 +98,12 @@ def check_only_seconds(cap: dict, reps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CI-sized: one batch size, few rounds (schema check only)")
     ap.add_argument("--checkpoint", type=Path, default=Path(__file__).resolve().parents[1] / "checkpoints/tiny-kimi")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
-    batches = (1, 8) if args.quick else (1, 8, 32)
-    rounds, steps = (5, 5) if args.quick else (15, 20)
+    batches = (1,) if args.smoke else (1, 8) if args.quick else (1, 8, 32)
+    rounds, steps = (3, 2) if args.smoke else (5, 5) if args.quick else (41, 10)
     name, model = load_model(args.checkpoint)
     on_gpu = jax.default_backend() != "cpu"
     base = dict(kv_dtype="fp8", prefill_weights="fp8", decode_weights="int4", page_size=16, num_decode_pages=512,
