@@ -81,7 +81,7 @@ def kv_section(r: dict) -> list[str]:
 
 
 def weights_section(r: dict) -> list[str]:
-    lines = ["## INT4 vs FP8 weights (`bench/weight_formats.py`, another session's bench)", "",
+    lines = ["## INT4 vs FP8 weights (`bench/weight_formats.py`)", "",
              "| concurrency | ours FP8 | ours INT4 | ours INT4/FP8 | seeds FP8 | seeds INT4 | seeds INT4/FP8 |",
              "|---|---|---|---|---|---|---|"]
     seeds = dict(zip(SEEDS_W["concurrency"], zip(SEEDS_W["fp8"], SEEDS_W["int4"])))
@@ -100,7 +100,7 @@ def weights_section(r: dict) -> list[str]:
 
 
 def integrity_section(r: dict) -> list[str]:
-    lines = ["## KV page integrity cost (`bench/integrity_overhead.py`, another session's bench)", "",
+    lines = ["## KV page integrity cost (`bench/integrity_overhead.py`)", "",
              "| batch | tok/s on | tok/s off | on/off | cost % | check alone % of step |", "|---|---|---|---|---|---|"]
     for row in r["rows"]:
         lines.append(f"| {row['batch']} | {_f(row['tokens_per_s_on'])} | {_f(row['tokens_per_s_off'])} | "
@@ -109,11 +109,24 @@ def integrity_section(r: dict) -> list[str]:
 
 
 def capacity_section(r: dict) -> list[str]:
-    lines = ["## KV capacity (`bench/kv_capacity.py`, another session's bench)", "",
+    lines = ["## KV capacity (`bench/kv_capacity.py`)", "",
              "| model | B/token BF16 | B/token FP8 | tokens/GiB FP8 / BF16 |", "|---|---|---|---|"]
     for m in r["models"]:
         lines.append(f"| {m['model']} | {m['bf16_bytes_per_token']} | {m['fp8_bytes_per_token']} | {m['ratio']:.3f} |")
     return lines + ["", "Seeds: ~686k -> ~1.37M tokens in the same deployment (2.00x).", ""]
+
+
+def quality_section(r: dict) -> list[str]:
+    lines = ["## Quality of the formats (`jaxserve eval-quality`, held-out stdlib text)", "",
+             "| pair | ppl a | ppl b | mean KL | top-1 agreement |", "|---|---|---|---|---|"]
+    for p in r["pairs"]:
+        lines.append(f"| {p['label']} | {p['ppl_a']:.2f} | {p['ppl_b']:.2f} | {p['mean_kl']:.5f} | "
+                     f"{p['top1_agreement']:.4f} |")
+    lines += ["", "Greedy decoding through the engine, identical tokens vs all-BF16: " +
+              ", ".join(f"{g['b']} {g['identical_fraction']:.3f} ({g['n_tokens']} tokens)" for g in r["greedy"]),
+              "", "Seeds (FP8 vs BF16 KV; FP8 vs INT4 weights): benchmark scores within ~1 point (e.g. GSM8K "
+              "94.24 / 94.09, MMLU 86.60 / 86.54).", ""]
+    return lines
 
 
 def serving_section(r: dict) -> list[str]:
@@ -179,6 +192,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "serving": ("serving.json", serving_section),
     "peer_transformers": ("peer_transformers.json", peer_section),
     "roofline": ("roofline.json", roofline_section),
+    "quality": ("quality.json", quality_section),
 }
 
 
