@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -24,9 +23,9 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import common  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from jaxserve.engine.request import Status  # noqa: E402
-from jaxserve.engine.scheduler import _samp_arrays  # noqa: E402
 from jaxserve.models.paged import DecodeBatch  # noqa: E402
 
 
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for e in engines.values():
             e.close()
     result = {"model": name, "backend": jax.default_backend(), "device": str(jax.devices()[0]),
-              "machine": platform.processor() or platform.machine(), "kv_dtype": "fp8", "decode_weights": "int4",
+              "machine": common.machine(), "kv_dtype": "fp8", "decode_weights": "int4",
               "median_ratio": statistics.median(r["median_ratio"] for r in rows),
               "cost_pct": statistics.median(r["cost_pct"] for r in rows), "goal_cost_pct": 0.5, "rows": rows}
     print(f"{'batch':>5} {'tok/s on':>10} {'tok/s off':>10} {'ratio':>7} {'cost %':>7} {'min..max':>14} "

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -32,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import common  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxserve.engine.programs import kv_layout  # noqa: E402
 from jaxserve.engine.request import Request, Status  # noqa: E402
@@ -56,20 +55,6 @@ class BenchSpec:
 QUICK = BenchSpec(concurrency=(1, 16, 32), prompt_len=32, new_tokens=16, budget_seqs=24, reps=2)
 SMOKE = BenchSpec(concurrency=(1, 4), prompt_len=16, new_tokens=4, budget_seqs=3, reps=1)
 
-
-def machine() -> dict:
-    """What ran this: CPU model, core count, JAX backend and device, load average (the machine may be shared)."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "backend": jax.default_backend(),
-            "device": str(jax.devices()[0]), "loadavg_at_start": os.getloadavg(), "python": platform.python_version(),
-            "jax": jax.__version__}
 
 
 def bench_model(checkpoint: Path | None) -> tuple[str, CausalLM]:
@@ -195,7 +180,7 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
         rows.append(row)
     peak = {d: max((r[d]["tokens_per_s"] for r in rows if r[d]["status"] == "ok"), default=None) for d in DTYPES}
     return {
-        "bench": "kv_dtype_concurrency", "model": name, "machine": machine(),
+        "bench": "kv_dtype_concurrency", "model": name, "machine": common.machine(),
         "cpu_figures": jax.default_backend() == "cpu", "spec": asdict(spec),
         "budget": {"bytes": budget, "page_bytes": pb,
                    "bytes_per_token": {d: pb[d] // spec.page_size for d in DTYPES},

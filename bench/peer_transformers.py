@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,6 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import common  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxserve.models import CausalLM  # noqa: E402
 
@@ -55,21 +54,12 @@ SMOKE = BenchSpec(concurrency=(1, 2), prompt_len=8, new_tokens=4, reps=1, config
 
 
 def machine() -> dict:
-    """What ran this: CPU model, cores, load average, library versions."""
+    """What ran this: the common machine description plus the PyTorch side's versions and threads."""
     import torch
     import transformers
 
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
-            "backend": jax.default_backend(), "jax": jax.__version__, "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__}
+    return {**common.machine(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__}
 
 
 def bench_models(checkpoint: Path | None) -> tuple[str, CausalLM, CausalLM]:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +32,7 @@ from flax import nnx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import common  # noqa: E402
 from jaxserve.cache.pages import KVLayout  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from jaxserve.engine.programs import kv_layout  # noqa: E402
@@ -83,18 +82,6 @@ class KimiShapes:
     v_head: int = 128
     vocab: int = 163840
 
-
-def machine() -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "backend": jax.default_backend(), "device": str(jax.devices()[0]),
-            "loadavg_at_start": os.getloadavg(), "jax": jax.__version__}
 
 
 # ---------------------------------------------------------------------------------------------------- bandwidth
@@ -271,7 +258,7 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
                     row["seeds_step_s"] = step
                     row["seeds_step_over_8xH200_bound"] = step / (one / 8)
                 kimi_rows.append(row)
-    return {"bench": "roofline", "model": name, "machine": machine(), "spec": asdict(spec),
+    return {"bench": "roofline", "model": name, "machine": common.machine(), "spec": asdict(spec),
             "cpu_figures": jax.default_backend() == "cpu", "bandwidth_bytes_per_s": bw,
             "tiny": {"kv_bytes_per_token_fp8": kv_fp8, "rows": tiny_rows},
             "kimi_k2.6": {"shapes": asdict(ks), "h200_hbm_bytes_per_s": H200_HBM_BYTES_PER_S, "rows": kimi_rows,

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -36,6 +34,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import common  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -74,19 +73,6 @@ class Result:
     done: float
     error: str | None = None
 
-
-def machine() -> dict:
-    """What ran this: CPU model, core count, load average (the machine may be shared with other work)."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
-            "python": platform.python_version()}
 
 
 # ---------------------------------------------------------------------------------------------------- workload
@@ -345,7 +331,7 @@ def run(spec: LoadSpec, url: str | None, checkpoint: Path | None) -> dict:
                 stop_server(proc)
     s = summarize(results, seconds, len(reqs))
     return {"bench": "serving", "model": model_desc, "served_model": name, "server": "started by the bench"
-            if url is None else url, "machine": machine(), "spec": asdict(spec),
+            if url is None else url, "machine": common.machine(), "spec": asdict(spec),
             "mode": f"poisson rate {spec.rate}/s" if spec.rate else f"concurrency {spec.concurrency}",
             "summary": s, "health_after": health,
             "notes": "client and server on the same (shared, busy) CPU host; warm-up pass excluded; "
