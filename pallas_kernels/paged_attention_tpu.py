@@ -17,8 +17,8 @@ What was checked: CPU only, TPU interpret mode (`interpret=pltpu.InterpretParams
 0, 1, ps-1, ps, several pages and the full table, random non-contiguous block tables, bf16 and fp8 pages, one
 and two head blocks, NaN in tail tokens). What was NOT checked: the real Mosaic lowering (`interpret=False` on a
 TPU has never run: tiling/layout constraints such as the (H, 1) softmax-state scratch, the transposed-RHS dot,
-or the fp8 -> bf16 cast may be rejected or slow there), the DMA saving for skipped pages, and speed (never measured anywhere). Legacy `interpret=True` gives
-the same results on the test shapes.
+or the fp8 -> bf16 cast may be rejected or slow there), the DMA saving for skipped pages, and speed (never
+measured anywhere). Legacy `interpret=True` gives the same results on the test shapes.
 """
 from __future__ import annotations
 
