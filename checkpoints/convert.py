@@ -258,7 +258,7 @@ def _keep_f32(path: str) -> bool:
 
 def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16", progress: bool = True) -> Path:
     """Convert an HF folder to a jaxserve checkpoint; returns OUT_DIR. Raises CheckpointError / ConfigError."""
-    from jaxserve.checkpoint import save_group  # the Orbax layout lives with the loader
+    from jaxserve.checkpoint import partial_output, save_group  # the Orbax layout lives with the loader
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if dtype not in DTYPE_NAMES:
@@ -272,11 +272,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
     cfg = from_hf_config(raw)
     reader = HFReader(SafetensorsFolder(hf_dir), quant_scheme(raw))
     np_dtype = np.dtype(DTYPE_NAMES[dtype])
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    try:
-        (partial / "params").mkdir(parents=True)
+    with partial_output(out_dir) as partial:
+        (partial / "params").mkdir()
         groups = ["embed"] + [f"layer_{i:03d}" for i in range(cfg.num_layers)]
         for g in tqdm(groups, desc=f"convert {hf_dir.name}", unit="group", disable=not progress):
             tree = _top_params(cfg, reader) if g == "embed" else _layer_params(cfg, reader, int(g[6:]))
@@ -289,10 +286,6 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
                     "source": {"path": str(hf_dir), "quantization": reader.scheme.method},
                     "groups": groups}
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        partial.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -1,9 +1,11 @@
 """jaxserve checkpoints: one Orbax pytree per group (embed, layer_000, ...), restored onto given shardings."""
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,22 @@ from jaxserve.quant.apply import WeightFormat, quantize_model
 
 MANIFEST = "jaxserve.json"
 ShardingFn = Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding]
+
+
+@contextlib.contextmanager
+def partial_output(out_dir: Path) -> Iterator[Path]:
+    """Build a checkpoint in OUT.partial and rename it to OUT only when the block completes; on any error the
+    partial folder is removed, so nothing incomplete is ever left looking like a checkpoint."""
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+        partial.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def save_group(path: Path, tree: dict) -> None:

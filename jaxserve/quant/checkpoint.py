@@ -22,7 +22,8 @@ from pathlib import Path
 from flax import nnx
 from tqdm import tqdm
 
-from jaxserve.checkpoint import MANIFEST, format_dir, group_trees, load, load_formats, read_manifest, save_group
+from jaxserve.checkpoint import (MANIFEST, format_dir, group_trees, load, load_formats, partial_output, read_manifest,
+                                 save_group)
 from jaxserve.errors import CheckpointError, ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.layers import Linear
@@ -76,12 +77,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, spec: QuantizeSpec = Q
         raise CheckpointError(f"{src} has no BF16/F32 weights to quantize (it has {have})", value=have,
                               param="checkpoint")
     _, model = load(src)
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
     formats: dict[str, dict] = {}
-    try:
-        partial.mkdir(parents=True)
+    with partial_output(out) as partial:
         for fmt, role in spec.roles().items():
             wf = WeightFormat(fmt, spec.group_size, spec.attention)
             qmodel = _quantize(model, wf)
@@ -100,10 +97,6 @@ def quantize_checkpoint(src: str | Path, out: str | Path, spec: QuantizeSpec = Q
                    source_weights={"fmt": have[0], "bytes": weight_bytes(model),
                                    "expert_bytes": weight_bytes(model, experts_only=True)})
         (partial / MANIFEST).write_text(json.dumps(new, indent=1))
-        partial.rename(out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return new
 
 
