@@ -14,7 +14,8 @@ class EngineConfig:
     """Serving knobs. Prefill and decode each get their own weight format and KV dtype (the seeds' recipe:
     BF16 KV + FP8 weights in prefill, FP8 KV + INT4 weights in decode).
 
-    attention: "xla" (gather + dense; the CPU default), "pallas" (GPU/TPU kernel) or "pallas_interpret".
+    attention: "xla" (gather + dense; the CPU default), "pallas" (GPU-shaped kernel), "pallas_tpu" (TPU-shaped MLA
+    kernel), or either + "_interpret" (the same kernel on CPU).
     devices: how many devices to use (tensor parallel over heads and expert FFN); disaggregate: split them in
     two halves, prefill on the first, decode on the second, KV handed off BF16 -> FP8 between them.
     """
@@ -54,8 +55,8 @@ class EngineConfig:
         for p in ("prefill_weights", "decode_weights"):
             if getattr(self, p) not in ("bf16", "f32", "fp8", "int4"):
                 bad(p, "must be one of bf16, f32, fp8, int4")
-        if self.attention not in ("xla", "pallas", "pallas_interpret"):
-            bad("attention", "must be 'xla', 'pallas' or 'pallas_interpret'")
+        if self.attention not in ("xla", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret"):
+            bad("attention", "must be 'xla', 'pallas', 'pallas_tpu' or one of those + '_interpret'")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             bad("page_size", "must be a power of two")
         if self.prefill_chunk < 1 or self.prefill_chunk > self.max_prefill_tokens:

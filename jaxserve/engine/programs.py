@@ -86,7 +86,7 @@ class Programs:
         devices = devices[: cfg.devices]
         half = len(devices) // 2
         p_dev, d_dev = (devices[:half], devices[half:]) if cfg.disaggregate else (devices, devices)
-        interpret = cfg.attention == "pallas_interpret"
+        interpret = cfg.attention.endswith("_interpret")
 
         def fmt(name: str) -> WeightFormat:
             return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret)

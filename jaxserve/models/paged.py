@@ -14,9 +14,12 @@ import jax.numpy as jnp
 from jaxserve.cache import KVPages, check_tags, gather_tokens, mask_outputs, write_tokens
 from jaxserve.models.transformer import CausalLM
 from pallas_kernels.paged_attention import paged_gqa_decode, paged_mla_decode
+from pallas_kernels.paged_attention_tpu import paged_mla_decode_tpu
 from pallas_kernels.reference_paged import paged_gqa_reference, paged_mla_reference
 
-AttentionImpl = Literal["pallas", "pallas_interpret", "xla"]
+# "pallas": the GPU-shaped kernel; "pallas_tpu": the TPU-shaped MLA kernel (GQA falls back to "pallas");
+# *_interpret run the same kernels on CPU.
+AttentionImpl = Literal["pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret", "xla"]
 
 
 @jax.tree_util.register_dataclass
@@ -134,8 +137,11 @@ def _mla_attention(q: jax.Array, lat: jax.Array, scale: jax.Array | None, bt: ja
                    rank: int, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
     if impl == "xla":
         return paged_mla_reference(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale)
+    if impl.startswith("pallas_tpu"):
+        return paged_mla_decode_tpu(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
+                                    interpret=impl.endswith("interpret"))
     return paged_mla_decode(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
-                            interpret=impl == "pallas_interpret", out_dtype=jnp.float32)
+                            interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
 
 
 def _gqa_attention(q: jax.Array, kp: jax.Array, vp: jax.Array, ks: jax.Array | None, vs: jax.Array | None,
@@ -143,4 +149,4 @@ def _gqa_attention(q: jax.Array, kp: jax.Array, vp: jax.Array, ks: jax.Array | N
     if impl == "xla":
         return paged_gqa_reference(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale)
     return paged_gqa_decode(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale,
-                            interpret=impl == "pallas_interpret", out_dtype=jnp.float32)
+                            interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
