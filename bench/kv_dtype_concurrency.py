@@ -18,7 +18,6 @@ are not reproduced; the capacity side (what each budget admits) is exact.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -234,11 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency:
         spec = replace(spec, concurrency=tuple(args.concurrency))
     r = run(spec, args.checkpoint)
-    print(table(r))
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(r, indent=1) + "\n")
-    print(f"wrote {args.json_out}")
-    return 0
+    return common.write_result(r, table(r), args.json_out)
 
 
 if __name__ == "__main__":

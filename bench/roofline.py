@@ -18,7 +18,6 @@ the seeds' measured FP8-KV decode tokens/s turned into step times for comparison
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -306,11 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches:
         spec = replace(spec, batches=tuple(args.batches))
     r = run(spec, args.checkpoint)
-    print(table(r))
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(r, indent=1) + "\n")
-    print(f"wrote {args.json_out}")
-    return 0
+    return common.write_result(r, table(r), args.json_out)
 
 
 if __name__ == "__main__":

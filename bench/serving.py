@@ -380,11 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.source is not None:
         spec = replace(spec, source=args.source)
     r = run(spec, args.url, args.checkpoint)
-    print(table(r))
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(r, indent=1) + "\n")
-    print(f"wrote {args.json_out}")
-    return 0
+    return common.write_result(r, table(r), args.json_out)
 
 
 if __name__ == "__main__":
