@@ -261,16 +261,10 @@ class Scheduler:
     # ---- decode -------------------------------------------------------------------------------------------
     def _decode_step(self) -> None:
         cfg, ps = self.cfg, self.cfg.page_size
-        rows = [s for s in self.running if s.status is Status.DECODING]
-        ready: list[Sequence] = []
-        for seq in rows:
-            if seq.status is not Status.DECODING:
-                continue  # preempted while making room for an earlier row
-            if seq.decode_len == len(seq.decode_pages) * ps and not self._grow(seq):
-                continue
-            if seq.status is Status.DECODING:
-                ready.append(seq)
-        ready = [s for s in ready if s.status is Status.DECODING]
+        for seq in [s for s in self.running if s.status is Status.DECODING]:
+            if seq.status is Status.DECODING and seq.decode_len == len(seq.decode_pages) * ps:
+                self._grow(seq)  # may preempt the youngest rows, this one included
+        ready = [s for s in self.running if s.status is Status.DECODING]
         if not ready:
             return
         B = bucket(len(ready), cap=cfg.max_batch, floor=cfg.min_rows_bucket)
