@@ -24,9 +24,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
-from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
-from jaxserve.engine.request import Status  # noqa: E402
-from jaxserve.models.paged import DecodeBatch  # noqa: E402
+from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 
 
 def load_model(checkpoint: Path | None):  # noqa: ANN201
@@ -49,42 +47,20 @@ def load_model(checkpoint: Path | None):  # noqa: ANN201
     return "random-tiny-kimi", CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
 
 
-def steady_batch(engine: Engine, batch: int, prompt_len: int, vocab: int) -> tuple[DecodeBatch, object]:
-    """Prefill `batch` requests through the engine and return the decode batch their next step would run."""
-    rng = np.random.default_rng(0)
-    for _ in range(batch):
-        engine.scheduler.submit(Request(list(map(int, rng.integers(0, vocab, prompt_len))),
-                                        SamplingParams(max_tokens=10_000, ignore_eos=True)))
-    sched = engine.scheduler
-    while sum(s.status is Status.DECODING for s in sched.running) < batch:
-        sched.step()
-    captured: dict[str, object] = {}
-    real = engine.programs.run_decode
-
-    def capture(tags, b, samp):  # noqa: ANN001, ANN202
-        captured.update(tags=tags, batch=b, samp=samp)
-        return real(tags, b, samp)
-
-    engine.programs.run_decode = capture
-    sched.step()
-    engine.programs.run_decode = real
-    return captured["batch"], captured
-
-
-def time_steps(engine: Engine, cap: dict, steps: int) -> float:
+def time_steps(engine: Engine, call: common.DecodeCall, steps: int) -> float:
     """Seconds for `steps` decode-program calls (synchronized by the host read of the tokens)."""
     t = time.perf_counter()
     for _ in range(steps):
-        engine.programs.run_decode(cap["tags"], cap["batch"], cap["samp"])
+        engine.programs.run_decode(call.tags, call.batch, call.samp)
     return time.perf_counter() - t
 
 
-def check_only_seconds(cap: dict, reps: int) -> float:
+def check_only_seconds(call: common.DecodeCall, reps: int) -> float:
     """Median seconds of the tag check alone (the jitted check_tags) on the captured batch."""
     from jaxserve.cache import check_tags
 
-    b = cap["batch"]
-    args = (cap["tags"], b.block_tables, b.expected_tags, b.num_pages)
+    b = call.batch
+    args = (call.tags, b.block_tables, b.expected_tags, b.num_pages)
     check_tags(*args).block_until_ready()
     times = []
     for _ in range(reps):
@@ -111,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for b in tqdm(batches, desc="integrity overhead"):
         engines = {flag: Engine(model, EngineConfig(integrity=flag, **base), start=False) for flag in (True, False)}
-        caps = {flag: steady_batch(e, b, 128, model.cfg.vocab_size)[1] for flag, e in engines.items()}
+        rng = np.random.default_rng(0)
+        prompts = [list(map(int, rng.integers(0, model.cfg.vocab_size, 128))) for _ in range(b)]
+        caps = {flag: common.steady_decode(e, prompts, 10_000) for flag, e in engines.items()}
         for flag, e in engines.items():
             time_steps(e, caps[flag], 2)  # warm
         ratios, on_t, off_t = [], [], []

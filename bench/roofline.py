@@ -33,9 +33,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from jaxserve.cache.pages import KVLayout  # noqa: E402
-from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
+from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.engine.programs import kv_layout  # noqa: E402
-from jaxserve.engine.request import Status  # noqa: E402
 from jaxserve.models import CausalLM  # noqa: E402
 from jaxserve.quant import formats  # noqa: E402
 from jaxserve.quant.apply import WeightFormat, quantize_model  # noqa: E402
@@ -179,26 +178,13 @@ def measured_step(engine: Engine, batch: int, context: int, vocab: int, steps: i
     and (b) whole engine steps. Medians over reps, seconds per step."""
     rng = np.random.default_rng(batch)
     sched = engine.scheduler
-    for _ in range(batch):
-        engine.submit(Request(rng.integers(1, vocab, context).tolist(),
-                              SamplingParams(max_tokens=2 * steps * reps + 16, ignore_eos=True)))
-    while sum(s.status is Status.DECODING for s in sched.running) < batch:
-        engine.step()
-    cap: dict = {}
-    real = engine.programs.run_decode
-
-    def capture(tags, b, samp):  # noqa: ANN001, ANN202
-        cap.update(tags=tags, b=b, samp=samp)
-        return real(tags, b, samp)
-
-    engine.programs.run_decode = capture
-    engine.step()
-    engine.programs.run_decode = real
+    prompts = [rng.integers(1, vocab, context).tolist() for _ in range(batch)]
+    call = common.steady_decode(engine, prompts, 2 * steps * reps + 16)
     prog, whole = [], []
     for _ in range(reps):  # program first: engine steps may replace (donate) the captured tag array
         t = time.perf_counter()
         for _ in range(steps):
-            real(cap["tags"], cap["b"], cap["samp"])
+            engine.programs.run_decode(call.tags, call.batch, call.samp)
         prog.append((time.perf_counter() - t) / steps)
     for _ in range(reps):
         t = time.perf_counter()
