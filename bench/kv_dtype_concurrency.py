@@ -68,7 +68,7 @@ def bench_model(checkpoint: Path | None) -> tuple[str, CausalLM]:
         return str(ckpt.name), load(ckpt)[1]
     if checkpoint is not None:
         load(checkpoint)  # raises the typed CheckpointError naming what is missing
-    from checkpoints.train_tiny import ModelSize, hf_config_dict
+    from tools.train_tiny import ModelSize, hf_config_dict
     from jaxserve.config import from_hf_config
 
     cfg = from_hf_config(hf_config_dict(ModelSize()))

@@ -3,7 +3,7 @@
 Usage: python bench/peer_transformers.py [--quick | --smoke] [--checkpoint DIR] --json OUT.json
 
 The jaxserve model (checkpoints/tiny-kimi, or a random model of its architecture when absent) is exported to an
-HF folder with checkpoints.train_tiny.export_hf (f32, the real transformers DeepseekV3 format) and loaded with
+HF folder with tools.train_tiny.export_hf (f32, the real transformers DeepseekV3 format) and loaded with
 AutoModelForCausalLM (eager attention, f32). Both sides get the same prompts (equal length, so no padding), the
 same greedy decoding and exactly `new_tokens` tokens (eos ignored: min_new_tokens = max_new_tokens in HF,
 ignore_eos in jaxserve), at concurrency 1 (one prompt) and 16 (one batch of 16 / 16 concurrent requests).
@@ -73,7 +73,7 @@ def bench_models(checkpoint: Path | None) -> tuple[str, CausalLM, CausalLM]:
         return ckpt.name, load(ckpt, dtype=jnp.float32)[1], load(ckpt, dtype=jnp.bfloat16)[1]
     if checkpoint is not None:
         load(checkpoint)  # raises the typed CheckpointError naming what is missing
-    from checkpoints.train_tiny import ModelSize, hf_config_dict
+    from tools.train_tiny import ModelSize, hf_config_dict
     from jaxserve.config import from_hf_config
 
     cfg = from_hf_config(hf_config_dict(ModelSize()))
@@ -87,7 +87,7 @@ def hf_model(model: CausalLM, out: Path):  # noqa: ANN201 - a transformers PreTr
     import torch
     import transformers
 
-    from checkpoints.train_tiny import ModelSize, export_hf, hf_config_dict
+    from tools.train_tiny import ModelSize, export_hf, hf_config_dict
 
     raw = hf_config_dict(ModelSize())
     if raw["vocab_size"] != model.cfg.vocab_size or raw["hidden_size"] != model.cfg.hidden_size:

@@ -166,7 +166,7 @@ def bench_model(checkpoint: Path | None) -> tuple[str, CausalLM]:
         return ckpt.name, load(ckpt, dtype=jnp.bfloat16)[1]
     if checkpoint is not None:
         load(checkpoint)
-    from checkpoints.train_tiny import ModelSize, hf_config_dict
+    from tools.train_tiny import ModelSize, hf_config_dict
     from jaxserve.config import from_hf_config
 
     cfg = from_hf_config(hf_config_dict(ModelSize()))

@@ -7,7 +7,7 @@ Without --url it starts `jaxserve serve` itself on 127.0.0.1 (a free port) in a 
 generator and the server do not share one Python interpreter, and stops it at the end. --url must be loopback.
 Load: a fixed concurrency (C clients, each sending its next request when the last finished) or a fixed request
 rate (Poisson arrivals: exponential gaps of mean 1/R). Prompts are windows of held-out stdlib text
-(checkpoints.corpus held-out split, tokenized with the tiny-kimi tokenizer) or random token ids; prompt and
+(jaxserve.eval.corpus held-out split, tokenized with the tiny-kimi tokenizer) or random token ids; prompt and
 output lengths are drawn uniformly from [lo, hi]. Every request streams (/v1/completions, stream=true,
 logprobs=0 so every token arrives as its own SSE chunk, ignore_eos so the output length is exact).
 TTFT: send -> first token chunk; ITL: gaps between token chunks; TPOT: (last - first) / (tokens - 1).
@@ -80,8 +80,8 @@ class Result:
 
 def corpus_tokens(max_chars: int = 400_000) -> np.ndarray:
     """Held-out stdlib text (first files of the fixed split, up to max_chars) tokenized with the tiny tokenizer."""
-    from checkpoints import corpus
-    from checkpoints.train_tiny import TOKENIZER_DIR
+    from jaxserve.eval import corpus
+    from tools.train_tiny import TOKENIZER_DIR
     from jaxserve.tokenizer import Tokenizer
 
     tok = Tokenizer(TOKENIZER_DIR)
@@ -251,8 +251,8 @@ def bench_checkpoint(checkpoint: Path | None, tmp: Path) -> tuple[Path, str]:
         raise SystemExit(f"{checkpoint} is not a jaxserve checkpoint (no jaxserve.json)")
     from flax import nnx
 
-    from checkpoints.convert import convert
-    from checkpoints.train_tiny import ModelSize, export_hf, hf_config_dict
+    from jaxserve.convert.converter import convert
+    from tools.train_tiny import ModelSize, export_hf, hf_config_dict
     from jaxserve.config import from_hf_config
     from jaxserve.models import CausalLM
 
@@ -316,7 +316,7 @@ def run(spec: LoadSpec, url: str | None, checkpoint: Path | None) -> dict:
         try:
             card = get_json(host, port, "/v1/models")["data"][0]
             name = card["id"]
-            from checkpoints.train_tiny import ModelSize
+            from tools.train_tiny import ModelSize
 
             vocab = ModelSize().vocab_size
             stream = corpus_tokens() if spec.source == "corpus" else None

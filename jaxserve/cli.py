@@ -14,7 +14,7 @@ from jaxserve.errors import JaxserveError
 
 # subcommand -> (module with add_arguments/run, help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("checkpoints.convert", "HF safetensors folder -> jaxserve Orbax checkpoint"),
+    "convert": ("jaxserve.convert.converter", "HF safetensors folder -> jaxserve Orbax checkpoint"),
     "quantize": ("jaxserve.quant.checkpoint", "write FP8 prefill / INT4 decode weights beside a checkpoint"),
     "generate": ("jaxserve.engine.generate", "generate a continuation of a prompt (default: the embedded model)"),
     "serve": ("jaxserve.server.main", "serve the OpenAI-compatible HTTP API (default: the embedded model)"),
@@ -24,9 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def default_checkpoint() -> Path:
     """The embedded tiny Kimi-architecture model shipped in checkpoints/tiny-kimi."""
-    import checkpoints
-
-    return Path(checkpoints.__file__).resolve().parent / "tiny-kimi"
+    return Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import hf_tiny
-from checkpoints.convert import convert
+from jaxserve.convert.converter import convert
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "weight_formats.py"
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import hf_tiny
 import jaxserve
-from checkpoints.convert import convert
+from jaxserve.convert.converter import convert
 from jaxserve.checkpoint import model_params
 from jaxserve.errors import CheckpointError, ConfigError
 from jaxserve.quant import hf_formats
@@ -60,7 +60,7 @@ def _converted_param(params: dict[str, np.ndarray], hf_name: str) -> np.ndarray:
 
 def _unpermute_rope(cfg, hf_name: str, w: np.ndarray) -> np.ndarray:
     """Undo the converter's interleaved -> half-split row permutation (q_b rope rows, kv_a rope rows)."""
-    from checkpoints.convert import _rope_rows
+    from jaxserve.convert.converter import _rope_rows
 
     if "q_b_proj" in hf_name:
         rows = _rope_rows(cfg.num_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)

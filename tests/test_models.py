@@ -10,7 +10,7 @@ import torch
 
 import hf_tiny
 import jaxserve
-from checkpoints.convert import convert
+from jaxserve.convert.converter import convert
 from jaxserve.models import forward
 
 ARCHS = ["deepseek_v3", "glm_moe_dsa", "glm4_moe"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hf_tiny
-from checkpoints.convert import convert
+from jaxserve.convert.converter import convert
 from jaxserve.checkpoint import load
 from jaxserve.eval import quality
 from jaxserve.models import forward

@@ -15,7 +15,7 @@ import jaxserve
 from flax import nnx
 
 import hf_tiny
-from checkpoints.convert import convert
+from jaxserve.convert.converter import convert
 from jaxserve.checkpoint import load, load_formats, model_params
 from jaxserve.cli import main
 from jaxserve.errors import CheckpointError
@@ -139,7 +139,7 @@ def test_errors(ckpt, quantized, tmp_path, capsys):
 def test_engine_serves_a_quantized_checkpoint_per_phase(tmp_path):
     """jaxserve quantize output: prefill runs the stored FP8 weights, decode the stored INT4 ones."""
     import hf_tiny
-    from checkpoints.convert import convert
+    from jaxserve.convert.converter import convert
     from jaxserve.engine import Engine, EngineConfig, SamplingParams
     from jaxserve.errors import ConfigError
     from jaxserve.quant.checkpoint import QuantizeSpec, quantize_checkpoint

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxserve
-from checkpoints.train_tiny import heldout_subset_perplexity
+from tools.train_tiny import heldout_subset_perplexity
 from jaxserve.models import forward
 from jaxserve.tokenizer import Tokenizer
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from checkpoints import corpus, train_tokenizer
+from jaxserve.eval import corpus
+from tools import train_tokenizer
 from jaxserve.errors import CheckpointError, ConfigError, InvalidRequestError
 from jaxserve.tokenizer import StreamDecoder, Tokenizer
 

@@ -1,4 +1,4 @@
-"""checkpoints.train_tiny: a few steps of training, HF export, conversion back; logits equal in all three places."""
+"""tools.train_tiny: a few steps of training, HF export, conversion back; logits equal in all three places."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ import torch
 import transformers
 
 import jaxserve
-from checkpoints import train_tiny as tt
-from checkpoints.convert import convert
+from tools import train_tiny as tt
+from jaxserve.convert.converter import convert
 from jaxserve.models import forward
 
 SIZE = tt.ModelSize(vocab_size=4096, hidden_size=64, num_layers=3, num_heads=4, q_lora_rank=32, kv_lora_rank=16,

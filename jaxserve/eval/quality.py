@@ -1,6 +1,6 @@
 """`jaxserve eval-quality CKPT`: how much the serving formats (FP8 / INT4 weights, FP8 KV) change the model.
 
-Teacher-forced, on held-out text (`checkpoints.corpus` held-out split, tokenized, cut into fixed non-overlapping
+Teacher-forced, on held-out text (`jaxserve.eval.corpus` held-out split, tokenized, cut into fixed non-overlapping
 windows): every window goes through the paged prefill over a page pool of the given KV dtype (over an FP8 pool,
 attention reads exactly the FP8 KV that decode reads), giving next-token log-probs for each format. Pairs are
 compared by perplexity, mean KL(a || b) of the next-token distributions (a is the reference) and top-1 agreement.
@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from checkpoints import corpus
+from jaxserve.eval import corpus
 from jaxserve.cache import init_pages
 from jaxserve.checkpoint import load, load_formats
 from jaxserve.engine import Engine, EngineConfig, SamplingParams

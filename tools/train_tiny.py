@@ -1,16 +1,16 @@
 """Train the tiny DeepSeek-V3-architecture model shipped as `checkpoints/tiny-kimi`, export it as an HF folder.
 
-    python -m checkpoints.train_tiny OUT_HF_DIR --minutes 40 [--seed 0] [--steps N]
-    python -m checkpoints.train_tiny --evaluate CHECKPOINT_DIR     # converted checkpoint -> CHECKPOINT_DIR/eval.json
+    python -m tools.train_tiny OUT_HF_DIR --minutes 40 [--seed 0] [--steps N]
+    python -m tools.train_tiny --evaluate CHECKPOINT_DIR     # converted checkpoint -> CHECKPOINT_DIR/eval.json
 
 The model is jaxserve's own `CausalLM` (MLA with q LoRA, sigmoid-routed MoE with score-correction bias, one
 dense first layer), trained in float32 with AdamW (linear warmup + cosine) on the stdlib corpus train split
-(`checkpoints.corpus`), tokenized with `checkpoints/tiny-kimi-tokenizer`, documents joined with `<|endoftext|>`,
+(`jaxserve.eval.corpus`), tokenized with `checkpoints/tiny-kimi-tokenizer`, documents joined with `<|endoftext|>`,
 random fixed-length windows. Experts are balanced the DeepSeek-V3 aux-loss-free way: after each step every MoE
 layer's `router_bias` moves by +/- `bias_rate` toward equal load. The run stops by wall time: the first steps are
 timed and the cosine schedule is fitted to the steps that fit `--minutes` (`--steps N` fixes it instead).
 
-The export inverts `checkpoints.convert`: [in, out] -> [out, in], stacked experts -> per-expert HF modules, and the
+The export inverts `jaxserve.convert`: [in, out] -> [out, in], stacked experts -> per-expert HF modules, and the
 half-split RoPE rows of q_b_proj / kv_a_proj_with_mqa back to interleaved order (`rope_interleave: true`).
 """
 from __future__ import annotations
@@ -32,14 +32,14 @@ from flax import nnx
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from checkpoints import corpus
-from checkpoints.convert import _rope_rows
+from jaxserve.eval import corpus
+from jaxserve.convert.converter import _rope_rows
 from jaxserve.checkpoint import model_params
 from jaxserve.config import ModelConfig, from_hf_config
 from jaxserve.models import CausalLM, forward
 from jaxserve.tokenizer import Tokenizer
 
-TOKENIZER_DIR = Path(__file__).resolve().parent / "tiny-kimi-tokenizer"
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi-tokenizer"
 EOS = "<|endoftext|>"
 EVAL_FILE = "eval.json"
 SUMMARY_FILE = "training_summary.json"
@@ -230,7 +230,7 @@ def _batch_nats(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> ja
 def heldout_subset_perplexity(model: CausalLM, tokenizer: Tokenizer, n_tokens: int = 16384, window: int = 512) -> float:
     """Perplexity on a fixed small held-out subset: the first `n_tokens` predictions of the held-out stream.
 
-    Subset: the held-out stream ([eos] doc0 [eos] doc1 ..., `checkpoints.corpus.heldout_files()` order) truncated to
+    Subset: the held-out stream ([eos] doc0 [eos] doc1 ..., `jaxserve.eval.corpus.heldout_files()` order) truncated to
     n_tokens + 1 tokens, scored in windows of `window` predictions (n_tokens // window windows when divisible).
     -> exp(mean nats/token).
     """
@@ -549,8 +549,8 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, summary_path: str | Path | N
     result["subset_ppl"] = heldout_subset_perplexity(model, tokenizer, n_sub, win)
     result["subset"] = {"n_tokens": n_sub, "window": win, "definition": (
         "first n_tokens predictions of the held-out stream [eos] doc0 [eos] doc1 ... "
-        "(checkpoints.corpus.heldout_files order), windows of `window` predictions; "
-        "checkpoints.train_tiny.heldout_subset_perplexity")}
+        "(jaxserve.eval.corpus.heldout_files order), windows of `window` predictions; "
+        "tools.train_tiny.heldout_subset_perplexity")}
     if summary_path is not None:
         s = json.loads(Path(summary_path).read_text())
         result["training"] = {k: s[k] for k in ("steps", "tokens_seen", "wall_seconds", "parameters")}

@@ -1,6 +1,6 @@
 """Train the tiny model's byte-level BPE tokenizer on the TRAIN split of the stdlib corpus.
 
-Usage: `python -m checkpoints.train_tokenizer OUT_DIR [--vocab-size 4096]`.
+Usage: `python -m tools.train_tokenizer OUT_DIR [--vocab-size 4096]`.
 Writes `tokenizer.json`, `tokenizer_config.json` (Kimi-format Jinja `chat_template`, `eos_token`, no BOS),
 `generation_config.json` (stop ids) and `training_meta.json` (corpus fingerprint, wall time).
 Like Kimi, the special tokens sit right after the base vocabulary: ids `vocab_size - 6 .. vocab_size - 1`.
@@ -17,7 +17,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from checkpoints import corpus
+from jaxserve.eval import corpus
 from jaxserve.errors import ConfigError
 
 EOS_TOKEN = "<|endoftext|>"

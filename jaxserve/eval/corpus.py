@@ -2,7 +2,7 @@
 
 The split is by top-level module/package (a fixed list, `HELDOUT_MODULES`), so it is identical on
 any machine with the same Python version and stdlib layout, and no held-out module leaks into
-training through a sibling file. Run `python -m checkpoints.corpus` for a summary and fingerprint.
+training through a sibling file. Run `python -m jaxserve.eval.corpus` for a summary and fingerprint.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from checkpoints.safetensors_io import SafetensorsFolder
+from jaxserve.convert.safetensors_io import SafetensorsFolder
 from jaxserve.config import ModelConfig, from_hf_config
 from jaxserve.errors import CheckpointError, ConfigError
 from jaxserve.models.rope import interleave_to_half_split

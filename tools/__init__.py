@@ -1,0 +1,1 @@
+"""Training of the embedded model and its tokenizer (not part of the runtime package)."""
