@@ -1,0 +1,40 @@
+"""Cross-lowering helpers for the kernel tests: lower a jitted function for CUDA or TPU on this CPU host, and
+the per-pipeline-stage byte budgets the BlockSpecs must fit.
+
+`lower_for(fn, *args, platform=...)` runs `jax.export` for one platform and returns the StableHLO text; a
+kernel that cannot lower raises there (e.g. Mosaic GPU's shared-memory check, Mosaic TPU's block-shape rule).
+Triton custom calls carry no serialization-compatibility guarantee, so that one safety check is disabled:
+we lower, we never ship the artifact.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+# H200 (sm_90): at most 227 KiB of shared memory per thread block (232,448 bytes opt-in).
+H200_SMEM_BYTES = 232_448
+# Mosaic TPU's default scoped-VMEM limit for one kernel; a kernel may raise it with vmem_limit_bytes.
+TPU_SCOPED_VMEM_BYTES = 32 * 2**20
+TPU_SMEM_BYTES = 1 * 2**20
+
+_TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
+def lower_for(fn: Callable, *args: object, platform: str) -> str:
+    """StableHLO text of `jax.jit(fn)(*args)` exported for `platform` ("cuda" or "tpu"); args may be
+    jax.ShapeDtypeStruct. Raises whatever the lowering raises."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(_TRITON_TARGET)] if platform == "cuda" else []
+    exported = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
+    return exported.mlir_module()
+
+
+def sds(shape: Sequence[int], dtype: object) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype) if not hasattr(dtype, "dtype") else dtype)
+
+
+def stage_bytes(blocks: Sequence[tuple[Sequence[int], object]], buffers: int = 2) -> int:
+    """Bytes one pipeline stage holds: the sum of each (block shape, dtype), times the buffering factor."""
+    return buffers * sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in blocks)
