@@ -26,7 +26,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxserve.errors import ConfigError
+
+
+class KernelShapeError(ValueError):
+    """Operands a kernel cannot take: `value` is the bad value, `param` names the operand."""
+
+    def __init__(self, message: str, *, value: object = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.value = value
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,7 @@ def int4_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, blocks: Int4Blo
     half_k, n = w.shape
     n_groups = scale.shape[0]
     if 2 * half_k != k or scale.shape[1] != n or k % n_groups or (k // n_groups) % 2:
-        raise ConfigError(f"int4_matmul shapes do not match: x {x.shape}, w {w.shape}, scale {scale.shape}",
+        raise KernelShapeError(f"int4_matmul shapes do not match: x {x.shape}, w {w.shape}, scale {scale.shape}",
                           value=(tuple(x.shape), tuple(w.shape), tuple(scale.shape)), param="w")
     g = k // n_groups
     blocks = blocks or choose_blocks(m, n)

@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxserve.errors import ConfigError
-from pallas_kernels.int4_matmul import accumulate_int4_groups, split_even_odd
+from pallas_kernels.int4_matmul import KernelShapeError, accumulate_int4_groups, split_even_odd
 
 FP8_BLOCK = 128
 
@@ -127,11 +126,11 @@ def _gmm_fp8_kernel(meta_ref, x_ref, w_ref, s_ref, o_ref, *, k_blocks: int) -> N
 
 
 def _check_shapes(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array, fmt: str) -> None:
-    """Raises ConfigError naming the first inconsistent operand."""
+    """Raises KernelShapeError naming the first inconsistent operand."""
     m, k = x.shape
     e = w.shape[0]
     if group_sizes.shape != (e,):
-        raise ConfigError(f"group_sizes shape {group_sizes.shape} != ({e},)", value=tuple(group_sizes.shape),
+        raise KernelShapeError(f"group_sizes shape {group_sizes.shape} != ({e},)", value=tuple(group_sizes.shape),
                           param="group_sizes")
     if fmt == "int4":
         ok = (w.ndim == 3 and 2 * w.shape[1] == k and scale.shape[::2] == (e, w.shape[2])
@@ -140,9 +139,9 @@ def _check_shapes(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax
         ok = (w.ndim == 3 and w.shape[1] == k and k % FP8_BLOCK == 0
               and scale.shape == (e, k // FP8_BLOCK, -(-w.shape[2] // FP8_BLOCK)))
     else:
-        raise ConfigError(f"moe_gmm handles 'int4' and 'fp8' weights, not {fmt!r}", value=fmt, param="fmt")
+        raise KernelShapeError(f"moe_gmm handles 'int4' and 'fp8' weights, not {fmt!r}", value=fmt, param="fmt")
     if not ok:
-        raise ConfigError(f"moe_gmm {fmt} shapes do not match: x {x.shape}, w {w.shape}, scale {scale.shape}"
+        raise KernelShapeError(f"moe_gmm {fmt} shapes do not match: x {x.shape}, w {w.shape}, scale {scale.shape}"
                           + (" (fp8 kernel needs K % 128 == 0)" if fmt == "fp8" else ""),
                           value=(tuple(x.shape), tuple(w.shape), tuple(scale.shape)), param="w")
 
@@ -161,7 +160,7 @@ def moe_gmm(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array
     blocks = blocks or choose_gmm_blocks(m, n, n_experts)
     bm, bn = blocks.block_m, blocks.block_n
     if fmt == "fp8" and FP8_BLOCK % bn:
-        raise ConfigError(f"fp8 block_n {bn} must divide {FP8_BLOCK}", value=bn, param="blocks")
+        raise KernelShapeError(f"fp8 block_n {bn} must divide {FP8_BLOCK}", value=bn, param="blocks")
     layout = tile_layout(group_sizes, m, bm)
     n_tiles = layout.tile_group.shape[0]
     x_pad = jnp.where(layout.row_valid[:, None], x[layout.row_src], 0).astype(x.dtype)  # [T*bm, K]

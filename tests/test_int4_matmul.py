@@ -6,6 +6,9 @@ accumulates in f32 and rounds the output to bf16 (relative 2^-9), so ||out - ref
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
@@ -15,6 +18,7 @@ import pytest
 from jaxserve.errors import ConfigError
 from jaxserve.quant import formats, ops
 from pallas_kernels.int4_matmul import Int4Blocks, choose_blocks, int4_matmul
+from pallas_kernels import reference
 from pallas_kernels.reference import int4_matmul_reference
 
 REL_TOL = 1e-2
@@ -46,6 +50,22 @@ def test_int4_matmul_matches_reference(seed: int, m: int, k: int, n: int, g: int
     out = int4_matmul(x, wq, scale, blocks=blocks, interpret=True)
     assert out.shape == (m, n) and out.dtype == jnp.bfloat16
     assert _rel_err(out, int4_matmul_reference(x, wq, scale)) <= REL_TOL
+
+
+@pytest.mark.parametrize("fmt, shape, g", [("int4", (256, 96), 32), ("int4", (3, 256, 40), 128),
+                                           ("fp8", (256, 96), 128), ("fp8", (2, 200, 130), 128)])
+def test_reference_dequantize_is_bit_exact_with_formats(fmt: str, shape: tuple[int, ...], g: int) -> None:
+    # pallas_kernels has its own dequantization (it imports nothing from jaxserve); it must be the same one
+    rng = np.random.default_rng(len(shape) * 10 + g)
+    wq, scale = formats.quantize(rng.standard_normal(shape).astype(np.float32) * 3.0, fmt, g)
+    ours = np.asarray(reference.dequantize(wq, scale, fmt))
+    np.testing.assert_array_equal(ours.view(np.uint32), np.asarray(formats.dequantize(wq, scale, fmt)).view(np.uint32))
+
+
+def test_kernel_modules_import_without_jaxserve() -> None:
+    code = ("import sys, pallas_kernels.int4_matmul, pallas_kernels.moe_gmm, pallas_kernels.reference; "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'jaxserve']; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_choose_blocks() -> None:

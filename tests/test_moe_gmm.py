@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from jaxserve.errors import ConfigError
 from jaxserve.quant import formats, ops
+from pallas_kernels.int4_matmul import KernelShapeError
 from pallas_kernels.moe_gmm import GmmBlocks, moe_gmm, tile_layout
 from pallas_kernels.reference import gmm_reference
 
@@ -115,12 +116,12 @@ def test_grouped_linear_dispatch_matches_reference(fmt: str, use_kernel: bool) -
 def test_bad_format_and_shapes_raise_typed_errors() -> None:
     x = jnp.ones((4, 64), jnp.bfloat16)
     w = jnp.ones((2, 64, 8), jnp.bfloat16)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(KernelShapeError) as e:
         moe_gmm(x, w, jnp.ones((2, 1, 1)), jnp.asarray([2, 2], jnp.int32), fmt="bf16", interpret=True)
-    assert e.value.value == "bf16"
+    assert e.value.value == "bf16" and e.value.param == "fmt"
     with pytest.raises(ConfigError) as e:
         ops.grouped_linear(x, w, None, jnp.asarray([4], jnp.int32), "bf16")
     assert e.value.value == (2, 64, 8)
     wq, scale = formats.quantize(np.ones((2, 64, 8), np.float32), "fp8")
-    with pytest.raises(ConfigError):  # the fp8 kernel needs K % 128 == 0 (ops falls back to XLA instead)
+    with pytest.raises(KernelShapeError, match="128"):  # fp8 kernel needs K % 128 == 0 (ops falls back to XLA)
         moe_gmm(x, wq, scale, jnp.asarray([2, 2], jnp.int32), fmt="fp8", interpret=True)
