@@ -220,3 +220,71 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     (tmp_path / "params").mkdir()
     with pytest.raises(CheckpointError, match="not a complete jaxserve checkpoint"):
         jaxserve.load(tmp_path)
+
+
+def _fp8_block_checkpoint(kimi_hf, tmp_path: Path, stored_as: dict[str, torch.dtype], fmt: str = "e4m3") -> Path:
+    """The FP8 block-scaled layout (16x16 tiles), with the tensors in `stored_as` written in another dtype."""
+    folder, state = kimi_hf
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": fmt, "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16]}
+    tensors = {k: torch.from_numpy(v) for k, v in state.items()}
+    for k in _quantized_linear_names(state, only_experts=False):
+        q, s = hf_formats.quantize_fp8_block(state[k], (16, 16))
+        tensors[k] = torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+        tensors[k.removesuffix("weight") + "weight_scale_inv"] = torch.from_numpy(s)
+    for k, dt in stored_as.items():
+        tensors[k] = tensors[k].float().to(dt)
+    return _write(tmp_path / "fp8", tensors, config)
+
+
+def test_fp8_tensor_stored_in_another_format_is_named(kimi_hf, tmp_path):
+    """Issue 12.7: an F8_E5M2 tensor under `"fmt": "e4m3"` is refused (reading it as e4m3 would be silent garbage)."""
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    bad = _fp8_block_checkpoint(kimi_hf, tmp_path, {name: torch.float8_e5m2})
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + r".*F8_E5M2.*e4m3.*F8_E4M3") as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert e.value.param == name and e.value.value == "F8_E5M2"
+    _assert_nothing_left(tmp_path)
+
+
+def test_fp8_scale_stored_as_fp8_is_named(kimi_hf, tmp_path):
+    name = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+    bad = _fp8_block_checkpoint(kimi_hf, tmp_path, {name: torch.float8_e4m3fn})
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + r".*F8_E4M3") as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert e.value.param == name
+    _assert_nothing_left(tmp_path)
+
+
+def test_unknown_fp8_fmt_is_refused(kimi_hf, tmp_path):
+    bad = _fp8_block_checkpoint(kimi_hf, tmp_path, {}, fmt="e3m4")
+    with pytest.raises(ConfigError, match="e3m4") as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert e.value.param == "quantization_config.fmt"
+    _assert_nothing_left(tmp_path)
+
+
+def test_int4_packed_weight_in_wrong_dtype_is_named(kimi_hf, tmp_path):
+    folder, state = kimi_hf
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
+    tensors = {k: torch.from_numpy(v) for k, v in state.items()}
+    target = _quantized_linear_names(state, only_experts=True)[0]
+    for k in _quantized_linear_names(state, only_experts=True):
+        q, s = hf_formats.quantize_int4_group(state[k], 32)
+        base = k.removesuffix("weight")
+        del tensors[k]
+        packed = torch.from_numpy(hf_formats.pack_int4(q))
+        tensors[base + "weight_packed"] = packed.to(torch.int64) if k == target else packed
+        tensors[base + "weight_scale"] = torch.from_numpy(s).to(torch.bfloat16)
+        tensors[base + "weight_shape"] = torch.tensor(state[k].shape, dtype=torch.int32)
+    bad = _write(tmp_path / "int4", tensors, config)
+    name = target.removesuffix("weight") + "weight_packed"
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + r".*I64.*INT4.*I32") as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert e.value.param == name
+    _assert_nothing_left(tmp_path)

@@ -34,6 +34,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", 
                    "generation_config.json", "chat_template.jinja", "tokenizer.model")
 MANIFEST = "jaxserve.json"
 DTYPE_NAMES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+FP8_STORED = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2"}  # quantization_config.fmt -> safetensors dtype
+FLOAT_STORED = ("F32", "F16", "BF16", "F64")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,25 @@ class QuantScheme:
     method: str  # "none" | "fp8_block" | "fp8_channel" | "int4_pack"
     block: tuple[int, int] = (128, 128)
     group_size: int = 32
+    fp8_fmt: str = "e4m3"  # the FP8 element format the config declares (DeepSeek's `fmt`)
+
+    def declared(self) -> str:
+        return {"fp8_block": f"FP8 {self.fp8_fmt} (block scales)", "fp8_channel": f"FP8 {self.fp8_fmt} (per channel)",
+                "int4_pack": "pack-quantized INT4", "none": "no quantization"}[self.method]
+
+    def check_stored(self, name: str, stored: str) -> None:
+        """Refuse a tensor of a quantized linear whose stored dtype disagrees with what config.json declares."""
+        if self.method == "none":
+            return  # an unquantized config: FP8 tensors are still read if they carry their scales
+        if name.endswith(".weight_packed"):
+            want: tuple[str, ...] = ("I32",)
+        elif name.endswith(".weight"):  # called for FP8-stored weights only
+            want = (FP8_STORED[self.fp8_fmt],) if self.method != "int4_pack" else FLOAT_STORED
+        else:  # weight_scale / weight_scale_inv
+            want = FLOAT_STORED
+        if stored not in want:
+            raise CheckpointError(f"tensor {name!r} is stored as {stored}, but config.json declares "
+                                  f"{self.declared()} (expected {' or '.join(want)})", value=stored, param=name)
 
 
 def quant_scheme(raw: dict) -> QuantScheme:
@@ -51,7 +72,11 @@ def quant_scheme(raw: dict) -> QuantScheme:
         return QuantScheme("none")
     method = q.get("quant_method")
     if method == "fp8":
-        return QuantScheme("fp8_block", block=tuple(q.get("weight_block_size") or (128, 128)))
+        fmt = q.get("fmt", "e4m3")
+        if fmt not in FP8_STORED:
+            raise ConfigError(f"unsupported FP8 fmt {fmt!r}; supported: {', '.join(FP8_STORED)}", value=fmt,
+                              param="quantization_config.fmt")
+        return QuantScheme("fp8_block", block=tuple(q.get("weight_block_size") or (128, 128)), fp8_fmt=fmt)
     if method == "compressed-tensors":
         fmt = q.get("format")
         groups = list((q.get("config_groups") or {}).values())
@@ -95,6 +120,7 @@ class HFReader:
             shape_name = p + ".weight_shape"
             shape = tuple(int(v) for v in self.st.read(shape_name)) if shape_name in self.st else (out_dim, in_dim)
             self._expect(shape_name, shape, (out_dim, in_dim))
+            self.scheme.check_stored(p + ".weight_packed", self.st.info(p + ".weight_packed").dtype)
             packed, scale = self.st.read(p + ".weight_packed"), self.st.read(p + ".weight_scale")
             try:
                 return hf_formats.dequantize_pack_quantized(packed, scale, shape, self.scheme.group_size)
@@ -104,13 +130,16 @@ class HFReader:
         info = self.st.info(w_name)  # raises a CheckpointError naming the missing tensor
         self._expect(w_name, info.shape, (out_dim, in_dim))
         w = self.st.read(w_name)
-        if info.dtype in ("F8_E4M3", "F8_E5M2"):
+        if info.dtype in FP8_STORED.values():
+            self.scheme.check_stored(w_name, info.dtype)
             if p + ".weight_scale_inv" in self.st:
+                self.scheme.check_stored(p + ".weight_scale_inv", self.st.info(p + ".weight_scale_inv").dtype)
                 try:
                     return hf_formats.dequantize_fp8_block(w, self.st.read(p + ".weight_scale_inv"), self.scheme.block)
                 except ValueError as e:
                     raise CheckpointError(f"{p}.weight_scale_inv: {e}", value=info.shape, param=p) from e
             if p + ".weight_scale" in self.st:
+                self.scheme.check_stored(p + ".weight_scale", self.st.info(p + ".weight_scale").dtype)
                 s = self.st.read(p + ".weight_scale").astype(np.float32).reshape(-1)
                 if s.size not in (1, out_dim):
                     raise CheckpointError(f"{p}.weight_scale has {s.size} values, expected 1 or {out_dim}",
