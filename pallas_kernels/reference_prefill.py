@@ -1,0 +1,215 @@
+"""Plain-jnp paged PREFILL attention (a chunk of T query tokens per row over the row's paged context), f32.
+
+Two forms of one contract (shared with `paged_prefill.py`):
+- `prefill_mla_dense` / `prefill_gqa_dense`: gather the whole context, masked softmax over [T, S]. The test
+  oracle; memory grows as chunk x context.
+- `prefill_mla_blockwise` / `prefill_gqa_blockwise`: a `lax.fori_loop` over blocks of pages with an online
+  softmax; memory grows as chunk x block, and the trip count follows the batch's real context
+  (cdiv(min(max(positions) + 1, max(ctx_lens)), block)), not the padded table width. The engine's XLA path.
+
+Contract (every function):
+    q             MLA [B, T, N, latent_dim] (absorbed query: nope part through kv_b, then rope part);
+                  GQA [B, T, Hq, D], Hq a multiple of Hkv; any float dtype, computed in f32.
+    pages         MLA [num_pages, page_size, latent_dim]; GQA k_pages / v_pages [num_pages, page_size, Hkv, D];
+                  bf16 | f32 | float8_e4m3fn (one layer). The chunk's own KV must already be written.
+    scales        fp8 only (x ~= q8 * scale), f32: MLA [num_pages, page_size]; GQA [num_pages, page_size, Hkv].
+    block_tables  [B, M] int32, page ids covering prior context + this chunk; padding entries 0 (a valid page).
+    positions     [B, T] int32, absolute position of each query token.
+    ctx_lens      [B] int32, prior + chunk tokens (clipped to M * page_size).
+    Key position s is visible to the query at position p iff s <= p and s < ctx_len. A query that sees no key
+    (ctx_len 0, or position < 0) gets 0. Padding query slots get whatever their positions give (finite).
+    logits = (q . k) * softmax_scale; MLA value = latent[:kv_lora_rank].
+    Returns MLA [B, T, N, kv_lora_rank] f32; GQA [B, T, Hq, D] f32.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_HI = lax.Precision.HIGHEST
+
+
+def _dequant(x: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """x [..., D] any float, scale [...] | None -> [..., D] f32."""
+    x = x.astype(jnp.float32)
+    return x if scale is None else x * scale.astype(jnp.float32)[..., None]
+
+
+def _pin(pools, i: jax.Array):
+    """Tie the page pools to the loop index i inside the loop body.
+
+    XLA:CPU upcasts bf16/fp8 gathers to f32 (float normalization) and loop-invariant code motion then hoists that
+    convert of the WHOLE pool out of the loop: a pool-sized f32 copy per call. Through a barrier with the loop
+    index the convert stays in the body, fused into the gather (only gathered rows are converted).
+    """
+    return lax.optimization_barrier((pools, i))[0]
+
+
+def _visible(kpos: jax.Array, positions: jax.Array, ctx_lens: jax.Array) -> jax.Array:
+    """kpos [S] int32, positions [B, T], ctx_lens [B] -> [B, T, S] bool (the causal rule)."""
+    return (kpos[None, None, :] <= positions[:, :, None]) & (kpos[None, None, :] < ctx_lens[:, None, None])
+
+
+def _grouped(q: jax.Array, hkv: int) -> jax.Array:
+    """q [B, T, H, D] -> [B, T, Hkv, G, D] f32 (query head h uses kv head h // G)."""
+    b, t, h, d = q.shape
+    return q.astype(jnp.float32).reshape(b, t, hkv, h // hkv, d)
+
+
+def _dense(qg: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, ctx_lens: jax.Array,
+           softmax_scale: float) -> jax.Array:
+    """qg [B, T, Hkv, G, Dk], k [B, S, Hkv, Dk], v [B, S, Hkv, Dv] f32 -> [B, T, Hkv, G, Dv] f32."""
+    logits = jnp.einsum("btkgd,bskd->btkgs", qg, k, precision=_HI) * softmax_scale
+    mask = _visible(jnp.arange(k.shape[1], dtype=jnp.int32), positions, ctx_lens)[:, :, None, None, :]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m = logits.max(axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    denom = p.sum(axis=-1, keepdims=True)
+    # zero V rows no query sees: slots past ctx_len may hold anything, NaN included, and 0 * NaN would leak
+    v = jnp.where((jnp.arange(v.shape[1]) < ctx_lens[:, None])[:, :, None, None], v, 0.0)
+    return jnp.einsum("btkgs,bskd->btkgd", p / jnp.where(denom > 0, denom, 1.0), v, precision=_HI)
+
+
+def _gather(pages: jax.Array, scales: jax.Array | None, block_tables: jax.Array) -> jax.Array:
+    """pages [P, ps, *rest], block_tables [B, M] -> [B, M * ps, *rest] f32 (dequantized)."""
+    x = _dequant(pages[block_tables], None if scales is None else scales[block_tables])
+    b, m, ps = x.shape[:3]
+    return x.reshape(b, m * ps, *x.shape[3:])
+
+
+def _clip_lens(ctx_lens: jax.Array, block_tables: jax.Array, page_size: int) -> jax.Array:
+    return jnp.clip(ctx_lens.astype(jnp.int32), 0, block_tables.shape[1] * page_size)
+
+
+def _check_mla(q: jax.Array, pages: jax.Array, kv_lora_rank: int) -> None:
+    if q.shape[-1] != pages.shape[-1] or not 0 < kv_lora_rank < q.shape[-1]:
+        raise ValueError(f"q {q.shape}, pages {pages.shape}, kv_lora_rank {kv_lora_rank}")
+
+
+def _check_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
+    if k_pages.shape != v_pages.shape or q.shape[-1] != k_pages.shape[-1] or q.shape[2] % k_pages.shape[2]:
+        raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale"))
+def prefill_mla_dense(q: jax.Array, pages: jax.Array, block_tables: jax.Array, positions: jax.Array,
+                      ctx_lens: jax.Array, scales: jax.Array | None = None, *, kv_lora_rank: int,
+                      softmax_scale: float) -> jax.Array:
+    """Absorbed MLA prefill, dense (the oracle). Shapes in the module docstring; -> [B, T, N, kv_lora_rank] f32."""
+    _check_mla(q, pages, kv_lora_rank)
+    c = _gather(pages, scales, block_tables)[:, :, None]  # [B, S, 1, Dl]: one latent "kv head"
+    lens = _clip_lens(ctx_lens, block_tables, pages.shape[1])
+    out = _dense(_grouped(q, 1), c, c[..., :kv_lora_rank], positions, lens, softmax_scale)
+    return out[:, :, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale",))
+def prefill_gqa_dense(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                      positions: jax.Array, ctx_lens: jax.Array, k_scales: jax.Array | None = None,
+                      v_scales: jax.Array | None = None, *, softmax_scale: float) -> jax.Array:
+    """GQA prefill, dense (the oracle). Shapes in the module docstring; -> [B, T, Hq, D] f32."""
+    _check_gqa(q, k_pages, v_pages)
+    k = _gather(k_pages, k_scales, block_tables)
+    v = _gather(v_pages, v_scales, block_tables)
+    lens = _clip_lens(ctx_lens, block_tables, k_pages.shape[1])
+    out = _dense(_grouped(q, k_pages.shape[2]), k, v, positions, lens, softmax_scale)
+    return out.reshape(q.shape)
+
+
+def block_pages_for(page_size: int, block_tokens: int = 256) -> int:
+    """Pages per key block of the blockwise path: ~block_tokens keys (at least one page)."""
+    return max(1, block_tokens // page_size)
+
+
+def _blockwise(qg: jax.Array, load, positions: jax.Array, ctx_lens: jax.Array, num_table_pages: int,
+               page_size: int, block_pages: int, value_dim: int, softmax_scale: float) -> jax.Array:
+    """Online softmax over key blocks of `block_pages` pages.
+
+    qg [B, T, Hkv, G, Dk] f32; load(cols [block_pages] int32 table columns, i loop index) -> (k [B, bk, Hkv, Dk],
+    v [B, bk, Hkv, Dv]) f32; ctx_lens already clipped. -> [B, T, Hkv, G, Dv] f32.
+    """
+    b, t, hkv, g, _ = qg.shape
+    bk = block_pages * page_size
+    # trip count from the batch's real context: the last key any query can see, not the table width
+    limit = jnp.minimum(jnp.max(positions) + 1, jnp.max(ctx_lens))
+    n_blocks = jnp.clip(-(-limit // bk), 0, -(-num_table_pages // block_pages))
+
+    def body(i, carry):
+        acc, m, l = carry
+        cols = i * block_pages + jnp.arange(block_pages, dtype=jnp.int32)
+        # columns past the table read its last entry; their keys sit past every ctx_len and are masked
+        k, v = load(jnp.minimum(cols, num_table_pages - 1), i)
+        kpos = i * bk + jnp.arange(bk, dtype=jnp.int32)
+        mask = _visible(kpos, positions, ctx_lens)[:, :, None, None, :]  # [B, T, 1, 1, bk]
+        logits = jnp.einsum("btkgd,bskd->btkgs", qg, k, precision=_HI) * softmax_scale
+        logits = jnp.where(mask, logits, -jnp.inf)
+        m_next = jnp.maximum(m, logits.max(axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no key seen yet: keep exp() finite
+        corr = jnp.exp(m - m_safe)
+        p = jnp.exp(logits - m_safe[..., None])  # masked entries are exp(-inf) = 0
+        v = jnp.where((kpos[None, :] < ctx_lens[:, None])[:, :, None, None], v, 0.0)  # NaN past ctx_len
+        acc = corr[..., None] * acc + jnp.einsum("btkgs,bskd->btkgd", p, v, precision=_HI)
+        return acc, m_next, corr * l + p.sum(axis=-1)
+
+    init = (jnp.zeros((b, t, hkv, g, value_dim), jnp.float32), jnp.full((b, t, hkv, g), -jnp.inf, jnp.float32),
+            jnp.zeros((b, t, hkv, g), jnp.float32))
+    acc, _, l = lax.fori_loop(0, n_blocks, body, init)
+    return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_pages"))
+def prefill_mla_blockwise(q: jax.Array, pages: jax.Array, block_tables: jax.Array, positions: jax.Array,
+                          ctx_lens: jax.Array, scales: jax.Array | None = None, *, kv_lora_rank: int,
+                          softmax_scale: float, block_pages: int | None = None) -> jax.Array:
+    """Absorbed MLA prefill, blockwise online softmax (the engine's XLA path).
+
+    Shapes in the module docstring; block_pages: pages per key block (default ~256 tokens).
+    Peak temporaries ~ B * T * N * (block + kv_lora_rank) f32, independent of the context.
+    -> [B, T, N, kv_lora_rank] f32.
+    """
+    _check_mla(q, pages, kv_lora_rank)
+    page_size = pages.shape[1]
+    bp = block_pages or block_pages_for(page_size)
+    bt = block_tables.astype(jnp.int32)
+
+    def load(cols, i):
+        ids = bt[:, cols]  # [B, bp]
+        pool, sc = _pin((pages, scales), i)
+        c = _dequant(pool[ids], None if sc is None else sc[ids])  # [B, bp, ps, Dl]
+        c = c.reshape(c.shape[0], bp * page_size, 1, c.shape[-1])
+        return c, c[..., :kv_lora_rank]
+
+    out = _blockwise(_grouped(q, 1), load, positions.astype(jnp.int32), _clip_lens(ctx_lens, bt, page_size),
+                     bt.shape[1], page_size, bp, kv_lora_rank, softmax_scale)
+    return out[:, :, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "block_pages"))
+def prefill_gqa_blockwise(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                          positions: jax.Array, ctx_lens: jax.Array, k_scales: jax.Array | None = None,
+                          v_scales: jax.Array | None = None, *, softmax_scale: float,
+                          block_pages: int | None = None) -> jax.Array:
+    """GQA prefill, blockwise online softmax (the engine's XLA path).
+
+    Shapes in the module docstring; block_pages: pages per key block (default ~256 tokens).
+    Peak temporaries ~ B * T * Hq * (block + D) f32, independent of the context. -> [B, T, Hq, D] f32.
+    """
+    _check_gqa(q, k_pages, v_pages)
+    _, page_size, hkv, d = k_pages.shape
+    bp = block_pages or block_pages_for(page_size)
+    bt = block_tables.astype(jnp.int32)
+
+    def load(cols, i):
+        ids = bt[:, cols]
+        kp, vp, ksc, vsc = _pin((k_pages, v_pages, k_scales, v_scales), i)
+        k = _dequant(kp[ids], None if ksc is None else ksc[ids])  # [B, bp, ps, Hkv, D]
+        v = _dequant(vp[ids], None if vsc is None else vsc[ids])
+        shape = (k.shape[0], bp * page_size, hkv, d)
+        return k.reshape(shape), v.reshape(shape)
+
+    out = _blockwise(_grouped(q, hkv), load, positions.astype(jnp.int32), _clip_lens(ctx_lens, bt, page_size),
+                     bt.shape[1], page_size, bp, d, softmax_scale)
+    return out.reshape(q.shape)
