@@ -5,6 +5,12 @@
 chat template in a sandbox. `StreamDecoder` turns a token stream into text without ever emitting half a
 UTF-8 character; for byte-level vocabularies (tiktoken, ByteLevel tokenizer.json) the concatenation of its
 outputs is exactly `Tokenizer.decode` of all ids.
+
+User-supplied text must never become control tokens: `encode(text, special_tokens=False)` encodes special-token
+strings as ordinary text, and `encode_chat` renders the chat template so that only the template's own control
+tokens are ids (a special-token string inside any message, tool schema or argument is encoded as text).
+`encode(..., limit=N)` stops once more than N ids are known, encoding long texts piece by piece (the ids of the
+whole text), so an oversized prompt costs about N tokens of work and never holds the GIL for long.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ import binascii
 import codecs
 import json
 import re
+import secrets
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -42,6 +50,35 @@ KIMI_NUM_RESERVED_SPECIAL_TOKENS = 256
 # Kimi's guards against tiktoken's stack overflow on huge inputs; they change tokens at the seams, so keep them.
 KIMI_MAX_ENCODE_CHARS = 400_000
 KIMI_MAX_NO_WHITESPACE_CHARS = 25_000
+# One encode call covers about this many characters (HF tokenizers holds the GIL while encoding: ~5 ms here).
+PIECE_CHARS = 8192
+# A single space between two non-spaces is a pre-token boundary of the GPT-2, cl100k/GLM and Kimi split patterns
+# (no pattern ends in a space or lets a space continue a token), so pieces cut there encode to the whole's ids.
+_SAFE_CUT = re.compile(r"(?<=\S) (?=\S)")
+
+
+def _pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
+    """`text` cut at safe pre-token boundaries into pieces of about `size` chars (longer where none exists)."""
+    start = 0
+    while len(text) - start > size:
+        m = _SAFE_CUT.search(text, start + size)
+        if m is None:
+            break
+        yield text[start : m.start()]
+        start = m.start()
+    yield text[start:]
+
+
+def _encode_pieces(encode: Any, text: str, limit: int | None, chunkable: bool) -> list[int]:
+    """ids of `text` with `encode(piece) -> list[int]`, stopping once more than `limit` ids are known."""
+    if not chunkable or len(text) <= PIECE_CHARS:
+        return encode(text)
+    ids: list[int] = []
+    for piece in _pieces(text):
+        ids.extend(encode(piece))
+        if limit is not None and len(ids) > limit:
+            break
+    return ids
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -137,15 +174,39 @@ class _HFBackend:
         self.special_ids: frozenset[int] = frozenset(
             t["id"] for t in raw.get("added_tokens", []) if isinstance(t, dict) and t.get("special")
         )
+        added = [t for t in raw.get("added_tokens", []) if isinstance(t, dict) and isinstance(t.get("content"), str)]
+        # every added token is matched in text by `encode` (special or not): all of them are control strings
+        self.control_strings: tuple[str, ...] = tuple(t["content"] for t in added)
+        self._plain = tokenizers.Tokenizer.from_file(str(path))
+        self._plain.encode_special_tokens = True  # added-token strings are split like ordinary text
+        pre = raw.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        byte_level = [p for p in steps if isinstance(p, dict) and p.get("type") == "ByteLevel"]
+        splits = [p for p in steps if isinstance(p, dict) and p.get("type") == "Split"]
+        gpt_split = all(r"\s+(?!\S)" in str((p.get("pattern") or {}).get("Regex", "")) for p in splits)
+        # Piecewise encoding is exact only for the known byte-level split patterns without a normalizer or prefix
+        # space (a Metaspace prefix or a normalizer would change the text at each cut).
+        self.chunkable: bool = (raw.get("normalizer") is None and len(byte_level) == 1 and gpt_split
+                                and not byte_level[0].get("add_prefix_space", False)
+                                and (byte_level[0].get("use_regex", True) or len(splits) == 1))
+        # with special tokens matched, a cut must not split one or move an lstrip/rstrip token's whitespace
+        self._chunkable_special = self.chunkable and not any(
+            " " in t["content"] or t.get("lstrip") or t.get("rstrip") for t in added)
+        # ByteLevel token strings have one char per byte; text covers at most that many chars per token (None:
+        # a normalizer may delete text, so no such bound holds)
+        longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        self.max_token_chars: int | None = longest if raw.get("normalizer") is None else None
         decoder = raw.get("decoder")
         # Only a bare ByteLevel decoder is a plain concatenation of per-token bytes.
         self.byte_level: bool = isinstance(decoder, dict) and decoder.get("type") == "ByteLevel"
         self._char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
         self._bytes_cache: dict[int, bytes] = {}
 
-    def encode(self, text: str) -> list[int]:
-        """Text -> ids; special-token strings in the text become their ids; no BOS/EOS is added."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special_tokens: bool, limit: int | None) -> list[int]:
+        """Text -> ids (no BOS/EOS added); special_tokens: added-token strings in the text become their ids."""
+        tok = self._tok if special_tokens else self._plain
+        chunkable = self._chunkable_special if special_tokens else self.chunkable
+        return _encode_pieces(lambda t: tok.encode(t, add_special_tokens=False).ids, text, limit, chunkable)
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         """Ids -> text."""
@@ -203,6 +264,9 @@ class _TiktokenBackend:
                 specials[f"<|reserved_token_{token_id}|>"] = token_id
         self.vocab_size: int = self.num_base_tokens + KIMI_NUM_RESERVED_SPECIAL_TOKENS
         self.special_ids: frozenset[int] = frozenset(specials.values())
+        self.control_strings: tuple[str, ...] = tuple(specials)
+        self.max_token_chars: int = max(max(len(b) for b in ranks), max(len(t) for t in specials))
+        self._chunkable_special = not any(" " in t for t in specials)  # a cut must never split a special
         self._specials = specials
         self._enc = tiktoken.Encoding(
             name=path.parent.name or "kimi", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
@@ -233,12 +297,17 @@ class _TiktokenBackend:
             raise CheckpointError("tiktoken.model lacks single-byte tokens", value=missing[:16], param="tiktoken.model")
         return ranks
 
-    def encode(self, text: str) -> list[int]:
-        """Text -> ids with Kimi's chunking; special-token strings in the text become their ids."""
+    def encode(self, text: str, special_tokens: bool, limit: int | None) -> list[int]:
+        """Text -> ids with Kimi's chunking; special_tokens: special-token strings in the text become their ids."""
+        allowed: Any = "all" if special_tokens else set()
         ids: list[int] = []
         for start in range(0, len(text), KIMI_MAX_ENCODE_CHARS):
-            for piece in _split_long_runs(text[start : start + KIMI_MAX_ENCODE_CHARS], KIMI_MAX_NO_WHITESPACE_CHARS):
-                ids.extend(self._enc.encode(piece, allowed_special="all", disallowed_special=()))
+            for run in _split_long_runs(text[start : start + KIMI_MAX_ENCODE_CHARS], KIMI_MAX_NO_WHITESPACE_CHARS):
+                pieces = _pieces(run) if self._chunkable_special or not special_tokens else (run,)
+                for piece in pieces:
+                    ids.extend(self._enc.encode(piece, allowed_special=allowed, disallowed_special=()))
+                    if limit is not None and len(ids) > limit:
+                        return ids
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
@@ -263,6 +332,11 @@ class _TiktokenBackend:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one id decodes to."""
         return self._enc.decode_single_token_bytes(token_id)
+
+
+def _left(limit: int | None, ids: list[int]) -> int | None:
+    """What remains of an encode limit after `ids`."""
+    return None if limit is None else max(limit - len(ids), 0)
 
 
 def _raise_exception(message: str) -> None:
@@ -340,6 +414,17 @@ class Tokenizer:
         """Ids of special tokens -> frozenset[int]."""
         return self._backend.special_ids
 
+    @property
+    def control_strings(self) -> tuple[str, ...]:
+        """The strings `encode` turns into single added/special ids when special_tokens=True -> tuple[str, ...]."""
+        return self._backend.control_strings
+
+    @property
+    def max_token_chars(self) -> int | None:
+        """An upper bound on the characters of text one id covers (None if the vocabulary gives none): a text of
+        more than N * max_token_chars characters has more than N tokens, so it can be refused unencoded."""
+        return self._backend.max_token_chars
+
     def _find_chat_template(self) -> str | None:
         """`chat_template.jinja` if present, else tokenizer_config's `chat_template` (str or named list) -> str | None."""
         jinja_file = self.path / "chat_template.jinja"
@@ -380,11 +465,52 @@ class Tokenizer:
             raise InvalidRequestError(f"token id not in vocabulary of size {self.vocab_size}", value=token_id, param="token_ids")
         return token_id
 
-    def encode(self, text: str) -> list[int]:
-        """Text -> token ids (list[int]); special-token strings in text map to their ids; no BOS is added."""
+    def encode(self, text: str, special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """Text -> token ids (list[int]); no BOS is added.
+
+        special_tokens: special-token strings in text map to their ids (False for user-supplied text: they are
+        encoded as the ordinary text they spell). limit: stop once more than `limit` ids are known (the result
+        is then a prefix longer than `limit`, enough to refuse the text without encoding all of it).
+        """
         if not isinstance(text, str):
             raise InvalidRequestError("text to encode must be a string", value=type(text).__name__, param="prompt")
-        return self._backend.encode(text)
+        return self._backend.encode(text, special_tokens, limit)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, limit: int | None = None) -> list[int]:
+        """Render the chat template and encode it so that only the template's own text yields control tokens.
+
+        Every control string inside a user-supplied string (message fields, tool schemas, tool-call arguments) is
+        fenced by a per-call random marker before rendering; after rendering, fenced occurrences are encoded as
+        ordinary text and the markers dropped. Text without such strings renders and encodes exactly as
+        `encode(apply_chat_template(...))`. limit: as in `encode`.
+        """
+        if not self.control_strings:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), limit=limit)
+        nonce = secrets.token_hex(16)  # unguessable, and ASCII hex survives any escaping a template applies
+        controls = "|".join(re.escape(t) for t in sorted(self.control_strings, key=len, reverse=True))
+        find = re.compile(controls)
+
+        def fence(value: Any) -> Any:
+            if isinstance(value, str):
+                return find.sub(lambda m: nonce + m.group(0) + nonce, value)
+            if isinstance(value, dict):
+                return {fence(k): fence(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [fence(v) for v in value]
+            return value
+
+        text = self.apply_chat_template(fence(messages), add_generation_prompt, fence(tools))
+        ids: list[int] = []
+        pos = 0
+        for m in re.finditer(re.escape(nonce) + f"({controls}){re.escape(nonce)}", text):
+            ids += self.encode(text[pos : m.start()].replace(nonce, ""), limit=_left(limit, ids))
+            ids += self.encode(m.group(1), special_tokens=False)
+            pos = m.end()
+            if limit is not None and len(ids) > limit:
+                return ids
+        ids += self.encode(text[pos:].replace(nonce, ""), limit=_left(limit, ids))
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Token ids -> text (str). Special tokens are kept by default so chat/tool markers survive."""
