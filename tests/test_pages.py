@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from jaxserve.cache.pages import (
     FP8_MAX,
     KVLayout,
+    KVPages,
     PageAllocator,
     convert_pages_to_fp8,
     dequantize_fp8,
@@ -110,7 +111,7 @@ def test_write_gather_round_trip(kind, dtype):
         else:
             scale = np.abs(w).max(-1) / FP8_MAX
             assert np.all(np.abs(g - w) <= fp8_bound(w, scale) + 1e-7)
-    # layer 0 and every slot not written stayed zero
+    # layer 0 and every slot not written stayed zero (all-zero bits: +0.0)
     for leaf in (pages.latent, pages.k, pages.v):
         if leaf is not None:
             assert not np.asarray(leaf[0].astype(jnp.float32)).any()
@@ -118,6 +119,51 @@ def test_write_gather_round_trip(kind, dtype):
             real = slots[slots >= 0]
             untouched[real // ps, real % ps] = False
             assert not np.asarray(leaf[1].astype(jnp.float32))[untouched].any()
+
+
+@pytest.mark.parametrize("dtype,bits,values", [("fp8", jnp.uint8, jnp.float8_e4m3fn), ("bf16", jnp.uint16, jnp.bfloat16)])
+def test_pools_store_bits_and_layer_views_values(dtype, bits, values):
+    mla = KVLayout.mla(2, 16, 8, page_size=4, dtype=dtype)
+    gqa = KVLayout.gqa(2, 2, 8, page_size=4, dtype=dtype)
+    for lay in (mla, gqa):
+        pages = init_pages(lay, 5)
+        stored = [x for x in (pages.latent, pages.k, pages.v) if x is not None]
+        assert stored and all(x.dtype == bits for x in stored)
+        views = [x for x in pages.layer(1) if x is not None and x.ndim == (3 if lay.kind == "mla" else 4)]
+        assert views and all(x.dtype == values for x in views)
+    # the view is the stored bit pattern, not a rounded value
+    rows = jax.random.normal(jax.random.key(3), (8, 24)) * 5.0
+    pages = write_tokens(init_pages(mla, 5), 1, rows, jnp.arange(8, dtype=jnp.int32) + 4)
+    lat, _ = pages.layer(1)
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(lat, bits)), np.asarray(pages.latent[1]))
+
+
+@pytest.mark.parametrize("kind", ["mla", "gqa"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_gather_layer_equals_layer_through_the_block_table(kind, dtype):
+    lay = (KVLayout.mla(2, 16, 8, page_size=4, dtype=dtype) if kind == "mla"
+           else KVLayout.gqa(2, 2, 8, page_size=4, dtype=dtype))
+    pages = init_pages(lay, 9)
+    slots = jnp.arange(4, 36, dtype=jnp.int32)
+    pages = write_tokens(pages, 1, _random_rows(jax.random.key(4), lay, 32), slots)
+    bt = jnp.asarray([[5, 2, 0], [3, 8, 1]], jnp.int32)
+    compact, local = pages.gather_layer(1, bt)
+    assert local.shape == bt.shape
+    for c, full in zip(compact, pages.layer(1)):
+        if full is None:
+            assert c is None
+            continue
+        assert c.dtype == full.dtype and c.shape[0] == bt.size
+        np.testing.assert_array_equal(np.asarray(c[local].astype(jnp.float32)), np.asarray(full[bt].astype(jnp.float32)))
+
+
+def test_from_values_stores_bits():
+    lay = KVLayout.mla(1, 8, 8, page_size=4, dtype="bf16")
+    x = jax.random.normal(jax.random.key(5), (1, 3, 4, 16)).astype(jnp.bfloat16)
+    pages = KVPages.from_values(lay, latent=x)
+    assert pages.latent.dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(pages.layer(0)[0]), np.asarray(x[0]))
+    assert KVPages.from_values(lay, latent=pages.latent).latent is pages.latent  # bits pass through
 
 
 def test_slot_minus_one_writes_nothing():

@@ -5,7 +5,13 @@ Two layouts:
     The attention "value" is the first `kv_lora_rank` columns of the row.
   * "gqa": K and V, each `[kv_heads, head_dim]` per token and layer (GLM-4.5: 8 x 128).
 
-FP8 pools store `float8_e4m3fn` plus one float32 scale per token (MLA) or per token and kv head (GQA):
+Pools are stored as bit patterns: uint8 for FP8, uint16 for BF16. XLA:CPU cannot scatter float8/bfloat16
+natively, so a float8 pool made it convert the whole pool to f16/f32 and back around every write; integer pools
+scatter in place. `lax.bitcast_convert_type` at the edges (writes, gathers, `KVPages.layer`, the hand-off) turns
+bits into values only for the rows actually read or written. Consumers of `KVPages.layer` see float8_e4m3fn /
+bfloat16 arrays; the raw fields (`latent`, `k`, `v`) hold the bits.
+
+FP8 pools store `float8_e4m3fn` values plus one float32 scale per token (MLA) or per token and kv head (GQA):
 `x ~= q.astype(f32) * scale`, `scale = amax(|row|) / 448`. Quantization saturates (clips to +-448 before the
 cast) so it never produces NaN from finite or infinite inputs; an all-zero row gets scale 1 (dequant gives 0).
 
@@ -76,7 +82,13 @@ class KVLayout:
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
+        """The value dtype (float8_e4m3fn or bfloat16) that `KVPages.layer` and gathers present."""
         return jnp.dtype(FP8_DTYPE) if self.dtype == "fp8" else jnp.dtype(jnp.bfloat16)
+
+    @property
+    def storage_dtype(self) -> jnp.dtype:
+        """The dtype the pool arrays are stored in: the value dtype's bit pattern (uint8 / uint16)."""
+        return jnp.dtype(jnp.uint8) if self.dtype == "fp8" else jnp.dtype(jnp.uint16)
 
     def with_dtype(self, dtype: KVDtype) -> KVLayout:
         return KVLayout(self.kind, self.num_layers, self.kv_lora_rank, self.qk_rope_head_dim, self.kv_heads,
@@ -100,10 +112,12 @@ class KVLayout:
                    data_fields=["latent", "latent_scale", "k", "v", "k_scale", "v_scale"], meta_fields=["layout"])
 @dataclass(frozen=True)
 class KVPages:
-    """Device page pool. Unused fields are None.
+    """Device page pool. Unused fields are None. Values fields hold bit patterns (`layout.storage_dtype`:
+    uint16 for BF16 pools, uint8 for FP8 pools); `layer()` returns value views.
 
-    MLA: latent [layers, pages, page_size, latent_dim] bf16|f8e4m3, latent_scale [layers, pages, page_size] f32 (fp8).
-    GQA: k, v [layers, pages, page_size, kv_heads, head_dim] bf16|f8e4m3,
+    MLA: latent [layers, pages, page_size, latent_dim] uint16|uint8,
+         latent_scale [layers, pages, page_size] f32 (fp8).
+    GQA: k, v [layers, pages, page_size, kv_heads, head_dim] uint16|uint8,
          k_scale, v_scale [layers, pages, page_size, kv_heads] f32 (fp8).
     """
 
@@ -122,19 +136,66 @@ class KVPages:
     def nbytes(self) -> int:
         return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
 
+    @classmethod
+    def from_values(cls, layout: KVLayout, **fields: jax.Array | None) -> KVPages:
+        """A pool from value arrays (bf16 / float8_e4m3fn, or already bits): values fields are bitcast to bits."""
+        bits = {"latent", "k", "v"}
+        return cls(layout, **{n: to_bits(x, layout) if n in bits and x is not None else x for n, x in fields.items()})
+
     def layer(self, layer: int | jax.Array) -> tuple[jax.Array | None, ...]:
-        """One layer's arrays, in kernel order: MLA (latent, latent_scale); GQA (k, v, k_scale, v_scale)."""
+        """One layer's arrays, in kernel order: MLA (latent, latent_scale); GQA (k, v, k_scale, v_scale).
+
+        Values come as `layout.jnp_dtype` (bf16 / float8_e4m3fn) bitcast views of the stored bits, scales f32.
+        """
+        lay = self.layout
         pick = lambda x: None if x is None else x[layer]  # noqa: E731
-        if self.layout.kind == "mla":
-            return pick(self.latent), pick(self.latent_scale)
-        return pick(self.k), pick(self.v), pick(self.k_scale), pick(self.v_scale)
+        view = lambda x: None if x is None else from_bits(x[layer], lay)  # noqa: E731
+        if lay.kind == "mla":
+            return view(self.latent), pick(self.latent_scale)
+        return view(self.k), view(self.v), pick(self.k_scale), pick(self.v_scale)
+
+    def gather_layer(self, layer: int | jax.Array, block_tables: jax.Array
+                     ) -> tuple[tuple[jax.Array | None, ...], jax.Array]:
+        """The pages `block_tables` [B, M] int32 names, gathered as bits and then viewed as values, with the block
+        table renumbered to index them: `(arrays in layer() order, local_tables [B, M] int32)`.
+
+        Arrays hold B*M pages: MLA latent [B*M, ps, latent_dim], scale [B*M, ps]; GQA k, v [B*M, ps, kv_heads,
+        head_dim], scales [B*M, ps, kv_heads]. For attention written as pool[block_table] in XLA (the reference
+        path): XLA:CPU cannot gather bf16 / float8, so gathering a `layer()` view converts that layer's whole pool
+        to f32 first; here only the B*M pages read are converted.
+        """
+        lay = self.layout
+        b, m = block_tables.shape
+        flat = block_tables.reshape(-1).astype(jnp.int32)
+        pick = lambda x: None if x is None else x[layer][flat]  # noqa: E731
+        view = lambda x: None if x is None else from_bits(x[layer][flat], lay)  # noqa: E731
+        local = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
+        if lay.kind == "mla":
+            return (view(self.latent), pick(self.latent_scale)), local
+        return (view(self.k), view(self.v), pick(self.k_scale), pick(self.v_scale)), local
+
+
+def to_bits(x: jax.Array, layout: KVLayout) -> jax.Array:
+    """Values [...] (any float; cast to the layout's value dtype) -> their bits [...] `layout.storage_dtype`.
+
+    An array already in the storage dtype is returned as is.
+    """
+    if x.dtype == layout.storage_dtype:
+        return x
+    return jax.lax.bitcast_convert_type(x.astype(layout.jnp_dtype), layout.storage_dtype)
+
+
+def from_bits(x: jax.Array, layout: KVLayout) -> jax.Array:
+    """Bits [...] `layout.storage_dtype` -> values [...] `layout.jnp_dtype` (a bitcast: no rounding, no copy
+    beyond what XLA fuses)."""
+    return jax.lax.bitcast_convert_type(x, layout.jnp_dtype)
 
 
 def init_pages(layout: KVLayout, num_pages: int) -> KVPages:
     """Zero-filled pool (scales 1) of `num_pages` pages, every layer."""
     lead = (layout.num_layers, num_pages, layout.page_size)
     fp8 = layout.dtype == "fp8"
-    dt = layout.jnp_dtype
+    dt = layout.storage_dtype  # all-zero bits are +0.0 in both bf16 and e4m3
     if layout.kind == "mla":
         return KVPages(layout, latent=jnp.zeros((*lead, layout.latent_dim), dt),
                        latent_scale=jnp.ones(lead, jnp.float32) if fp8 else None)
@@ -169,8 +230,12 @@ def _slot_indices(slot_mapping: jax.Array, num_pages: int, page_size: int) -> tu
     return page, jnp.where(slot_mapping < 0, 0, slot_mapping % page_size)
 
 
-def _store(pool: jax.Array, layer: jax.Array, page: jax.Array, off: jax.Array, vals: jax.Array) -> jax.Array:
-    return pool.at[layer, page, off].set(vals.astype(pool.dtype), mode="drop")
+def _store(pool: jax.Array, layer: jax.Array, page: jax.Array, off: jax.Array, vals: jax.Array,
+           layout: KVLayout | None = None) -> jax.Array:
+    """Scatter vals [N, ...] at (layer, page[N], off[N]); with `layout`, vals are values turned into the pool's bits
+    first (only the N new rows are converted, never the pool)."""
+    vals = to_bits(vals, layout) if layout is not None else vals.astype(pool.dtype)
+    return pool.at[layer, page, off].set(vals, mode="drop")
 
 
 @jax.jit
@@ -188,24 +253,25 @@ def write_tokens(pages: KVPages, layer: int | jax.Array, rows: jax.Array | tuple
     if lay.kind == "mla":
         if fp8:
             q, s = quantize_fp8(rows)
-            return KVPages(lay, latent=_store(pages.latent, layer, page, off, q),
+            return KVPages(lay, latent=_store(pages.latent, layer, page, off, q, lay),
                            latent_scale=_store(pages.latent_scale, layer, page, off, s))
-        return KVPages(lay, latent=_store(pages.latent, layer, page, off, rows))
+        return KVPages(lay, latent=_store(pages.latent, layer, page, off, rows, lay))
     k_rows, v_rows = rows
     if fp8:
         kq, ks = quantize_fp8(k_rows)
         vq, vs = quantize_fp8(v_rows)
-        return KVPages(lay, k=_store(pages.k, layer, page, off, kq), v=_store(pages.v, layer, page, off, vq),
+        return KVPages(lay, k=_store(pages.k, layer, page, off, kq, lay), v=_store(pages.v, layer, page, off, vq, lay),
                        k_scale=_store(pages.k_scale, layer, page, off, ks),
                        v_scale=_store(pages.v_scale, layer, page, off, vs))
-    return KVPages(lay, k=_store(pages.k, layer, page, off, k_rows), v=_store(pages.v, layer, page, off, v_rows))
+    return KVPages(lay, k=_store(pages.k, layer, page, off, k_rows, lay),
+                   v=_store(pages.v, layer, page, off, v_rows, lay))
 
 
 def _gather(pool: jax.Array, scale: jax.Array | None, block_table: jax.Array, max_len: int,
-            out_dtype: jnp.dtype) -> jax.Array:
-    """pool [P, ps, ...] (one layer), block_table [B, M] -> [B, max_len, ...] out_dtype."""
+            out_dtype: jnp.dtype, layout: KVLayout) -> jax.Array:
+    """pool [P, ps, ...] bits (one layer), block_table [B, M] -> [B, max_len, ...] out_dtype."""
     b, m = block_table.shape
-    x = pool[block_table]  # [B, M, ps, ...]
+    x = from_bits(pool[block_table], layout)  # gather the bits, then view only the gathered rows as values
     x = x.astype(jnp.float32)
     if scale is not None:
         x = x * scale[block_table][..., None]
@@ -231,10 +297,11 @@ def gather_tokens(pages: KVPages, layer: int | jax.Array, block_table: jax.Array
     bt = block_table.astype(jnp.int32)
     if lay.kind == "mla":
         sc = None if pages.latent_scale is None else pages.latent_scale[layer]
-        return _gather(pages.latent[layer], sc, bt, max_len, out_dtype)
+        return _gather(pages.latent[layer], sc, bt, max_len, out_dtype, lay)
     ks = None if pages.k_scale is None else pages.k_scale[layer]
     vs = None if pages.v_scale is None else pages.v_scale[layer]
-    return (_gather(pages.k[layer], ks, bt, max_len, out_dtype), _gather(pages.v[layer], vs, bt, max_len, out_dtype))
+    return (_gather(pages.k[layer], ks, bt, max_len, out_dtype, lay),
+            _gather(pages.v[layer], vs, bt, max_len, out_dtype, lay))
 
 
 @jax.jit
@@ -242,25 +309,27 @@ def pages_to_fp8(src: KVPages, page_ids: jax.Array) -> KVPages:
     """Prefill -> decode hand-off, step 1 (on the prefill device): quantize selected BF16 pages, all layers.
 
     src: BF16 pool; page_ids [n] int32 (valid ids). Returns a compact FP8 KVPages holding just those n pages
-    (half the bytes to transfer), to be placed with `insert_pages` on the decode side.
+    (half the bytes to transfer), to be placed with `insert_pages` on the decode side. Only the n selected pages
+    are turned into values and quantized; the pool is read as bits.
     """
     lay = src.layout
     if lay.dtype != "bf16":
         raise ConfigError("pages_to_fp8 expects a BF16 pool", value=lay.dtype, param="dtype")
     out = lay.with_dtype("fp8")
+    quant = lambda x: quantize_fp8(from_bits(x[:, page_ids], lay))  # noqa: E731
     if lay.kind == "mla":
-        q, s = quantize_fp8(src.latent[:, page_ids])
-        return KVPages(out, latent=q, latent_scale=s)
-    kq, ks = quantize_fp8(src.k[:, page_ids])
-    vq, vs = quantize_fp8(src.v[:, page_ids])
-    return KVPages(out, k=kq, v=vq, k_scale=ks, v_scale=vs)
+        q, s = quant(src.latent)
+        return KVPages.from_values(out, latent=q, latent_scale=s)
+    (kq, ks), (vq, vs) = quant(src.k), quant(src.v)
+    return KVPages.from_values(out, k=kq, v=vq, k_scale=ks, v_scale=vs)
 
 
 @jax.jit
 def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array) -> KVPages:
     """Prefill -> decode hand-off, step 2 (on the decode device): write chunk's n pages at dst_page_ids [n] int32.
 
-    Layouts must match (same dtype). A negative dst page id is padding and writes nothing.
+    Layouts must match (same dtype). A negative dst page id is padding and writes nothing. Bits are copied as
+    bits (an integer scatter: no conversion of the pool).
     """
     if dst.layout != chunk.layout:
         raise ConfigError("insert_pages: chunk layout differs from the pool's", value=(chunk.layout, dst.layout),
