@@ -1,4 +1,5 @@
-"""Paged decode attention (one query token per sequence) for MLA (absorbed, MQA over the latent) and GQA.
+"""Paged decode attention (one query token per sequence) for MLA (absorbed, MQA over the latent) and GQA, written
+for the Pallas Triton lowering (GPU).
 
 Pages are read through the block table; BF16 or FP8 e4m3 pages are dequantized inside the kernel with the
 per-token (MLA) or per-token-and-head (GQA) f32 scales loaded beside them: K scales multiply the logits, V scales
@@ -7,14 +8,30 @@ splits merged by log-sum-exp in XLA. Ragged lengths in one batch; a length of 0 
 
 Grid: MLA (batch, head block, split); GQA (batch, kv head, split), one kv head's query group per program.
 
+Lowering: every pallas_call passes `pallas.triton.CompilerParams(num_warps, num_stages)`. Without compiler
+params JAX 0.10.2 lowers a GPU pallas_call with Mosaic GPU, which treats the whole-pool BlockSpec as one
+shared-memory block ("Mosaic GPU kernel exceeds available shared memory: smem_bytes=38089736"); with them it is
+the Triton lowering this kernel is written for. num_warps / num_stages come from `_TRITON_TABLE`, keyed by
+(head block, loaded width per token, page size, pages per compute block); its entries are starting points chosen
+from JAX's own Triton decode kernels and the shared-memory model below, NOT tuned on a GPU. `choose_blocks`
+shrinks pages_per_compute_block until `smem_bytes` (a model: num_stages copies of the tiles the loop loads, in
+the page dtype, plus one copy of the dot operands converted to the query dtype, q and p) fits the H200's
+232,448 bytes.
+
+Deprecation: the Pallas Triton backend is deprecated upstream as of JAX 0.11.0 (and JAX's own Triton ops point
+to tokamax). Path forward, NOT built: a Mosaic GPU (`pallas.mosaic_gpu`) variant for Hopper, with pages in GMEM
+(`memory_space=ANY`-style refs), per-page TMA copies into a multi-slot SMEM ring driven by barriers, the head
+block (8 local heads padded to a 64-row wgmma tile) times the latent as the wgmma shape, and the block table
+read from SMEM in chunks; it can only be validated on a device.
+
 What was checked: CPU only, legacy `interpret=True`, against `reference_paged.py` (tests/test_paged_attention.py:
-page sizes 8 and 16, batch 1 and 3, ragged lengths 0..several pages, both layouts, bf16 and fp8, random
-non-contiguous block tables). What was NOT checked: any compiled lowering. No GPU was available, so the Triton
-lowering (`interpret=False` on GPU) has never run; the kernel follows the structure of JAX's own
-`pallas/ops/gpu/paged_attention.py` (whole pool as one block, vector page-id gathers, `fori_loop` with a dynamic
-trip count, power-of-two loaded shapes: the MLA latent is read as a 512-wide value part and a 64-wide rope part).
-It is not meant for TPU Mosaic as written: the pool is one block and pages are gathered with vector indices;
-a TPU version needs `memory_space=pl.ANY` pages and manual async copies. Performance was not measured anywhere.
+toy dims with page sizes 8 and 16, batch 1 and 3, ragged lengths 0..several pages, bf16 and fp8, random
+non-contiguous block tables; and the real per-device dims: MLA 8 heads x (512 + 64), GQA 12 q / 1 kv heads x
+128, bf16 and fp8). Cross-lowering for `cuda` with `jax.export` on CPU (tests/test_lowering_attention.py: Kimi
+K2.6 / GLM-5.2 / GLM-4.5 per-device and unsharded shapes, page 16 and 64, batch 1..64, block tables up to
+262,144 tokens): this runs the Pallas -> Triton IR lowering only. What was NOT checked: Triton's own compilation
+to PTX (it happens in XLA's GPU compiler, which needs a GPU), hence its real shared-memory use and register
+pressure; running on any GPU; speed. No GPU was available.
 """
 from __future__ import annotations
 
@@ -26,40 +43,111 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
 
+# H200 (sm_90) opt-in shared memory per thread block.
+SMEM_BUDGET_BYTES = 232_448
+# (block_h, loaded width per token, page_size, pages_per_compute_block) -> (num_warps, num_stages). Priors from
+# JAX's Triton decode kernels (4-8 warps, 2 stages) and the smem model; not measured on a GPU.
+_TRITON_TABLE: dict[tuple[int, int, int, int], tuple[int, int]] = {
+    (16, 576, 16, 2): (4, 2),  # MLA 512 + 64, 32-token blocks
+    (16, 576, 16, 4): (4, 2),  # MLA, 64-token blocks (fp8 pages, bf16 q)
+    (16, 576, 64, 1): (4, 2),
+    (16, 256, 16, 4): (4, 3),  # GQA head_dim 128 (K + V = 256 per token), 64-token blocks
+    (16, 256, 64, 1): (4, 3),
+}
+_DEFAULT_TRITON = (4, 2)
+
+
 @dataclass(frozen=True)
 class DecodeBlocks:
-    """Static tiling: query heads per program, pages per inner step, and sequence splits (pages_per_split)."""
+    """Static tiling: query heads per program, pages per inner step, sequence splits, and Triton's launch
+    parameters (warps per program, software-pipelining stages of the inner loop's loads)."""
 
     block_h: int
     pages_per_compute_block: int
     k_splits: int
+    num_warps: int = _DEFAULT_TRITON[0]
+    num_stages: int = _DEFAULT_TRITON[1]
+    page_splits: int = 1  # > 1 (with one page per step): each page is read in page_splits parts
+
+    def tokens_per_step(self, page_size: int) -> int:
+        return self.pages_per_compute_block * page_size // self.page_splits
+
+
+Tile = tuple[tuple[int, ...], jnp.dtype]
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def smem_tiles(blocks: DecodeBlocks, page_size: int, *, kv_widths: tuple[int, ...], q_width: int, kv_dtype,
+               q_dtype, n_scales: int) -> tuple[list[Tile], list[Tile]]:
+    """Shared-memory model of one program: (tiles loaded per pipeline stage, tiles staged once).
+
+    Per stage (times num_stages): each K/V part [bk, width] in the page dtype, n_scales f32 scale rows [bk], the
+    page ids [ppcb] int32. Once: the same parts converted to the query dtype (dot B operands), q [bh, q_width]
+    and p [bh, bk] in the query dtype.
+    """
+    bk = blocks.tokens_per_step(page_size)
+    staged = [((bk, w), kv_dtype) for w in kv_widths] + [((bk,), jnp.float32)] * n_scales
+    staged.append(((blocks.pages_per_compute_block,), jnp.int32))
+    once = [((bk, w), q_dtype) for w in kv_widths] + [((blocks.block_h, q_width), q_dtype),
+                                                      ((blocks.block_h, bk), q_dtype)]
+    return staged, once
+
+
+def smem_bytes(blocks: DecodeBlocks, page_size: int, **tile_kwargs) -> int:
+    """Modelled shared-memory bytes of one program (see smem_tiles)."""
+    staged, once = smem_tiles(blocks, page_size, **tile_kwargs)
+    size = lambda tiles: sum(math.prod(shape) * jnp.dtype(dt).itemsize for shape, dt in tiles)  # noqa: E731
+    return blocks.num_stages * size(staged) + size(once)
+
+
 def choose_blocks(page_size: int, max_pages: int, heads_per_program: int, *, block_h: int | None = None,
-                  pages_per_compute_block: int | None = None, k_splits: int | None = None) -> DecodeBlocks:
+                  pages_per_compute_block: int | None = None, k_splits: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None, page_splits: int | None = None,
+                  kv_widths: tuple[int, ...] = (64,), q_width: int = 64, kv_dtype=jnp.bfloat16,
+                  q_dtype=jnp.bfloat16, n_scales: int = 0) -> DecodeBlocks:
     """Default tiling; any argument given overrides it.
 
-    block_h: power of two >= 16 (Triton's dot minimum), at most 64. Inner step ~64 tokens. Splits: each split keeps
-    at least 4 inner steps, at most 16 splits.
+    block_h: power of two >= 16 (Triton's dot minimum), at most 64. Inner step ~64 tokens, halved while the
+    shared-memory model exceeds SMEM_BUDGET_BYTES: first fewer pages per step, then (one page per step) the page
+    read in 2, 4, .. parts of >= 16 tokens. Splits: each split keeps at least 4 inner steps, at most 16 splits.
+    num_warps / num_stages: `_TRITON_TABLE`, else (4, 2). kv_widths, q_width, kv_dtype, q_dtype, n_scales: the
+    loaded shapes, as in smem_tiles.
     """
     bh = block_h or min(64, max(16, _next_pow2(heads_per_program)))
     ppcb = pages_per_compute_block or min(max(1, 64 // page_size), _next_pow2(max_pages))
-    steps = -(-max_pages // ppcb)
+    splits = page_splits or 1
+    tiles = dict(kv_widths=kv_widths, q_width=q_width, kv_dtype=kv_dtype, q_dtype=q_dtype, n_scales=n_scales)
+
+    def make(p: int, sp: int, ks: int = 1) -> DecodeBlocks:
+        warps, stages = _TRITON_TABLE.get((bh, sum(kv_widths), page_size, p), _DEFAULT_TRITON)
+        return DecodeBlocks(bh, p, ks, num_warps or warps, num_stages or stages, sp)
+
+    def over(p: int, sp: int) -> bool:
+        return smem_bytes(make(p, sp), page_size, **tiles) > SMEM_BUDGET_BYTES
+
+    # a 576-wide latent block must fit beside its copy converted to the query dtype
+    while pages_per_compute_block is None and ppcb > 1 and over(ppcb, splits):
+        ppcb //= 2
+    while page_splits is None and ppcb == 1 and page_size // splits > 16 and over(ppcb, splits):
+        splits *= 2
+    if page_size % splits or (splits > 1 and ppcb != 1):
+        raise ValueError(f"page_splits {splits} must divide page_size {page_size}, with one page per step")
+    steps = -(-max_pages // ppcb) * splits
     ks = k_splits or min(16, max(1, _next_pow2(steps // 4 + 1) // 2))
-    return DecodeBlocks(bh, ppcb, ks)
+    return make(ppcb, splits, ks)
 
 
 def _decode_kernel(bt_ref, len_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
-                   pages_per_compute_block: int, softmax_scale: float):
+                   pages_per_compute_block: int, page_splits: int, softmax_scale: float):
     """One (sequence, head block, split) program.
 
     MLA refs: q [bh, Dv], q_rope [bh, Dr], latent pages [P, ps, Dv+Dr], (scales [P, ps]), outputs.
@@ -74,38 +162,48 @@ def _decode_kernel(bt_ref, len_ref, *refs, mla: bool, fp8: bool, value_dim: int,
         ks_ref, vs_ref, o_ref, l_ref, m_ref = rest if fp8 else (None, None, *rest)
     split = pl.program_id(2)
     pages_per_split = bt_ref.shape[0]
-    block_k = pages_per_compute_block * page_size
+    sub_k = page_size // page_splits  # tokens per page per step (page_splits > 1 only with one page per step)
+    block_k = pages_per_compute_block * sub_k
     length = len_ref[0]
     first_page = split * pages_per_split
-    n_pages = jnp.clip(pl.cdiv(length, page_size) - first_page, 0, pages_per_split)
-    n_steps = pl.cdiv(n_pages, pages_per_compute_block)
+    n_tokens = jnp.clip(length - first_page * page_size, 0, pages_per_split * page_size)
+    n_steps = pl.cdiv(n_tokens, block_k)
 
     q = q_ref[...]
     block_h = q.shape[0]
     qr = qr_ref[...] if mla else None
 
-    def load(ids):
+    def rows(ref, i, *trailing):
+        """Step i's tokens of a [P, ps, ...] ref -> [block_k, ...]: a vector gather of whole pages, or one page
+        (scalar id) sliced into page_splits parts."""
+        if page_splits == 1:
+            ids = bt_ref[pl.ds(i * pages_per_compute_block, pages_per_compute_block)]
+            x = ref[(ids, slice(None), *trailing)]
+            return x.reshape(block_k, *x.shape[2:])
+        # lax.div / lax.rem: i >= 0, and jnp's floor-mod sign fix-up does not lower to Triton
+        page, part = lax.div(i, page_splits), lax.rem(i, page_splits)
+        return ref[(bt_ref[page], pl.ds(part * sub_k, sub_k), *trailing)]
+
+    def load(i):
         """-> (logits [bh, bk] f32 before scaling, v [bk, Dv] in q dtype, v_scale [1, bk] f32 | None)."""
         if mla:
-            c = kv_ref[ids, :, pl.ds(0, value_dim)].reshape(block_k, value_dim).astype(q.dtype)
-            cr = kv_ref[ids, :, pl.ds(value_dim, qr.shape[-1])].reshape(block_k, qr.shape[-1]).astype(q.dtype)
+            c = rows(kv_ref, i, pl.ds(0, value_dim)).astype(q.dtype)
+            cr = rows(kv_ref, i, pl.ds(value_dim, qr.shape[-1])).astype(q.dtype)
             logits = (jnp.dot(q, c.T, preferred_element_type=jnp.float32)
                       + jnp.dot(qr, cr.T, preferred_element_type=jnp.float32))
-            scale = s_ref[ids].reshape(1, block_k) if fp8 else None
+            scale = rows(s_ref, i).reshape(1, block_k) if fp8 else None
             return (logits if scale is None else logits * scale), c, scale
-        k = k_ref[ids].reshape(block_k, value_dim).astype(q.dtype)
-        v = v_ref[ids].reshape(block_k, value_dim).astype(q.dtype)
+        k = rows(k_ref, i).astype(q.dtype)
+        v = rows(v_ref, i).astype(q.dtype)
         logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
         if fp8:
-            logits = logits * ks_ref[ids].reshape(1, block_k)
-        return logits, v, (vs_ref[ids].reshape(1, block_k) if fp8 else None)
+            logits = logits * rows(ks_ref, i).reshape(1, block_k)
+        return logits, v, (rows(vs_ref, i).reshape(1, block_k) if fp8 else None)
 
     def body(i, carry):
         o_prev, m_prev, l_prev = carry
-        ids = bt_ref[pl.ds(i * pages_per_compute_block, pages_per_compute_block)]
-        logits, v, v_scale = load(ids)
-        tok = (first_page + i * pages_per_compute_block) * page_size + lax.broadcasted_iota(
-            jnp.int32, (1, block_k), 1)
+        logits, v, v_scale = load(i)
+        tok = first_page * page_size + i * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         valid = tok < length  # [1, bk]
         logits = jnp.where(valid, logits * softmax_scale, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
@@ -149,34 +247,45 @@ def _prepare_tables(block_tables: jax.Array, lengths: jax.Array, page_size: int,
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_h", "pages_per_compute_block",
-                                             "k_splits", "interpret", "out_dtype"))
+                                             "k_splits", "num_warps", "num_stages", "page_splits",
+                                             "compute_dtype", "interpret", "out_dtype"))
 def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, lengths: jax.Array,
                      scales: jax.Array | None = None, *, kv_lora_rank: int, softmax_scale: float,
                      block_h: int | None = None, pages_per_compute_block: int | None = None,
-                     k_splits: int | None = None, interpret: bool = False,
-                     out_dtype: jnp.dtype | None = None) -> jax.Array:
+                     k_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     page_splits: int | None = None, compute_dtype: jnp.dtype | None = None,
+                     interpret: bool = False, out_dtype: jnp.dtype | None = None) -> jax.Array:
     """Absorbed MLA decode attention over paged latents.
 
     q: [batch, heads, latent_dim] bf16|f32 (absorbed nope part then rope part); pages: [num_pages, page_size,
     latent_dim] bf16|float8_e4m3fn (one layer); scales: [num_pages, page_size] f32 for fp8 pages, else None;
     block_tables: [batch, max_pages] int32 (valid ids; padding 0); lengths: [batch] int32 (0 allowed).
     logits = (q . latent) * softmax_scale; value = latent[:kv_lora_rank].
-    Returns [batch, heads, kv_lora_rank] in out_dtype (default q.dtype).
+    compute_dtype: dtype of the dot operands (q and the dequantized pages; default q.dtype, e.g. bf16 for an f32
+    q halves the staged operands). Tiling overrides (block_h, pages_per_compute_block, k_splits, num_warps,
+    num_stages, page_splits): see choose_blocks. Returns [batch, heads, kv_lora_rank] in out_dtype (default
+    q.dtype).
     """
+    out_dtype = out_dtype or q.dtype
+    q = q.astype(compute_dtype or q.dtype)
     b, h, dl = q.shape
     num_pages, page_size, dl_p = pages.shape
     if dl != dl_p or not 0 < kv_lora_rank < dl:
         raise ValueError(f"q latent dim {dl}, pages latent dim {dl_p}, kv_lora_rank {kv_lora_rank}")
     fp8 = scales is not None
     blocks = choose_blocks(page_size, block_tables.shape[1], h, block_h=block_h,
-                           pages_per_compute_block=pages_per_compute_block, k_splits=k_splits)
+                           pages_per_compute_block=pages_per_compute_block, k_splits=k_splits, num_warps=num_warps,
+                           num_stages=num_stages, page_splits=page_splits,
+                           kv_widths=(kv_lora_rank, dl - kv_lora_rank), q_width=dl,
+                           kv_dtype=pages.dtype, q_dtype=q.dtype, n_scales=int(fp8))
     bt, lens, pps = _prepare_tables(block_tables, lengths, page_size, blocks)
     hp = -(-h // blocks.block_h) * blocks.block_h
     qp = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
     dr = dl - kv_lora_rank
     bh, s = blocks.block_h, blocks.k_splits
     kernel = functools.partial(_decode_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
-                               pages_per_compute_block=blocks.pages_per_compute_block, softmax_scale=softmax_scale)
+                               pages_per_compute_block=blocks.pages_per_compute_block,
+                               page_splits=blocks.page_splits, softmax_scale=softmax_scale)
     in_specs = [
         pl.BlockSpec((None, pps), lambda i, j, k: (i, k)),  # block table slice of this split
         pl.BlockSpec((None, 1), lambda i, j, k: (i, 0)),  # length
@@ -199,24 +308,33 @@ def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, le
                    jax.ShapeDtypeStruct((s, b, hp), jnp.float32),
                    jax.ShapeDtypeStruct((s, b, hp), jnp.float32)],
         interpret=interpret,
+        # Triton, not Mosaic GPU: the whole pool is one BlockSpec, gathered by page id inside the kernel
+        compiler_params=pl_triton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         name="paged_mla_decode",
     )(*args)
-    return _merge_splits(o, l, m)[:, :h].astype(out_dtype or q.dtype)
+    return _merge_splits(o, l, m)[:, :h].astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "pages_per_compute_block", "k_splits", "interpret",
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "pages_per_compute_block", "k_splits", "num_warps",
+                                             "num_stages", "page_splits", "compute_dtype", "interpret",
                                              "out_dtype"))
 def paged_gqa_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                      lengths: jax.Array, k_scales: jax.Array | None = None, v_scales: jax.Array | None = None, *,
                      softmax_scale: float, pages_per_compute_block: int | None = None, k_splits: int | None = None,
-                     interpret: bool = False, out_dtype: jnp.dtype | None = None) -> jax.Array:
+                     num_warps: int | None = None, num_stages: int | None = None, page_splits: int | None = None,
+                     compute_dtype: jnp.dtype | None = None, interpret: bool = False,
+                     out_dtype: jnp.dtype | None = None) -> jax.Array:
     """GQA decode attention over paged K/V.
 
     q: [batch, q_heads, head_dim] bf16|f32; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
     bf16|float8_e4m3fn (one layer); k_scales, v_scales: [num_pages, page_size, kv_heads] f32 for fp8, else None;
     block_tables: [batch, max_pages] int32; lengths: [batch] int32. q_heads must be a multiple of kv_heads.
+    compute_dtype: dtype of the dot operands (default q.dtype). Tiling overrides (pages_per_compute_block,
+    k_splits, num_warps, num_stages, page_splits): see choose_blocks.
     Returns [batch, q_heads, head_dim] in out_dtype (default q.dtype).
     """
+    out_dtype = out_dtype or q.dtype
+    q = q.astype(compute_dtype or q.dtype)
     b, hq, d = q.shape
     num_pages, page_size, hkv, d_k = k_pages.shape
     if d != d_k or hq % hkv or k_pages.shape != v_pages.shape:
@@ -227,13 +345,16 @@ def paged_gqa_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block
     group = hq // hkv
     # one program holds a kv head's whole query group (padded to block_h rows)
     blocks = choose_blocks(page_size, block_tables.shape[1], group, pages_per_compute_block=pages_per_compute_block,
-                           k_splits=k_splits)
+                           k_splits=k_splits, num_warps=num_warps, num_stages=num_stages, page_splits=page_splits,
+                           kv_widths=(d, d),
+                           q_width=d, kv_dtype=k_pages.dtype, q_dtype=q.dtype, n_scales=2 * int(fp8))
     bt, lens, pps = _prepare_tables(block_tables, lengths, page_size, blocks)
     gp = max(blocks.block_h, _next_pow2(group))
     qg = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, gp - group), (0, 0)))
     s = blocks.k_splits
     kernel = functools.partial(_decode_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size,
-                               pages_per_compute_block=blocks.pages_per_compute_block, softmax_scale=softmax_scale)
+                               pages_per_compute_block=blocks.pages_per_compute_block,
+                               page_splits=blocks.page_splits, softmax_scale=softmax_scale)
     kv_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda i, j, k: (0, 0, j, 0))  # this kv head, all pages
     in_specs = [
         pl.BlockSpec((None, pps), lambda i, j, k: (i, k)),
@@ -257,7 +378,8 @@ def paged_gqa_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block
                    jax.ShapeDtypeStruct((s, b, hkv, gp), jnp.float32),
                    jax.ShapeDtypeStruct((s, b, hkv, gp), jnp.float32)],
         interpret=interpret,
+        compiler_params=pl_triton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         name="paged_gqa_decode",
     )(*args)
     out = _merge_splits(o, l, m)[:, :, :group]
-    return out.reshape(b, hq, d).astype(out_dtype or q.dtype)
+    return out.reshape(b, hq, d).astype(out_dtype)

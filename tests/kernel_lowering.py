@@ -38,3 +38,27 @@ def sds(shape: Sequence[int], dtype: object) -> jax.ShapeDtypeStruct:
 def stage_bytes(blocks: Sequence[tuple[Sequence[int], object]], buffers: int = 2) -> int:
     """Bytes one pipeline stage holds: the sum of each (block shape, dtype), times the buffering factor."""
     return buffers * sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in blocks)
+
+
+def tpu_padded(shape: Sequence[int], dtype: object) -> tuple[int, ...]:
+    """A VMEM buffer's footprint shape: the last dim padded to 128 lanes, the second-last to 8 sublanes times the
+    dtype's packing (16 for bf16, 32 for 8-bit), as Mosaic's native tiling lays it out."""
+    if len(shape) == 0:
+        return ()
+    *lead, last = shape
+    packing = max(1, 4 // np.dtype(dtype).itemsize)
+    if not lead:
+        return (-(-last // 128) * 128,)
+    *lead, second = lead
+    return (*lead, -(-second // (8 * packing)) * 8 * packing, -(-last // 128) * 128)
+
+
+def tpu_vmem_bytes(blocks: Sequence[tuple[Sequence[int], object]], buffers: int = 2) -> int:
+    """stage_bytes over the tile-padded shapes (see tpu_padded)."""
+    return stage_bytes([(tpu_padded(shape, dtype), dtype) for shape, dtype in blocks], buffers)
+
+
+def within(used: int, budget: int, what: str) -> None:
+    """Raise AssertionError naming `what` when `used` bytes exceed `budget`."""
+    if used > budget:
+        raise AssertionError(f"{what}: {used:,} bytes > budget {budget:,}")

@@ -30,6 +30,7 @@ CASES = [
     (8, [29], dict(pages_per_compute_block=2, k_splits=2)),
     (16, [0, 16, 96], {}),  # default tiling
     (16, [33], dict(pages_per_compute_block=1, k_splits=3)),
+    (16, [0, 37, 96], dict(pages_per_compute_block=1, page_splits=4, k_splits=2)),  # pages read in 4 parts
 ]
 
 
