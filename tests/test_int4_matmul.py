@@ -1,8 +1,10 @@
 """Pallas INT4 matmul (interpret mode) vs the dequantize-then-dot reference, and `ops.linear` dispatch.
 
-Tolerance: both sides see the same bf16 activations and the same (exactly dequantized) weights; the kernel
-accumulates in f32 and rounds the output to bf16 (relative 2^-9), so ||out - ref|| / ||ref|| <= 1e-2 is loose
-(measured ~1.7e-3) while a wrong nibble, group or scale index gives errors of order 1.
+Tolerance: both sides see the same bf16 activations; the gpu tiling uses the exactly dequantized weights, the
+tpu tiling rounds q * scale to bf16 once (relative <= 2^-9 per weight); both accumulate in f32 and round the
+output to bf16 (relative 2^-9), so ||out - ref|| / ||ref|| <= 1e-2 is loose (measured ~1.7e-3 gpu, ~2.2e-3
+tpu) while a wrong nibble, group or scale index gives errors of order 1. The tpu tiling runs in TPU interpret
+mode (`pltpu.InterpretParams()`), the gpu tiling in legacy `interpret=True`.
 """
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex_core
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.extend import core as jex_core
 
 from jaxserve.errors import ConfigError
 from jaxserve.quant import formats, ops
-from pallas_kernels.int4_matmul import Int4Blocks, choose_blocks, int4_matmul
+from pallas_kernels.int4_matmul import Int4Blocks, KernelShapeError, choose_blocks, int4_matmul
 from pallas_kernels import reference
 from pallas_kernels.reference import int4_matmul_reference
 
@@ -37,18 +40,33 @@ def _case(seed: int, m: int, k: int, n: int, g: int) -> tuple[jax.Array, jax.Arr
     return x, wq, scale
 
 
+TPU = pltpu.InterpretParams()  # TPU interpret mode: runs the Mosaic-shaped kernel on CPU, fails on OOB reads
+
+
 @pytest.mark.parametrize("seed, m, k, n, g, blocks", [
     (0, 1, 256, 128, 32, None),  # decode: one row padded to a 16-row tile
-    (1, 7, 512, 200, 128, None),  # N with no power-of-two divisor >= 16: partial edge tile
+    (1, 7, 512, 200, 128, None),  # N with no power-of-two divisor >= 16: partial edge tile (gpu), full N (tpu)
     (2, 64, 256, 96, 32, None),
     (3, 256, 1024, 256, 128, None),  # prefill-sized: two 128-row tiles, 8 groups of 128
-    (4, 33, 128, 64, 32, Int4Blocks(16, 32)),  # explicit blocks: 3 M tiles (padded), 2 N tiles
+    (4, 33, 128, 64, 32, {"gpu": Int4Blocks(16, 32), "tpu": Int4Blocks(16, 64, 64)}),  # 3 M tiles, 2 N (gpu) / K tiles
+    (5, 3, 1024, 256, 32, {"gpu": Int4Blocks(16, 64, 0, 4), "tpu": Int4Blocks(16, 128, 256)}),  # split-K / 4 K steps
 ])
-def test_int4_matmul_matches_reference(seed: int, m: int, k: int, n: int, g: int,
-                                       blocks: Int4Blocks | None) -> None:
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_int4_matmul_matches_reference(backend: str, seed: int, m: int, k: int, n: int, g: int,
+                                       blocks: dict[str, Int4Blocks] | None) -> None:
     x, wq, scale = _case(seed, m, k, n, g)
-    out = int4_matmul(x, wq, scale, blocks=blocks, interpret=True)
+    out = int4_matmul(x, wq, scale, blocks=(blocks or {}).get(backend), backend=backend,
+                      interpret=TPU if backend == "tpu" else True)
     assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert _rel_err(out, int4_matmul_reference(x, wq, scale)) <= REL_TOL
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("m, k, n", [(1, 7168, 256), (8, 2048, 512)])  # hidden 7168 -> N slice; FFN 2048 -> N
+def test_int4_matmul_real_dims(backend: str, m: int, k: int, n: int) -> None:
+    # Kimi K2.6 decode dims with the default blocks of each backend (gpu: split-K partials merged in XLA)
+    x, wq, scale = _case(6, m, k, n, 32)
+    out = int4_matmul(x, wq, scale, backend=backend, interpret=TPU if backend == "tpu" else True)
     assert _rel_err(out, int4_matmul_reference(x, wq, scale)) <= REL_TOL
 
 
@@ -68,11 +86,31 @@ def test_kernel_modules_import_without_jaxserve() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_choose_blocks() -> None:
-    assert choose_blocks(1, 2048) == Int4Blocks(16, 256)
-    assert choose_blocks(100, 7168) == Int4Blocks(128, 256)
+def test_choose_blocks_gpu() -> None:
+    assert choose_blocks(100, 7168) == Int4Blocks(128, 256)  # prefill tiling unchanged
     assert choose_blocks(4096, 576) == Int4Blocks(128, 64)
-    assert choose_blocks(8, 200) == Int4Blocks(16, 128)
+    assert choose_blocks(8, 200) == Int4Blocks(16, 64)  # decode: narrower tiles, more programs
+    # decode lm_head shard 7168 -> 20480: 160 N blocks x 2 K splits = 320 programs >= 2 per H200 SM
+    assert choose_blocks(1, 20480, 7168) == Int4Blocks(16, 128, 0, 2)
+    # decode o_proj 1024 -> 7168: block_n 64 gives 112 programs (block_n 256 gave 28); a K split would make the
+    # f32 partials more than 25% of the weight bytes, so none
+    assert choose_blocks(1, 7168, 1024) == Int4Blocks(16, 64, 0, 1)
+
+
+def test_choose_blocks_tpu() -> None:
+    assert choose_blocks(1, 2048, 7168, backend="tpu") == Int4Blocks(16, 1024, 1024)
+    assert choose_blocks(4096, 7168, 1024, group_size=128, backend="tpu") == Int4Blocks(256, 512, 1024)
+    assert choose_blocks(4, 1536, 1536, group_size=128, backend="tpu") == Int4Blocks(16, 512, 1536)  # full K
+
+
+def test_bad_backend_and_shapes_raise_kernel_shape_error() -> None:
+    x, wq, scale = _case(8, 2, 128, 64, 32)
+    with pytest.raises(KernelShapeError) as e:
+        int4_matmul(x, wq, scale, backend="cuda")
+    assert e.value.param == "backend" and isinstance(e.value, ValueError)
+    with pytest.raises(KernelShapeError) as e:
+        int4_matmul(x[:, :64], wq, scale, interpret=True)
+    assert e.value.param == "w"
 
 
 def _no_weight_sized_float_outside_kernel(jaxpr: jex_core.Jaxpr, size: int) -> bool:
