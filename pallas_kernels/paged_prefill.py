@@ -1,0 +1,472 @@
+"""Flash (chunked, ragged) PREFILL attention over the page pool: MLA absorbed (MQA over the latent) and GQA.
+
+HEADER_PLACEHOLDER
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class PrefillBlocks:
+    """Static tiling of one kernel.
+
+    block_r: query rows per program, a row being one (token, query head of the kv group) pair.
+    block_k: keys per inner step, a multiple of page_size (block_k // page_size pages per step).
+    num_warps, num_stages: Triton launch parameters (GPU only).
+    """
+
+    block_r: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_blocks(backend: str, *, mla: bool, rows: int, page_size: int, block_r: int | None = None,
+                  block_k: int | None = None) -> PrefillBlocks:
+    """Default tiling (untuned: no accelerator has run these kernels); any argument given overrides it.
+
+    rows: T * (query heads per kv head), the query rows one (batch row, kv head) holds.
+    GPU: block_r a power of two in [16, 64] (Triton's dot minimum 16; a 64 x 512 f32 MLA accumulator is 128
+    registers a thread at 8 warps); block_k 32 keys for MLA (a 32 x 576 bf16 latent tile, double-buffered, plus
+    the 64 x 576 query tile stays under H200's 227 KiB of shared memory), 64 for GQA (head_dim 128).
+    TPU: block_r up to 256 (MXU-sized, a multiple of 16 for bf16 sublane packing), block_k 128 keys (lane-dense
+    logits); VMEM use is a few MiB (checked against the scoped limit in the tests).
+    """
+    if backend == "gpu":
+        br = block_r or min(64, max(16, _next_pow2(rows)))
+        bk = block_k or max(page_size, 32 if mla else 64)
+        blocks = PrefillBlocks(br, bk, num_warps=8 if mla else 4, num_stages=2)
+    elif backend == "tpu":
+        br = block_r or min(256, max(16, _next_pow2(rows)))
+        bk = block_k or max(page_size, 128)
+        blocks = PrefillBlocks(br, bk, num_warps=0, num_stages=2)
+    else:
+        raise ValueError(f"backend {backend!r}: 'gpu' or 'tpu'")
+    if blocks.block_k % page_size or blocks.block_r % 8:
+        raise ValueError(f"{blocks}: block_k must be a multiple of page_size {page_size}, block_r of 8")
+    return blocks
+
+
+def _rows(q: jax.Array, positions: jax.Array, hkv: int, block_r: int) -> tuple[jax.Array, jax.Array]:
+    """q [B, T, Hq, D] -> q rows [B, Hkv, R, D] (row t * G + g is token t, query head kv * G + g), R = T * G
+    padded to a multiple of block_r; positions [B, T] -> row positions [B, R] int32 (-1 on padding rows)."""
+    b, t, hq, d = q.shape
+    g = hq // hkv
+    r = t * g
+    rp = -(-r // block_r) * block_r
+    qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, r, d)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
+    pos = jnp.repeat(positions.astype(jnp.int32), g, axis=1)
+    return qr, jnp.pad(pos, ((0, 0), (0, rp - r)), constant_values=-1)
+
+
+def _unrows(o: jax.Array, t: int, hq: int) -> jax.Array:
+    """o [B, Hkv, R, Dv] -> [B, T, Hq, Dv] (drops padding rows)."""
+    b, hkv, _, dv = o.shape
+    g = hq // hkv
+    return o[:, :, : t * g].reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, dv)
+
+
+def _tables(block_tables: jax.Array, ctx_lens: jax.Array, page_size: int,
+            pages_per_block: int) -> tuple[jax.Array, jax.Array]:
+    """Pad block tables [B, M] with page 0 to a multiple of pages_per_block; clip ctx_lens to M * page_size."""
+    m = block_tables.shape[1]
+    mp = -(-m // pages_per_block) * pages_per_block
+    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, mp - m)))  # page 0 = null page, masked
+    return bt, jnp.clip(ctx_lens.astype(jnp.int32), 0, m * page_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU (Triton): the whole pool is one block; pages are gathered by a vector of page ids inside the kernel.
+
+
+def _gpu_kernel(bt_ref, len_ref, pos_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
+                block_k: int, softmax_scale: float):
+    """One (batch row b, kv head, row block) program.
+
+    bt_ref [Mp] int32 (this row's pages), len_ref [1] int32 (ctx_len), pos_ref [br] int32 (row positions).
+    MLA refs: q [br, Dv], q_rope [br, Dr], latent pool [P, ps, Dv + Dr], (scales [P, ps]), o [br, Dv] f32.
+    GQA refs: q [br, D], k pool [P, ps, D], v pool [P, ps, D] (this kv head), (k, v scales [P, ps]), o [br, D].
+    """
+    if mla:
+        q_ref, qr_ref, kv_ref, *rest = refs
+        s_ref, o_ref = rest if fp8 else (None, *rest)
+    else:
+        q_ref, k_ref, v_ref, *rest = refs
+        ks_ref, vs_ref, o_ref = rest if fp8 else (None, None, *rest)
+    ppb = block_k // page_size
+    ctx_len = len_ref[0]
+    pos = pos_ref[...]  # [br]
+    q = q_ref[...]
+    qr = qr_ref[...] if mla else None
+    br = q.shape[0]
+    # causal limit of this query block: no key past max(position) + 1 or ctx_len; later blocks are skipped
+    limit = jnp.minimum(jnp.max(pos) + 1, ctx_len)
+    n_blocks = pl.cdiv(jnp.maximum(limit, 0), block_k)
+
+    def load(ids):
+        """-> (logits [br, bk] f32 unscaled, v [bk, Dv] in q dtype, v_scale [1, bk] f32 | None)."""
+        if mla:
+            c = kv_ref[ids, :, pl.ds(0, value_dim)].reshape(block_k, value_dim).astype(q.dtype)
+            cr = kv_ref[ids, :, pl.ds(value_dim, qr.shape[-1])].reshape(block_k, qr.shape[-1]).astype(q.dtype)
+            logits = (jnp.dot(q, c.T, preferred_element_type=jnp.float32)
+                      + jnp.dot(qr, cr.T, preferred_element_type=jnp.float32))
+            scale = s_ref[ids].reshape(1, block_k) if fp8 else None
+            return (logits if scale is None else logits * scale), c, scale  # K-side dequant on the logits
+        k = k_ref[ids].reshape(block_k, value_dim).astype(q.dtype)
+        v = v_ref[ids].reshape(block_k, value_dim).astype(q.dtype)
+        logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
+        if fp8:
+            logits = logits * ks_ref[ids].reshape(1, block_k)
+        return logits, v, (vs_ref[ids].reshape(1, block_k) if fp8 else None)
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        logits, v, v_scale = load(bt_ref[pl.ds(i * ppb, ppb)])
+        kpos = i * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        in_ctx = kpos < ctx_len  # [1, bk]
+        mask = (kpos <= pos[:, None]) & in_ctx  # [br, bk]
+        logits = jnp.where(mask, logits * (softmax_scale * _LOG2E), MASK_VALUE)  # base-2 domain
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        correction = jnp.exp2(m_prev - m_next)
+        # a row that has seen no key yet has m_next == MASK_VALUE: exp2(0) = 1 must not count, hence the where
+        p = jnp.where(mask, jnp.exp2(logits - m_next[:, None]), 0.0)
+        l_next = correction * l_prev + p.sum(axis=-1)
+        if v_scale is not None:
+            p = p * jnp.where(in_ctx, v_scale, 0.0)  # V-side dequant; scales past ctx_len may be garbage
+        # zero V rows past ctx_len: a tail page may hold anything (NaN included) and 0 * NaN would leak
+        v = jnp.where(in_ctx.reshape(block_k, 1), v, jnp.zeros((), v.dtype))
+        acc = correction[:, None] * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc, m_next, l_next
+
+    init = (jnp.zeros((br, value_dim), jnp.float32), jnp.full((br,), jnp.finfo(jnp.float32).min, jnp.float32),
+            jnp.zeros((br,), jnp.float32))
+    acc, _, l = lax.fori_loop(0, n_blocks, body, init)
+    # rows that saw no key (padding, ctx_len 0): l == 0 -> output 0, not 0 / 0
+    o_ref[...] = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+
+
+def _gpu_call(kernel, grid, in_specs, args, out_shape, blocks: PrefillBlocks, interpret: bool, name: str):
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, blocks.block_r, out_shape[-1]), lambda b, j, r: (b, j, r, 0)),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
+def _paged_prefill_mla_gpu(q, pages, bt, lens, pos, scales, *, kv_lora_rank, softmax_scale, blocks, interpret):
+    """q rows [B, 1, R, Dl]; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, 1, R, kv_lora_rank] f32."""
+    b, _, rp, dl = q.shape
+    num_pages, page_size, _ = pages.shape
+    br, mp = blocks.block_r, bt.shape[1]
+    fp8 = scales is not None
+    kernel = functools.partial(_gpu_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
+                               block_k=blocks.block_k, softmax_scale=softmax_scale)
+    in_specs = [
+        pl.BlockSpec((None, mp), lambda i, j, r: (i, 0)),  # this row's whole block table
+        pl.BlockSpec((None, 1), lambda i, j, r: (i, 0)),  # ctx_len
+        pl.BlockSpec((None, br), lambda i, j, r: (i, r)),  # row positions
+        pl.BlockSpec((None, None, br, kv_lora_rank), lambda i, j, r: (i, 0, r, 0)),  # q value part
+        pl.BlockSpec((None, None, br, dl - kv_lora_rank), lambda i, j, r: (i, 0, r, 0)),  # q rope part
+        pl.BlockSpec((num_pages, page_size, dl), lambda i, j, r: (0, 0, 0)),  # whole pool: gathered by page id
+    ]
+    # the latent is read as a kv_lora_rank-wide and a rope-wide part: Triton loads need power-of-two widths
+    args = [bt, lens.reshape(b, 1), pos, q[..., :kv_lora_rank], q[..., kv_lora_rank:], pages]
+    if fp8:
+        in_specs.append(pl.BlockSpec((num_pages, page_size), lambda i, j, r: (0, 0)))
+        args.append(scales.astype(jnp.float32))
+    return _gpu_call(kernel, (b, 1, rp // br), in_specs, args, (b, 1, rp, kv_lora_rank), blocks, interpret,
+                     "paged_prefill_mla")
+
+
+def _paged_prefill_gqa_gpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, *, softmax_scale, blocks,
+                           interpret):
+    """q rows [B, Hkv, R, D]; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, Hkv, R, D] f32."""
+    b, hkv, rp, d = q.shape
+    num_pages, page_size = k_pages.shape[:2]
+    br, mp = blocks.block_r, bt.shape[1]
+    fp8 = k_scales is not None
+    kernel = functools.partial(_gpu_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size,
+                               block_k=blocks.block_k, softmax_scale=softmax_scale)
+    kv_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda i, j, r: (0, 0, j, 0))  # kv head j, all pages
+    in_specs = [
+        pl.BlockSpec((None, mp), lambda i, j, r: (i, 0)),
+        pl.BlockSpec((None, 1), lambda i, j, r: (i, 0)),
+        pl.BlockSpec((None, br), lambda i, j, r: (i, r)),
+        pl.BlockSpec((None, None, br, d), lambda i, j, r: (i, j, r, 0)),
+        kv_spec, kv_spec,
+    ]
+    args = [bt, lens.reshape(b, 1), pos, q, k_pages, v_pages]
+    if fp8:
+        sc_spec = pl.BlockSpec((num_pages, page_size, None), lambda i, j, r: (0, 0, j))
+        in_specs += [sc_spec, sc_spec]
+        args += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+    return _gpu_call(kernel, (b, hkv, rp // br), in_specs, args, (b, hkv, rp, d), blocks, interpret,
+                     "paged_prefill_gqa")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TPU (Mosaic): pages stay in HBM (`memory_space=pl.ANY`); each key block's pages are DMA'd into a double-buffered
+# VMEM buffer by page id read from the block table in SMEM, the next block's copies in flight while this one computes.
+
+
+def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp8: bool, value_dim: int,
+                page_size: int, block_k: int, num_row_blocks: int, softmax_scale: float):
+    """One (batch row b, kv head j, row block r) program; the key loop runs inside it.
+
+    Scalar prefetch (SMEM): nblk_ref [B * nR] int32 (key blocks this row block needs: its causal limit),
+    lens_ref [B] int32 (ctx_len). bt_ref [1, Mp] int32 (SMEM, this row's block table). q_ref [br, Dk] (VMEM),
+    pos_ref [br, 1] int32 (row positions, -1 on padding rows).
+    MLA refs: latent pool [P, ps, Dl] (HBM), (scales [P, ps, 1] f32 HBM), o [br, Dv] f32, then scratch:
+    kbuf [2, bk, Dl], (sbuf [2, bk, 1] f32), sem DMA[2], acc [br, Dv] f32, m, l [br, 1] f32.
+    GQA refs: k pool, v pool [P, ps, Hkv, D] (HBM), (k, v scales [P, ps, Hkv, 1] f32 HBM), o [br, D] f32,
+    scratch kbuf, vbuf [2, bk, D], (ksbuf, vsbuf [2, bk, 1] f32), sem DMA[2], acc, m, l.
+    """
+    n_src = (2 if fp8 else 1) * (1 if mla else 2)  # HBM sources: pools, then their scales
+    srcs, (o_ref, *scratch) = refs[:n_src], refs[n_src:]
+    bufs, (sem, acc_sc, m_sc, l_sc) = scratch[:n_src], scratch[n_src:]
+    b, j, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ppb = block_k // page_size
+    n_blocks = nblk_ref[b * num_row_blocks + r]
+    ctx_len = lens_ref[b]
+
+    def copies(i, slot):
+        """DMA descriptors bringing key block i into buffer slot `slot` (one per page and source)."""
+        out = []
+        for p in range(ppb):
+            page = bt_ref[0, i * ppb + p]
+            for src, buf in zip(srcs, bufs):
+                # GQA sources carry a kv-head axis: take head j ([ps, D] or [ps, 1], strided in HBM)
+                s = src.at[page] if mla else src.at[page, :, j]
+                out.append(pltpu.make_async_copy(s, buf.at[slot, pl.ds(p * page_size, page_size)], sem.at[slot]))
+        return out
+
+    @pl.when(n_blocks > 0)
+    def _prefetch_first():
+        for c in copies(0, 0):
+            c.start()
+
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    q = q_ref[...]
+    pos = pos_ref[...]  # [br, 1]
+
+    def dequant(buf, sbuf, slot):
+        """-> [bk, D] in q's dtype; fp8 rows times their scale (fp8 -> f32 exact, one rounding to q's dtype)."""
+        x = buf[slot]
+        if sbuf is None:
+            return x.astype(q.dtype)
+        return (x.astype(jnp.float32) * sbuf[slot]).astype(q.dtype)
+
+    def body(i, carry):
+        slot = i % 2
+
+        @pl.when(i + 1 < n_blocks)
+        def _prefetch_next():
+            for c in copies(i + 1, 1 - slot):
+                c.start()
+
+        for c in copies(i, slot):
+            c.wait()
+        if mla:
+            k = dequant(bufs[0], bufs[1] if fp8 else None, slot)  # [bk, Dl]
+            v = k[:, :value_dim]
+        else:
+            k = dequant(bufs[0], bufs[2] if fp8 else None, slot)
+            v = dequant(bufs[1], bufs[3] if fp8 else None, slot)
+        # q [br, Dk] . k [bk, Dk]^T over the whole key width (MLA: nope + rope parts)
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        kpos = i * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        mask = (kpos <= pos) & (kpos < ctx_len)  # [br, bk]
+        logits = jnp.where(mask, logits * softmax_scale, MASK_VALUE)
+        m_prev = m_sc[...]
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
+        correction = jnp.exp(m_prev - m_next)
+        # a row that has seen no key yet has m_next == MASK_VALUE: exp(0) = 1 must not count, hence the where
+        p = jnp.where(mask, jnp.exp(logits - m_next), 0.0)
+        l_sc[...] = correction * l_sc[...] + p.sum(axis=-1, keepdims=True)
+        m_sc[...] = m_next
+        # zero V rows past ctx_len: a tail page may hold anything (NaN included) and 0 * NaN would leak
+        kcol = i * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        v = jnp.where(kcol < ctx_len, v, jnp.zeros((), v.dtype))
+        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return carry
+
+    lax.fori_loop(0, n_blocks, body, 0)
+    l = l_sc[...]
+    # rows that saw no key (padding, ctx_len 0): l == 0 -> output 0, not 0 / 0
+    o_ref[...] = jnp.where(l > 0, acc_sc[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def _key_blocks(pos: jax.Array, lens: jax.Array, block_r: int, block_k: int, max_blocks: int) -> jax.Array:
+    """pos [B, R] (row positions), lens [B] -> [B * R // block_r] int32: key blocks each row block needs."""
+    b, rp = pos.shape
+    limit = jnp.minimum(pos.reshape(b, rp // block_r, block_r).max(axis=-1) + 1, lens[:, None])
+    return jnp.clip(-(-limit // block_k), 0, max_blocks).reshape(-1).astype(jnp.int32)
+
+
+def _tpu_call(kernel, q, pos, bt, lens, srcs, scratch_bufs, value_dim, blocks, interpret, name):
+    """q rows [B, Hkv, R, Dk]; pos [B, R]; bt [B, Mp]; lens [B]; srcs: HBM arrays; -> [B, Hkv, R, Dv] f32."""
+    b, hkv, rp, dk = q.shape
+    br, bk = blocks.block_r, blocks.block_k
+    nr = rp // br
+    nblk = _key_blocks(pos, lens, br, bk, bt.shape[1] // (bk // kernel.keywords["page_size"]))
+    row = lambda b_, j_, r_, *_: (b_, j_, r_, 0)  # noqa: E731
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, hkv, nr),
+        in_specs=[
+            # one row's block table in SMEM (bounded: Mp int32, 64 KiB at 262,144 tokens / 16-token pages)
+            # ([B, 1, Mp] so the block's last two dims equal the array's: the TPU block-shape rule)
+            pl.BlockSpec((None, 1, bt.shape[1]), lambda b_, j_, r_, *_: (b_, 0, 0), memory_space=pltpu.SMEM),
+            pl.BlockSpec((None, None, br, dk), row),
+            pl.BlockSpec((None, br, 1), lambda b_, j_, r_, *_: (b_, r_, 0)),
+            *[pl.BlockSpec(memory_space=pl.ANY) for _ in srcs],
+        ],
+        out_specs=pl.BlockSpec((None, None, br, value_dim), row),
+        scratch_shapes=[*scratch_bufs, pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((br, value_dim), jnp.float32),
+                        pltpu.VMEM((br, 1), jnp.float32), pltpu.VMEM((br, 1), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(kernel, num_row_blocks=nr),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((b, hkv, rp, value_dim), jnp.float32),
+        # every program runs its own key loop, so all grid axes are independent
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=interpret,
+        name=name,
+    )(nblk, lens, bt[:, None], q, pos[..., None], *srcs)
+
+
+def _paged_prefill_mla_tpu(q, pages, bt, lens, pos, scales, *, kv_lora_rank, softmax_scale, blocks, interpret):
+    """q rows [B, 1, R, Dl]; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, 1, R, kv_lora_rank] f32."""
+    num_pages, page_size, dl = pages.shape
+    bk, fp8 = blocks.block_k, scales is not None
+    kernel = functools.partial(_tpu_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
+                               block_k=bk, softmax_scale=softmax_scale)
+    srcs = [pages]
+    bufs = [pltpu.VMEM((2, bk, dl), pages.dtype)]
+    if fp8:
+        # [P, ps, 1]: a page's scales land as a [ps, 1] column, broadcast over the latent's lanes
+        srcs.append(scales.astype(jnp.float32).reshape(num_pages, page_size, 1))
+        bufs.append(pltpu.VMEM((2, bk, 1), jnp.float32))
+    return _tpu_call(kernel, q, pos, bt, lens, srcs, bufs, kv_lora_rank, blocks, interpret, "paged_prefill_mla_tpu")
+
+
+def _paged_prefill_gqa_tpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, *, softmax_scale, blocks,
+                           interpret):
+    """q rows [B, Hkv, R, D]; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, Hkv, R, D] f32."""
+    num_pages, page_size, hkv, d = k_pages.shape
+    bk, fp8 = blocks.block_k, k_scales is not None
+    kernel = functools.partial(_tpu_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size, block_k=bk,
+                               softmax_scale=softmax_scale)
+    srcs = [k_pages, v_pages]
+    bufs = [pltpu.VMEM((2, bk, d), k_pages.dtype), pltpu.VMEM((2, bk, d), v_pages.dtype)]
+    if fp8:
+        srcs += [s.astype(jnp.float32).reshape(num_pages, page_size, hkv, 1) for s in (k_scales, v_scales)]
+        bufs += [pltpu.VMEM((2, bk, 1), jnp.float32), pltpu.VMEM((2, bk, 1), jnp.float32)]
+    return _tpu_call(kernel, q, pos, bt, lens, srcs, bufs, d, blocks, interpret, "paged_prefill_gqa_tpu")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public wrappers.
+
+
+def _check_mla(q: jax.Array, pages: jax.Array, scales: jax.Array | None, kv_lora_rank: int) -> None:
+    if q.ndim != 4 or q.shape[-1] != pages.shape[-1] or not 0 < kv_lora_rank < q.shape[-1]:
+        raise ValueError(f"q {q.shape}, pages {pages.shape}, kv_lora_rank {kv_lora_rank}")
+    if scales is not None and scales.shape != pages.shape[:2]:
+        raise ValueError(f"scales {scales.shape} != {pages.shape[:2]}")
+
+
+def _check_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array | None,
+               v_scales: jax.Array | None) -> None:
+    if q.ndim != 4 or k_pages.shape != v_pages.shape or q.shape[-1] != k_pages.shape[-1] \
+            or q.shape[2] % k_pages.shape[2]:
+        raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}")
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("pass both k_scales and v_scales or neither")
+    if k_scales is not None and not k_scales.shape == v_scales.shape == k_pages.shape[:3]:
+        raise ValueError(f"k_scales {k_scales.shape}, v_scales {v_scales.shape} != {k_pages.shape[:3]}")
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "backend", "interpret", "block_r",
+                                             "block_k"))
+def paged_prefill_mla(q: jax.Array, pages: jax.Array, block_tables: jax.Array, positions: jax.Array,
+                      ctx_lens: jax.Array, scales: jax.Array | None = None, *, kv_lora_rank: int,
+                      softmax_scale: float, backend: str = "gpu", interpret: bool | pltpu.InterpretParams = False,
+                      block_r: int | None = None, block_k: int | None = None) -> jax.Array:
+    """Absorbed MLA prefill attention over paged latents (MQA: every head reads the same latent rows).
+
+    q: [B, T, N, kv_lora_rank + rope_dim] (the absorbed query: q_nope through kv_b's key half, then q_rope),
+    bf16 (tensor-core/MXU speed) or f32; the dots run in q's dtype with f32 accumulation.
+    pages: [num_pages, page_size, kv_lora_rank + rope_dim] bf16 | f32 | float8_e4m3fn, one layer, the chunk's own
+    latents already written. scales: [num_pages, page_size] f32 for fp8 pages (x ~= q8 * scale), else None.
+    block_tables: [B, M] int32 (prior context + this chunk; padding entries 0, a valid page).
+    positions: [B, T] int32 absolute positions. ctx_lens: [B] int32 (prior + chunk tokens; clipped to M * ps).
+    Key s is visible to the query at position p iff s <= p and s < ctx_len; a query that sees no key gets 0.
+    logits = (q . latent) * softmax_scale; value = latent[:kv_lora_rank].
+    backend: "gpu" (Triton) or "tpu" (Mosaic); interpret: True (legacy, either backend) or
+    `pltpu.InterpretParams()` (TPU interpret mode, backend "tpu") to run on CPU.
+    Returns [B, T, N, kv_lora_rank] f32.
+    """
+    _check_mla(q, pages, scales, kv_lora_rank)
+    b, t, n, _ = q.shape
+    page_size = pages.shape[1]
+    blocks = choose_blocks(backend, mla=True, rows=t * n, page_size=page_size, block_r=block_r, block_k=block_k)
+    bt, lens = _tables(block_tables, ctx_lens, page_size, blocks.block_k // page_size)
+    qr, pos = _rows(q, positions, 1, blocks.block_r)
+    run = _paged_prefill_mla_gpu if backend == "gpu" else _paged_prefill_mla_tpu
+    o = run(qr, pages, bt, lens, pos, scales, kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale,
+            blocks=blocks, interpret=interpret)
+    return _unrows(o, t, n)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "backend", "interpret", "block_r", "block_k"))
+def paged_prefill_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                      positions: jax.Array, ctx_lens: jax.Array, k_scales: jax.Array | None = None,
+                      v_scales: jax.Array | None = None, *, softmax_scale: float, backend: str = "gpu",
+                      interpret: bool | pltpu.InterpretParams = False, block_r: int | None = None,
+                      block_k: int | None = None) -> jax.Array:
+    """GQA prefill attention over paged K/V.
+
+    q: [B, T, Hq, D] bf16 | f32 (query head h uses kv head h // (Hq // Hkv)); k_pages, v_pages: [num_pages,
+    page_size, Hkv, D] bf16 | f32 | float8_e4m3fn, one layer, the chunk's own K/V already written; k_scales,
+    v_scales: [num_pages, page_size, Hkv] f32 for fp8, else None. block_tables, positions, ctx_lens, the causal
+    rule, backend and interpret as in `paged_prefill_mla`. logits = (q . k) * softmax_scale.
+    Returns [B, T, Hq, D] f32.
+    """
+    _check_gqa(q, k_pages, v_pages, k_scales, v_scales)
+    b, t, hq, _ = q.shape
+    page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    blocks = choose_blocks(backend, mla=False, rows=t * (hq // hkv), page_size=page_size, block_r=block_r,
+                           block_k=block_k)
+    bt, lens = _tables(block_tables, ctx_lens, page_size, blocks.block_k // page_size)
+    qr, pos = _rows(q, positions, hkv, blocks.block_r)
+    run = _paged_prefill_gqa_gpu if backend == "gpu" else _paged_prefill_gqa_tpu
+    o = run(qr, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, softmax_scale=softmax_scale, blocks=blocks,
+            interpret=interpret)
+    return _unrows(o, t, hq)
