@@ -8,18 +8,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+import hf_tiny
 from engine_util import engine, prompts, tiny_model
+from jaxserve.config import from_hf_config
 from jaxserve.engine import SamplingParams
+from jaxserve.models import CausalLM
+from jaxserve.sharding import ShardingError
 
 SP = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
+def eight_head_model(arch: str) -> CausalLM:
+    """The tiny random model with 8 heads (8 kv heads for GQA), so every split of an 8-device mesh divides."""
+    d = hf_tiny.CONFIGS[arch]().to_dict()
+    d.update(num_attention_heads=8, num_key_value_heads=8)
+    return CausalLM(from_hf_config(d), dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("deepseek_v3")
+    return eight_head_model("deepseek_v3")
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +44,40 @@ def _specs(e, phase: str) -> dict[str, str]:
     return {".".join(map(str, p)): str(v.get_value().sharding.spec) for p, v in nnx.to_flat_state(state)}
 
 
-def test_tensor_parallel_4_devices_equals_single_device(model, reference):
-    e = engine(model, devices=4)
+def test_tensor_parallel_8_devices_equals_single_device(model, reference):
+    e = engine(model, devices=8)
     specs = _specs(e, "decode_phase")
-    assert specs["layers.1.attn.q_b.weight"] == "P(None, 'tp')"  # heads split 4 ways
+    assert specs["layers.1.attn.q_b.weight"] == "P(None, 'tp')"  # heads split 8 ways
+    assert specs["layers.1.attn.o.weight"] == "P('tp', None)"  # row-parallel
     assert specs["layers.1.mlp.experts.gate"] == "P(None, None, 'tp')"  # expert FFN split
+    assert specs["embed"] == "P('tp', None)" and specs["lm_head.weight"] == "P(None, 'tp')"  # vocab-parallel
+    assert specs["layers.1.attn.kv_a.weight"] == "P(None, None)"  # the latent path every head reads
     assert [o.token_ids for o in e.generate(prompts(3), SP)] == reference["bf16"]
+
+
+def test_tensor_parallel_4_devices_equals_single_device(model, reference):
+    assert [o.token_ids for o in engine(model, devices=4).generate(prompts(3), SP)] == reference["bf16"]
 
 
 def test_expert_parallel_8_devices_equals_single_device(model, reference):
-    e = engine(model, devices=8, expert_parallel=True)
+    e = engine(model, devices=8, sharding="ep")
     assert _specs(e, "decode_phase")["layers.1.mlp.experts.down"] == "P('tp', None, None)"
     assert [o.token_ids for o in e.generate(prompts(3), SP)] == reference["bf16"]
+
+
+def test_gqa_tensor_parallel_8_devices_equals_single_device():
+    m = eight_head_model("glm4_moe")
+    ref = [o.token_ids for o in engine(m).generate(prompts(3), SP)]
+    e = engine(m, devices=8, kv_dtype="fp8")
+    assert str(e.programs.decode_phase.pages.k.sharding.spec) == "P(None, None, None, 'tp', None)"
+    assert [o.token_ids for o in e.generate(prompts(3), SP)] == \
+        [o.token_ids for o in engine(m, kv_dtype="fp8").generate(prompts(3), SP)]
+    assert ref  # the bf16 single-device run completed too
+
+
+def test_a_split_that_does_not_divide_is_an_error_naming_it():
+    with pytest.raises(ShardingError, match="num_heads=4 does not divide into 8 shards"):
+        engine(tiny_model("deepseek_v3"), devices=8)
 
 
 def test_disaggregated_4_plus_4_equals_same_device(model, reference):
@@ -52,7 +86,7 @@ def test_disaggregated_4_plus_4_equals_same_device(model, reference):
     d_dev = set(e.programs.decode_phase.mesh.devices.flat)
     assert len(p_dev) == len(d_dev) == 4 and not p_dev & d_dev
     leaf = e.programs.decode_phase.pages.latent
-    assert set(leaf.devices()) == d_dev and leaf.dtype.name == "float8_e4m3fn"
+    assert set(leaf.devices()) == d_dev and e.programs.decode_phase.pages.layout.dtype == "fp8"
     assert [o.token_ids for o in e.generate(prompts(3), SP)] == reference["fp8"]
 
 

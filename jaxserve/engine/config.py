@@ -39,7 +39,10 @@ class EngineConfig:
     prefix_cache: bool = True
     devices: int = 1
     disaggregate: bool = False
-    expert_parallel: bool = False
+    expert_parallel: bool = False  # shorthand for sharding="ep"
+    # how each phase's devices are used (jaxserve.sharding presets): "tp" tensor parallel (heads, FFN, vocab),
+    # "ep" experts whole per device, "dp_attention" attention data-parallel over requests + experts split
+    sharding: str = "tp"
     dtype: str = "bfloat16"
     # smallest shape buckets: fewer distinct programs to compile, at the price of some padding
     min_rows_bucket: int = 4
@@ -65,6 +68,10 @@ class EngineConfig:
             bad("max_batch", "must be >= 1")
         if self.devices < 1 or (self.disaggregate and self.devices % 2):
             bad("devices", "must be >= 1 (and even when disaggregated)")
+        if self.sharding not in ("tp", "ep", "dp_attention"):
+            bad("sharding", "must be 'tp', 'ep' or 'dp_attention'")
+        if self.expert_parallel and self.sharding == "tp":
+            object.__setattr__(self, "sharding", "ep")
         if self.dtype not in ("bfloat16", "float32"):
             bad("dtype", "must be 'bfloat16' or 'float32'")
 

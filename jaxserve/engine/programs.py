@@ -23,10 +23,11 @@ from jaxserve.cache import KVLayout, KVPages, init_pages, insert_pages, pages_to
 from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sampling import SamplingArrays, sample
-from jaxserve.engine.sharding import make_mesh, pages_sharding, param_spec
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
+from jaxserve.models.sharded import shard_model, state_shardings
+from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_sharding
 from jaxserve.quant.apply import WeightFormat, quantize_model
 
 
@@ -44,19 +45,43 @@ def kv_layout(cfg: ModelConfig, page_size: int, dtype: str) -> KVLayout:
     return KVLayout.gqa(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size=page_size, dtype=dtype)
 
 
+POOL_FIELDS = tuple(POOL_AXES)
+
+
 def _path(p: tuple) -> str:
     return ".".join(str(x) for x in p)
 
 
 @dataclass
 class Phase:
-    """One phase's model (graph + sharded state), mesh and page pool."""
+    """One phase's model (graph + sharded state), mesh and page pool, with their layouts."""
 
     graphdef: nnx.GraphDef
     state: nnx.State
     mesh: jax.sharding.Mesh
     pages: KVPages
     pages_sharding: KVPages
+    state_sharding: nnx.State
+    tags_sharding: NamedSharding
+
+
+def phase_parallel(cfg: EngineConfig, devices: list[jax.Device]) -> Parallel:
+    """The mesh and sharding rules of one phase: a ("dp", "tp") mesh over its devices."""
+    rules = ShardingRules.preset(cfg.sharding)
+    dp = len(devices) if cfg.sharding == "dp_attention" else 1
+    return Parallel(make_mesh(devices, dp=dp), rules)
+
+
+def _pool_shardings(shape: KVPages, par: Parallel) -> KVPages:
+    """A KVPages-shaped tree of NamedShardings, field by field from the pool table."""
+    fields = {f: pool_sharding(par, f, getattr(shape, f).shape) for f in POOL_FIELDS if getattr(shape, f) is not None}
+    return KVPages(shape.layout, **fields)
+
+
+def pool_sharding_1d(par: Parallel, num_pages: int) -> NamedSharding:
+    """The per-page tag array [num_pages]: split like the pool's page axis."""
+    par.check("tags", (num_pages,), ("pages",))
+    return par.sharding(("pages",))
 
 
 def _take_pages(src: KVPages, page_ids: jax.Array) -> KVPages:
@@ -86,38 +111,44 @@ class Programs:
         devices = devices[: cfg.devices]
         half = len(devices) // 2
         p_dev, d_dev = (devices[:half], devices[half:]) if cfg.disaggregate else (devices, devices)
+        self.prefill_parallel = phase_parallel(cfg, p_dev)
+        self.decode_parallel = phase_parallel(cfg, d_dev)
         interpret = cfg.attention.endswith("_interpret")
 
         def fmt(name: str) -> WeightFormat:
             return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret)
 
-        self.prefill_phase = self._phase(_in_format(model, fmt(cfg.prefill_weights)), p_dev,
+        self.prefill_phase = self._phase(_in_format(model, fmt(cfg.prefill_weights)), self.prefill_parallel,
                                          kv_layout(model.cfg, cfg.page_size, "bf16"), cfg.num_prefill_pages)
-        self.decode_phase = self._phase(_in_format(decode_model or model, fmt(cfg.decode_weights)), d_dev,
-                                        kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype), cfg.num_decode_pages)
+        self.decode_phase = self._phase(_in_format(decode_model or model, fmt(cfg.decode_weights)),
+                                        self.decode_parallel, kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype),
+                                        cfg.num_decode_pages)
         self.compiles: collections.Counter[str] = collections.Counter()
-        rep_p = NamedSharding(self.prefill_phase.mesh, P())
-        rep_d = NamedSharding(self.decode_phase.mesh, P())
+        pp, dp = self.prefill_parallel, self.decode_parallel
+        rows_p, rows_d = pp.sharding(("batch",)), dp.sharding(("batch",))
+        ph, dh = self.prefill_phase, self.decode_phase
+        # explicit layouts for every input: weights and pools as the rules say, batch arrays split by row (DP
+        # attention) or replicated, so nothing is placed on a default device and resharded per call
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
-                                out_shardings=(rep_p, rep_p, self.prefill_phase.pages_sharding))
+                                in_shardings=(ph.state_sharding, ph.pages_sharding, rows_p, rows_p),
+                                out_shardings=(rows_p, rows_p, ph.pages_sharding))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
-                               out_shardings=(rep_d, rep_d, rep_d, self.decode_phase.pages_sharding))
+                               in_shardings=(dh.state_sharding, dh.pages_sharding, dh.tags_sharding, rows_d, rows_d),
+                               out_shardings=(rows_d, rows_d, rows_d, dh.pages_sharding))
         self._export = jax.jit(self._export_fn)
-        self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=self.decode_phase.pages_sharding)
+        self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=dh.pages_sharding)
 
-    def _phase(self, model: CausalLM, devices: list[jax.Device], layout: KVLayout, num_pages: int) -> Phase:
-        mesh = make_mesh(devices)
+    def _phase(self, model: CausalLM, par: Parallel, layout: KVLayout, num_pages: int) -> Phase:
+        """Put a phase's model on its mesh (already-placed arrays stay where they are) and create its pool."""
+        shard_model(model, par if par.mesh.devices.size > 1 else None)
+        state_sharding = state_shardings(model, par)
         graphdef, state = nnx.split(model)
-        n = len(devices)
-        flat = nnx.to_flat_state(state)
-        for path, var in flat:
-            v = var.get_value()
-            spec = param_spec(_path(path), v.shape, n, expert_parallel=self.cfg.expert_parallel)
-            var.set_value(jax.device_put(v, NamedSharding(mesh, spec)))
-        pages = init_pages(layout, num_pages)
-        shard = pages_sharding(pages, mesh, self.model_cfg)
-        pages = jax.device_put(pages, shard)
-        return Phase(graphdef, nnx.from_flat_state(flat), mesh, pages, shard)
+        state = jax.device_put(state, state_sharding)
+        shape = jax.eval_shape(lambda: init_pages(layout, num_pages))
+        shard = _pool_shardings(shape, par)
+        pages = jax.jit(lambda: init_pages(layout, num_pages), out_shardings=shard)()
+        tags = pool_sharding_1d(par, num_pages)
+        return Phase(graphdef, state, par.mesh, pages, shard, state_sharding, tags)
 
     # ---- traced bodies (the Counter increments only while tracing) ----------------------------------------
     def _prefill_fn(self, state: nnx.State, pages: KVPages, batch: PrefillBatch, samp: SamplingArrays):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import sharded
 from jaxserve.quant import formats, ops
 
 INIT_STD = 0.02
@@ -48,6 +49,8 @@ class Linear(nnx.Module):
         self.fmt = "f32" if dtype == jnp.float32 else "bf16"
         self.use_kernel = False  # quantized formats: Pallas kernels (GPU/TPU) instead of the XLA dequant path
         self.interpret = False
+        self.parallel = None  # a jaxserve.sharding.Parallel once `shard_model` placed the model on a mesh
+        self.path = ""  # this module's parameter path (the sharding table's key), set with `parallel`
         self.weight = nnx.Param((jax.random.normal(rngs.params(), (din, dout), jnp.float32) * INIT_STD).astype(dtype))
         self.scale = nnx.data(None)  # set to a Param when the weight is quantized
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
@@ -59,11 +62,15 @@ class Linear(nnx.Module):
         return formats.dequantize(self.weight[...], self.scale[...], self.fmt)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = ops.linear(x, self.weight[...], None if self.scale is None else self.scale[...], self.fmt,
-                       use_kernel=self.use_kernel, interpret=self.interpret)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(y.dtype)
-        return y
+        if self.parallel is not None:
+            return sharded.linear(self, x)
+        return self.local(x, self.weight[...], None if self.scale is None else self.scale[...],
+                          None if self.bias is None else self.bias[...])
+
+    def local(self, x: jax.Array, w: jax.Array, scale: jax.Array | None, bias: jax.Array | None) -> jax.Array:
+        """The matmul on given (possibly per-shard) arrays: x [..., din] @ w -> [..., dout] x.dtype."""
+        y = ops.linear(x, w, scale, self.fmt, use_kernel=self.use_kernel, interpret=self.interpret)
+        return y if bias is None else y + bias.astype(y.dtype)
 
 
 class MLP(nnx.Module):
@@ -97,7 +104,7 @@ class Experts(nnx.Module):
         self.down_scale = nnx.data(None)
 
     def __call__(self, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        """x_sorted [M, H] (rows grouped by expert), group_sizes [E] int32 -> [M, H]."""
+        """x_sorted [M, H] (rows grouped by expert), group_sizes [E] int32 -> [M, H]; rows past the sum give 0."""
 
         def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None) -> jax.Array:
             return ops.grouped_linear(x, w[...], None if s is None else s[...], group_sizes, self.fmt,
@@ -105,6 +112,19 @@ class Experts(nnx.Module):
 
         h = jax.nn.silu(mm(x_sorted, self.gate, self.gate_scale)) * mm(x_sorted, self.up, self.up_scale)
         return mm(h, self.down, self.down_scale)
+
+    def gathered(self, x: jax.Array, expert: jax.Array) -> jax.Array:
+        """x [M, H], expert [M] int32 (E: no expert, gives 0) -> [M, H]: each row through its own expert's weights,
+        gathered (and dequantized) per row. The XLA path at decode sizes: reads M experts, not all E."""
+        valid = expert < self.gate.shape[0]
+        e = jnp.where(valid, expert, 0)
+
+        def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None) -> jax.Array:
+            wd = w[...][e] if s is None else formats.dequantize(w[...][e], s[...][e], self.fmt)
+            return jnp.einsum("mk,mkn->mn", x, wd.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+        h = jax.nn.silu(mm(x, self.gate, self.gate_scale)) * mm(x, self.up, self.up_scale)
+        return jnp.where(valid[:, None], mm(h, self.down, self.down_scale), 0)
 
 
 class MoE(nnx.Module):
@@ -114,6 +134,8 @@ class MoE(nnx.Module):
         self.cfg = cfg
         E, H = cfg.n_routed_experts, cfg.hidden_size
         # The router stays f32: expert choice is sensitive to rounding (HF keeps it f32 too).
+        self.parallel = None  # set by `shard_model` (see Linear)
+        self.path = ""
         self.router = nnx.Param(jax.random.normal(rngs.params(), (H, E), jnp.float32) * INIT_STD)
         self.router_bias = nnx.Param(jnp.zeros((E,), jnp.float32))
         self.experts = Experts(E, H, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs)
@@ -142,19 +164,36 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, H] -> [B, T, H]."""
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        n, k, E = flat.shape[0], self.cfg.num_experts_per_tok, self.cfg.n_routed_experts
+        if self.parallel is not None:
+            return sharded.moe(self, x)
+        flat = x.reshape(-1, x.shape[-1])
         w, ids = self.route(flat)
-        # Sort the (token, slot) pairs by expert so each expert's rows are contiguous for the grouped matmul.
-        flat_ids = ids.reshape(-1)
-        order = jnp.argsort(flat_ids, stable=True)
-        token_of = order // k
-        group_sizes = jnp.bincount(flat_ids, length=E).astype(jnp.int32)
-        y_sorted = self.experts(flat[token_of], group_sizes)
-        contrib = y_sorted.astype(jnp.float32) * w.reshape(-1)[order][:, None]
-        out = jnp.zeros((n, shape[-1]), jnp.float32).at[token_of].add(contrib)
-        out = out.astype(x.dtype)
+        out = self.routed(flat, w, ids, 0).astype(x.dtype)
         if self.shared is not None:
             out = out + self.shared(flat)
-        return out.reshape(shape)
+        return out.reshape(x.shape)
+
+    def routed(self, flat: jax.Array, w: jax.Array, ids: jax.Array, first_expert: int | jax.Array) -> jax.Array:
+        """The routed experts' sum over the experts this module holds, [first_expert, first_expert + E_local).
+
+        flat [N, H]; w, ids [N, k] from `route` (global expert ids) -> [N, H] f32 (a partial sum when the experts
+        are split over devices: pairs routed elsewhere contribute 0 here)."""
+        n, k = ids.shape
+        e_local = self.experts.gate.shape[0]
+        local = ids - first_expert
+        local = jnp.where((local >= 0) & (local < e_local), local, e_local).reshape(-1)  # e_local: not here
+        weight = w.reshape(-1)
+        token = jnp.arange(n * k, dtype=jnp.int32) // k
+        kernel = self.experts.use_kernel and self.experts.fmt in ("int4", "fp8")
+        if not kernel and n * k <= e_local:
+            # fewer (token, slot) pairs than experts: gathering each pair's expert reads less than all experts
+            y = self.experts.gathered(flat[token], local)
+            contrib = y.astype(jnp.float32) * weight[:, None]
+            return jnp.zeros((n, flat.shape[-1]), jnp.float32).at[token].add(contrib)
+        # sort the pairs by expert so each expert's rows are contiguous for the grouped matmul; pairs of experts
+        # held elsewhere sort last and fall past sum(group_sizes), where the grouped matmul gives 0
+        order = jnp.argsort(local, stable=True)
+        group_sizes = jnp.bincount(local, length=e_local + 1)[:e_local].astype(jnp.int32)
+        y_sorted = self.experts(flat[token[order]], group_sizes)
+        contrib = y_sorted.astype(jnp.float32) * weight[order][:, None]
+        return jnp.zeros((n, flat.shape[-1]), jnp.float32).at[token[order]].add(contrib)

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.cache import KVPages, check_tags, gather_tokens, mask_outputs, write_tokens
+from jaxserve.models import sharded
 from jaxserve.models.transformer import CausalLM
+from jaxserve.sharding import Parallel
 from pallas_kernels.paged_attention import paged_gqa_decode, paged_mla_decode
 from pallas_kernels.paged_attention_tpu import paged_mla_decode_tpu
 from pallas_kernels.reference_paged import paged_gqa_reference, paged_mla_reference
@@ -119,34 +121,56 @@ def decode(model: CausalLM, pages: KVPages, pool_tags: jax.Array, batch: DecodeB
             pages = write_tokens(pages, i, latent[:, 0], slots)
             q = attn.absorb_query(q_nope, q_rope)[:, 0]  # [B, N, r + dr] f32
             lat, lat_scale = pages.layer(i)
-            o_lat = _mla_attention(q, lat, lat_scale, batch.block_tables, lengths, cfg.kv_lora_rank,
-                                   cfg.softmax_scale, attention)
+            o_lat = _mla_attention(model.parallel, q, lat, lat_scale, batch.block_tables, lengths,
+                                   cfg.kv_lora_rank, cfg.softmax_scale, attention)
             o = attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype)
         else:
             q, k, v = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, (k[:, 0], v[:, 0]), slots)
             kp, vp, ks, vs = pages.layer(i)
-            o = _gqa_attention(q[:, 0], kp, vp, ks, vs, batch.block_tables, lengths, cfg.softmax_scale, attention)
+            o = _gqa_attention(model.parallel, q[:, 0], kp, vp, ks, vs, batch.block_tables, lengths,
+                               cfg.softmax_scale, attention)
             o = mask_outputs(ok, o)[:, None].astype(x.dtype)
         h = h + attn.o(o.reshape(B, 1, -1))
         h = h + layer.mlp(layer.post_norm(h))
     return model.logits(h[:, 0]), pages, ok
 
 
-def _mla_attention(q: jax.Array, lat: jax.Array, scale: jax.Array | None, bt: jax.Array, lengths: jax.Array,
-                   rank: int, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
-    if impl == "xla":
-        return paged_mla_reference(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale)
-    if impl.startswith("pallas_tpu"):
-        return paged_mla_decode_tpu(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
-                                    interpret=impl.endswith("interpret"))
-    return paged_mla_decode(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
-                            interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
+def _mla_attention(par: Parallel | None, q: jax.Array, lat: jax.Array, scale: jax.Array | None, bt: jax.Array,
+                   lengths: jax.Array, rank: int, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
+    """q [B, N, r + dr] f32, lat [P, ps, r + dr], scale [P, ps] | None -> [B, N, r] f32; per shard on a mesh
+    (heads split under TP attention; rows and pages under DP attention)."""
+    def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
+        (lat, scale), (bt, lengths) = pools, tables
+        if impl == "xla":
+            return paged_mla_reference(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale)
+        if impl.startswith("pallas_tpu"):
+            return paged_mla_decode_tpu(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
+                                        interpret=impl.endswith("interpret"))
+        return paged_mla_decode(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
+                                interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
+
+    if par is None:
+        return kernel(q, (lat, scale), (bt, lengths))
+    return sharded.attention(par, kernel, q, (lat, scale), (bt, lengths),
+                             pool_axes=(("pages", None, None), ("pages", None)), q_axes=("batch", "heads", None))
 
 
-def _gqa_attention(q: jax.Array, kp: jax.Array, vp: jax.Array, ks: jax.Array | None, vs: jax.Array | None,
-                   bt: jax.Array, lengths: jax.Array, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
-    if impl == "xla":
-        return paged_gqa_reference(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale)
-    return paged_gqa_decode(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale,
-                            interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
+def _gqa_attention(par: Parallel | None, q: jax.Array, kp: jax.Array, vp: jax.Array, ks: jax.Array | None,
+                   vs: jax.Array | None, bt: jax.Array, lengths: jax.Array, softmax_scale: float,
+                   impl: AttentionImpl) -> jax.Array:
+    """q [B, Hq, D], k/v pages [P, ps, Hkv, D], scales [P, ps, Hkv] | None -> [B, Hq, D] f32; per shard on a
+    mesh (q heads and kv heads split together under TP)."""
+    def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
+        (kp, vp, ks, vs), (bt, lengths) = pools, tables
+        if impl == "xla":
+            return paged_gqa_reference(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale)
+        return paged_gqa_decode(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale,
+                                interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
+
+    if par is None:
+        return kernel(q, (kp, vp, ks, vs), (bt, lengths))
+    kv_axes = ("pages", None, "kv_heads", None)
+    scale_axes = ("pages", None, "kv_heads")
+    return sharded.attention(par, kernel, q, (kp, vp, ks, vs), (bt, lengths),
+                             pool_axes=(kv_axes, kv_axes, scale_axes, scale_axes), q_axes=("batch", "heads", None))

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import sharded
 from jaxserve.models.attention import GQAttention, MLAttention
 from jaxserve.models.layers import INIT_STD, MLP, Linear, MoE, RMSNorm
 from jaxserve.models.rope import cos_sin
@@ -28,6 +29,8 @@ class CausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
+        self.parallel = None  # set by `jaxserve.models.sharded.shard_model`
+        self.path = ""
         self.embed = nnx.Param(
             (jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32) * INIT_STD).astype(dtype)
         )
@@ -41,11 +44,16 @@ class CausalLM(nnx.Module):
         return cos_sin(positions, self.cfg.rope, self.cfg.rope_dim)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int32 -> [B, T, H]."""
+        if self.parallel is not None:
+            return sharded.embed(self, tokens)
         return jnp.take(self.embed[...], tokens, axis=0)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """h [..., H] (before the final norm) -> logits [..., V] f32."""
         h = self.norm(h)
+        if self.lm_head is None and self.parallel is not None:
+            return sharded.tied_logits(self, h)
         if self.lm_head is None:
             return jnp.dot(h, self.embed[...].T.astype(h.dtype), preferred_element_type=jnp.float32)
         return self.lm_head(h).astype(jnp.float32)

@@ -1,0 +1,222 @@
+"""Where every array lives: logical axes mapped to a 2-D device mesh ("dp", "tp"), in one table.
+
+Every parameter path has declared logical axes (`PARAM_AXES`); `ShardingRules` maps each logical axis to mesh
+axes (or None: replicated). A dim whose size does not divide by its mesh axes is an error naming the parameter
+and dim, never a silent replication. A parameter that matches no pattern is an error too, so a new weight must
+be declared here.
+
+Logical axes: batch (decode rows / prefill rows), heads (attention query heads), kv_heads (GQA K/V heads), embed
+(the hidden size), ffn (dense and shared-expert intermediate), experts (routed expert index), expert_ffn
+(routed expert intermediate), vocab, pages (the KV page pool's page axis).
+
+Presets:
+  tensor_parallel  heads, kv_heads, ffn, expert_ffn and vocab over "tp"; the MLA latent pool replicated.
+  expert_parallel  as tensor_parallel, but experts over "tp" whole (no FFN split).
+  dp_attention     attention data-parallel: rows and the page pool split over "dp" (each device holds its own
+                   requests' latent pages), attention weights replicated; experts over ("dp", "tp").
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.errors import ConfigError
+
+MeshAxes = str | tuple[str, ...] | None
+Axes = tuple[str | None, ...]
+MESH_AXES = ("dp", "tp")
+
+
+class ShardingError(ConfigError):
+    """A parameter or activation cannot be laid out on the mesh as the rules say."""
+
+
+@dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis -> mesh axes. None replicates the dim."""
+
+    batch: MeshAxes = None
+    heads: MeshAxes = "tp"
+    kv_heads: MeshAxes = "tp"
+    embed: MeshAxes = None
+    ffn: MeshAxes = "tp"
+    experts: MeshAxes = None
+    expert_ffn: MeshAxes = "tp"
+    vocab: MeshAxes = "tp"
+    pages: MeshAxes = None
+
+    @classmethod
+    def tensor_parallel(cls) -> ShardingRules:
+        return cls()
+
+    @classmethod
+    def expert_parallel(cls) -> ShardingRules:
+        return cls(experts="tp", expert_ffn=None)
+
+    @classmethod
+    def dp_attention(cls) -> ShardingRules:
+        return cls(batch="dp", heads=None, kv_heads=None, pages="dp", experts=("dp", "tp"), expert_ffn=None)
+
+    @classmethod
+    def preset(cls, name: str) -> ShardingRules:
+        presets = {"tp": cls.tensor_parallel, "ep": cls.expert_parallel, "dp_attention": cls.dp_attention}
+        if name not in presets:
+            raise ShardingError(f"unknown sharding preset {name!r}; known: {sorted(presets)}", value=name,
+                                param="sharding")
+        return presets[name]()
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """The mesh axes a logical axis maps to, as a tuple (empty: replicated)."""
+        if logical is None:
+            return ()
+        if logical not in {f.name for f in fields(self)}:
+            raise ShardingError(f"unknown logical axis {logical!r}", value=logical, param="axes")
+        m = getattr(self, logical)
+        return () if m is None else (m,) if isinstance(m, str) else tuple(m)
+
+    def spec(self, axes: Axes) -> P:
+        """PartitionSpec of an array with logical `axes`; two dims on one mesh axis is an error."""
+        used: dict[str, str] = {}
+        out = []
+        for logical in axes:
+            mesh_axes = self.mesh_axes(logical)
+            for m in mesh_axes:
+                if m in used:
+                    raise ShardingError(f"logical axes {used[m]!r} and {logical!r} both map to mesh axis {m!r}",
+                                        value=axes, param="axes")
+                used[m] = str(logical)
+            out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+        return P(*out)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """A mesh and the rules over it: what a sharded model carries (static, hashable) to build its shard_maps."""
+
+    mesh: Mesh
+    rules: ShardingRules
+
+    def size(self, logical: str | None) -> int:
+        """How many shards a logical axis is split into."""
+        return math.prod(self.mesh.shape[m] for m in self.rules.mesh_axes(logical))
+
+    def axis(self, logical: str | None) -> MeshAxes:
+        """The mesh axis name(s) for collectives over a logical axis (None when it is not split)."""
+        mesh_axes = tuple(m for m in self.rules.mesh_axes(logical) if self.mesh.shape[m] > 1)
+        return None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+
+    def spec(self, axes: Axes) -> P:
+        """PartitionSpec with mesh axes of size 1 dropped (so replicated and size-1 splits compare equal)."""
+        return P(*(self._trim(a) for a in self.rules.spec(axes)))
+
+    def _trim(self, entry: MeshAxes) -> MeshAxes:
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        names = tuple(m for m in names if self.mesh.shape[m] > 1)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    def sharding(self, axes: Axes) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def check(self, name: str, shape: Sequence[int], axes: Axes) -> None:
+        """Raise ShardingError when a split dim does not divide by its shard count."""
+        if len(axes) != len(shape):
+            raise ShardingError(f"{name}: {len(axes)} logical axes {axes} for shape {tuple(shape)}", value=axes,
+                                param=name)
+        for dim, (n, logical) in enumerate(zip(shape, axes)):
+            k = self.size(logical)
+            if n % k:
+                raise ShardingError(f"{name}: dim {dim} ({logical}) has size {n}, which does not divide into {k} "
+                                    f"shards over mesh axes {self.rules.mesh_axes(logical)}", value=n, param=name)
+
+
+def make_mesh(devices: Sequence[jax.Device], dp: int = 1) -> Mesh:
+    """A ("dp", "tp") mesh over `devices`: dp rows of len(devices) // dp devices."""
+    n = len(devices)
+    if dp < 1 or n % dp:
+        raise ShardingError(f"dp={dp} does not divide {n} devices", value=dp, param="dp")
+    return Mesh(np.array(devices).reshape(dp, n // dp), MESH_AXES)
+
+
+# ---- the parameter table --------------------------------------------------------------------------------------
+# (path regex, logical axes of the dense weight). Quantized weights and their scales keep the dense weight's
+# axes: INT4 [K//2, N] + scale [K//g, N], FP8 [K, N] + scale [K/128, N/128] split along the same dims.
+PARAM_AXES: tuple[tuple[str, Axes], ...] = (
+    (r"^embed$", ("vocab", "embed")),
+    (r"^lm_head\.(weight|scale)$", ("embed", "vocab")),
+    (r"^lm_head\.bias$", ("vocab",)),
+    (r"attn\.(q_b|kv_b)\.(weight|scale)$", (None, "heads")),
+    (r"attn\.(q_proj|q)\.(weight|scale)$", ("embed", "heads")),
+    (r"attn\.q\.bias$", ("heads",)),
+    (r"attn\.(k|v)\.(weight|scale)$", ("embed", "kv_heads")),
+    (r"attn\.(k|v)\.bias$", ("kv_heads",)),
+    (r"attn\.o\.(weight|scale)$", ("heads", "embed")),
+    (r"attn\.o\.bias$", ("embed",)),
+    (r"mlp(\.shared)?\.(gate|up)\.(weight|scale)$", ("embed", "ffn")),
+    (r"mlp(\.shared)?\.down\.(weight|scale)$", ("ffn", "embed")),
+    (r"mlp\.experts\.(gate|up)(_scale)?$", ("experts", "embed", "expert_ffn")),
+    (r"mlp\.experts\.down(_scale)?$", ("experts", "expert_ffn", "embed")),
+    # replicated by declaration: the low-rank projections (small), the MLA latent path every head reads, norms,
+    # the router (expert choice needs every score) and the DSA indexer (its score sums over its heads)
+    (r"attn\.(q_a|kv_a)\.(weight|bias|scale)$", (None, None)),
+    (r"(norm|q_a_norm|kv_a_norm|q_norm|k_norm)\.(weight|bias)$", (None,)),
+    (r"mlp\.router$", (None, None)),
+    (r"mlp\.router_bias$", (None,)),
+    (r"attn\.indexer\.", ()),
+)
+
+
+def param_axes(path: str, ndim: int) -> Axes:
+    """Logical axes of the parameter at NNX path `path` (e.g. layers.3.mlp.experts.gate)."""
+    for pattern, axes in PARAM_AXES:
+        if re.search(pattern, path):
+            return axes if axes else (None,) * ndim
+    raise ShardingError(f"parameter {path} has no declared logical axes (add it to jaxserve.sharding.PARAM_AXES)",
+                        value=path, param="path")
+
+
+def param_sharding(parallel: Parallel, path: str, shape: Sequence[int]) -> NamedSharding:
+    """NamedSharding of one parameter; raises ShardingError when a split dim does not divide."""
+    axes = param_axes(path, len(shape))
+    parallel.check(path, shape, axes)
+    return parallel.sharding(axes)
+
+
+def check_model(parallel: Parallel, heads: int, kv_heads: int, experts: int) -> None:
+    """Head and expert counts must divide by their shard counts (a flattened [N * head_dim] weight dim divides by
+    the mesh even when N does not, which would split a head across devices)."""
+    for name, n, logical in (("num_heads", heads, "heads"), ("num_kv_heads", kv_heads, "kv_heads"),
+                             ("n_routed_experts", experts, "experts")):
+        k = parallel.size(logical)
+        if n and n % k:
+            raise ShardingError(f"{name}={n} does not divide into {k} shards ({logical} over mesh axes "
+                                f"{parallel.rules.mesh_axes(logical)})", value=n, param=name)
+
+
+# ---- the KV page pool ------------------------------------------------------------------------------------------
+# Pools are [layers, pages, page_size, ...]: the MLA latent row is read by every head (replicated under TP
+# attention, split by pages under DP attention); GQA K/V split by kv head.
+POOL_AXES: dict[str, Axes] = {
+    "latent": (None, "pages", None, None),
+    "latent_scale": (None, "pages", None),
+    "k": (None, "pages", None, "kv_heads", None),
+    "v": (None, "pages", None, "kv_heads", None),
+    "k_scale": (None, "pages", None, "kv_heads"),
+    "v_scale": (None, "pages", None, "kv_heads"),
+}
+
+
+def pool_sharding(parallel: Parallel, field: str, shape: Sequence[int]) -> NamedSharding:
+    """NamedSharding of one page-pool array (a KVPages field); raises ShardingError when a split dim does not
+    divide (e.g. a page count that does not divide by the DP attention shards)."""
+    axes = POOL_AXES[field]
+    parallel.check(f"pages.{field}", shape, axes)
+    return parallel.sharding(axes)
