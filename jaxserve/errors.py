@@ -38,6 +38,27 @@ class InvalidRequestError(JaxserveError):
     error_type = "invalid_request_error"
 
 
+class NotFoundError(JaxserveError):
+    """A named resource (e.g. the request's `model`) that this server does not have."""
+
+    http_status = 404
+    error_type = "invalid_request_error"  # what OpenAI sends with code "model_not_found"
+
+
+class PayloadTooLargeError(JaxserveError):
+    """A request body over the server's limit, refused before it is read."""
+
+    http_status = 413
+    error_type = "invalid_request_error"
+
+
+class UnsupportedMediaTypeError(JaxserveError):
+    """A request body that is not declared as JSON (UTF-8)."""
+
+    http_status = 415
+    error_type = "invalid_request_error"
+
+
 class QueueFullError(JaxserveError):
     """The engine's admission queue is full; the client should retry later."""
 

@@ -23,7 +23,8 @@ from jaxserve.config import from_hf_config
 from jaxserve.engine import Engine, EngineConfig, TokenEvent
 from jaxserve.models import CausalLM
 from jaxserve.server import create_app
-from jaxserve.server.main import ServeConfig, make_server
+from jaxserve.server.app import AppConfig
+from jaxserve.server.main import SPARE_THREADS, ServeConfig, make_server
 from jaxserve.tokenizer import Tokenizer
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi-tokenizer"
@@ -78,8 +79,11 @@ class Served:
         self.engine.close()
 
 
-def serve(engine: Engine, name: str = MODEL, threads: int = 8) -> Served:
-    server = make_server(create_app(engine, name), ServeConfig("127.0.0.1", 0, threads))
+def serve(engine: Engine, name: str = MODEL, max_inflight: int = 8, **app: object) -> Served:
+    """Admission limit and thread count together, as `jaxserve serve` sets them."""
+    app_cfg = AppConfig(max_inflight=max_inflight, **app)
+    server = make_server(create_app(engine, name, app_cfg), ServeConfig("127.0.0.1", 0, max_inflight + SPARE_THREADS,
+                                                                        app_cfg.max_body_bytes))
     thread = threading.Thread(target=server.run, name="waitress-test", daemon=True)
     thread.start()
     return Served(engine, server.effective_port, server, thread)

@@ -4,15 +4,24 @@ Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both
 Server-Sent Events ending in `data: [DONE]`), GET /health, GET /metrics, GET /openapi.json.
 
 Bodies are validated here, field by field, before anything reaches the engine, so a bad request is refused with a
-400 naming the field and never touches the scheduler. Every error leaves as an OpenAI-shaped body
+400 naming the field and never touches the scheduler: the body must be declared JSON (415), parse as strict JSON
+(no NaN/Infinity) with no lone surrogate in any string, name the served model (404 `model_not_found`), and fit the
+context window by its character count before it is tokenized, then by its token count (tokenization stops at the
+window). User text is encoded with special tokens disabled: only the chat template writes control tokens.
+An admission gate of `AppConfig.max_inflight` generation requests answers the next one 429 + Retry-After at
+once; a non-streaming request whose client disconnects is aborted in the engine. Every error leaves as an OpenAI-shaped body
 `{"error": {"message", "type", "param", "code"}}` with the status from `jaxserve.errors.http_status` (the one place
 that maps exception types to codes). The app factory closes over the engine and its metrics: no global state.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
+import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,7 +32,8 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from jaxserve.engine import Engine, Request, SamplingParams, TokenEvent
-from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError, http_status
+from jaxserve.errors import (InvalidRequestError, JaxserveError, NotFoundError, QueueFullError,
+                             UnsupportedMediaTypeError, http_status)
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openapi import openapi_spec
 
@@ -31,12 +41,30 @@ log = logging.getLogger("jaxserve.server")
 
 MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits a context window; bounds JSON parsing work
 MAX_STOP_STRINGS = 16
+MAX_TOOLS = 128
 RETRY_AFTER_S = 1
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_MAX_TOKENS = 1024  # chat's default, bounded so a request without max_tokens cannot hold a slot for long
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function (and participant) names
+LARGE_BODY_BYTES = 1 << 20  # after a body this large, hand freed heap memory back to the OS
+DISCONNECT_POLL_S = 0.05
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """The HTTP layer's limits. max_inflight: generation requests admitted at once (each holds a WSGI thread until it
+    ends: the server needs more threads than this, so /health and refusals always find one)."""
+
+    max_inflight: int = 16
+    max_body_bytes: int = MAX_BODY_BYTES
+    default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    retry_after_s: int = RETRY_AFTER_S
 
 
 # ---- typed request errors (all InvalidRequestError, so http_status maps them to 400) -------------------------
-class ModelNotFoundError(InvalidRequestError):
-    """The body names a model this server does not serve."""
+class ModelNotFoundError(NotFoundError):
+    """The body names a model this server does not serve (404, as OpenAI and vLLM answer)."""
 
     code = "model_not_found"
 
@@ -59,6 +87,12 @@ class MalformedBodyError(InvalidRequestError):
     code = "invalid_json"
 
 
+class NotJsonError(UnsupportedMediaTypeError):
+    """The body is not declared `application/json` (UTF-8)."""
+
+    code = "unsupported_media_type"
+
+
 class RequestAbortedError(JaxserveError):
     """The engine ended the request with finish_reason "abort" although this client is still connected."""
 
@@ -72,10 +106,10 @@ def error_body(err: JaxserveError) -> dict[str, Any]:
                       "code": getattr(err, "code", None)}}
 
 
-def error_response(err: JaxserveError) -> Response:
+def error_response(err: JaxserveError, retry_after_s: int = RETRY_AFTER_S) -> Response:
     resp = Response(json.dumps(error_body(err)), status=http_status(err), mimetype="application/json")
     if isinstance(err, QueueFullError):
-        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+        resp.headers["Retry-After"] = str(retry_after_s)
     return resp
 
 
@@ -93,6 +127,38 @@ def _kind(value: Any) -> str:
 
 def _bad(param: str, message: str, value: Any = None) -> InvalidRequestError:
     return InvalidRequestError(f"'{param}': {message}", value=value, param=param)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")  # json.loads accepts NaN/Infinity/-Infinity; RFC 8259 does not
+
+
+def _check_text(value: Any, path: str = "") -> None:
+    """Refuse the first string (key or value) holding a lone surrogate: valid JSON (a \\ud800 escape), but no
+    UTF-8 text, so no tokenizer can take it."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise _bad(path or "body", "is not valid Unicode text (a lone UTF-16 surrogate)")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            name = f"{path}.{k[:64]}" if path else k[:64]
+            if _SURROGATE.search(k):
+                raise _bad(path or "body", "has a key that is not valid Unicode text (a lone UTF-16 surrogate)")
+            _check_text(v, name)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{path}[{i}]")
+
+
+def _text_chars(value: Any) -> int:
+    """Characters in all strings (keys included) of a JSON value: what the chat template will render."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + _text_chars(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
 
 
 class Body:
@@ -228,7 +294,8 @@ def _common_params(body: Body, prompt: list[int], max_tokens: int | None, defaul
     body.only("frequency_penalty", (0, 0.0), "penalties are not supported (only 0)")
     room = max_len - len(prompt)
     if room < 1:
-        raise ContextLengthError(f"'{prompt_param}': the prompt has {len(prompt)} tokens; this model's context "
+        n = f"more than {max_len}" if len(prompt) > max_len else str(len(prompt))  # encoding stopped past it
+        raise ContextLengthError(f"'{prompt_param}': the prompt has {n} tokens; this model's context "
                                  f"window is {max_len} tokens (prompt + completion)", value=len(prompt),
                                  param=prompt_param)
     if max_tokens is None:
@@ -250,11 +317,12 @@ def _common_params(body: Body, prompt: list[int], max_tokens: int | None, defaul
 
 
 def _max_tokens(body: Body, max_len: int, *names: str) -> int | None:
-    for name in names:
-        v = body.integer(name, 1, max_len)
-        if v is not None:
-            return v
-    return None
+    """The completion length from the first of `names` given; two given with different values is a 400."""
+    given = [(name, v) for name in names if (v := body.integer(name, 1, max_len)) is not None]
+    if len({v for _, v in given}) > 1:
+        (a, va), (b, vb) = given[:2]
+        raise _bad(b, f"conflicts with '{a}' ({vb} != {va}); send one of them", vb)
+    return given[0][1] if given else None
 
 
 def _check_model(body: Body, model_name: str) -> None:
@@ -264,7 +332,29 @@ def _check_model(body: Body, model_name: str) -> None:
                                  value=name[:100], param="model")
 
 
-def parse_completion(raw: Any, engine: Engine, model_name: str) -> Generation:
+def _tokenizer(engine: Engine, param: str) -> Any:
+    if engine.tokenizer is None:
+        raise UnsupportedParameterError("this model has no tokenizer: use /v1/completions with token ids",
+                                        value=None, param=param)
+    return engine.tokenizer
+
+
+def _check_chars(tokenizer: Any, chars: int, max_len: int, param: str) -> None:
+    """Refuse text that cannot fit the window by its length alone, before any of it is tokenized."""
+    per_token = tokenizer.max_token_chars
+    if per_token is not None and chars > max_len * per_token:
+        raise ContextLengthError(f"'{param}': {chars} characters cannot fit this model's context window of {max_len} "
+                                 f"tokens (one token covers at most {per_token} characters)", value=chars, param=param)
+
+
+def _encode_user_text(engine: Engine, text: str, max_len: int) -> list[int]:
+    """A prompt string -> ids, special tokens disabled; encoding stops past the window (the caller refuses it)."""
+    tok = _tokenizer(engine, "prompt")
+    _check_chars(tok, len(text), max_len, "prompt")
+    return tok.encode(text, special_tokens=False, limit=max_len)
+
+
+def parse_completion(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppConfig()) -> Generation:
     """Validate a /v1/completions body."""
     body = Body(raw, COMPLETION_FIELDS)
     _check_model(body, model_name)
@@ -279,7 +369,7 @@ def parse_completion(raw: Any, engine: Engine, model_name: str) -> Generation:
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # the one-element batch forms: ["text"] and [[ids]]
     if isinstance(p, str):
-        prompt = engine.encode(p)
+        prompt = _encode_user_text(engine, p, max_len)
     elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         if not all(0 <= t < vocab for t in p):
             raise _bad("prompt", f"token ids must be in [0, {vocab})")
@@ -296,8 +386,8 @@ def parse_completion(raw: Any, engine: Engine, model_name: str) -> Generation:
         raise UnsupportedParameterError("'logprobs': top alternatives are not computed; logprobs=0 returns the "
                                         "sampled tokens' logprobs", value=logprobs, param="logprobs")
     stream = body.boolean("stream", False)
-    params = _common_params(body, prompt, _max_tokens(body, max_len, "max_tokens"), 16, max_len, vocab,
-                            logprobs is not None, "prompt")
+    params = _common_params(body, prompt, _max_tokens(body, max_len, "max_tokens"), DEFAULT_COMPLETION_MAX_TOKENS,
+                            max_len, vocab, logprobs is not None, "prompt")
     return Generation(prompt, params, stream, _stream_options(body, stream), logprobs is not None)
 
 
@@ -317,7 +407,51 @@ def _message_text(msg: Body, i: int) -> str | None:
     raise _bad(f"messages[{i}].content", f"must be a string or an array of text parts, got {_kind(content)}")
 
 
-def parse_chat(raw: Any, engine: Engine, model_name: str) -> Generation:
+def _name(b: Body, key: str, *, required: bool = False) -> str | None:
+    v = b.string(key, required=required)
+    if v is not None and not TOOL_NAME.fullmatch(v):
+        raise _bad(b.name(key), "must be 1-64 characters of a-z, A-Z, 0-9, '_' and '-'", v[:64])
+    return v
+
+
+def _tools(raw: Any) -> list[dict[str, Any]] | None:
+    """Validated `tools`: function tools with well-formed names (they reach the template verbatim)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise _bad("tools", f"must be an array of tool objects, got {_kind(raw)}", _kind(raw))
+    if len(raw) > MAX_TOOLS:
+        raise _bad("tools", f"at most {MAX_TOOLS} tools", len(raw))
+    for i, t in enumerate(raw):
+        tb = Body(t, frozenset({"type", "function"}), f"tools[{i}]")
+        if tb.string("type", required=True) != "function":
+            raise _bad(tb.name("type"), "only 'function' tools are supported")
+        fb = Body(tb.raw.get("function"), frozenset({"name", "description", "parameters", "strict"}),
+                  tb.name("function"))
+        _name(fb, "name", required=True)
+        fb.string("description")
+        fb.boolean("strict", False)
+        if fb.has("parameters") and not isinstance(fb.raw["parameters"], dict):
+            raise _bad(fb.name("parameters"), "must be a JSON Schema object")
+    return raw
+
+
+def _tool_calls(mb: Body) -> list[Any]:
+    calls = mb.raw["tool_calls"]
+    if not isinstance(calls, list):
+        raise _bad(mb.name("tool_calls"), "must be an array")
+    for j, c in enumerate(calls):
+        cb = Body(c, frozenset({"id", "type", "function", "index"}), f"{mb.name('tool_calls')}[{j}]")
+        cb.string("id")
+        if cb.string("type", default="function") != "function":
+            raise _bad(cb.name("type"), "only 'function' tool calls are supported")
+        fb = Body(cb.raw.get("function"), frozenset({"name", "arguments"}), cb.name("function"))
+        _name(fb, "name", required=True)
+        fb.string("arguments", required=True)
+    return calls
+
+
+def parse_chat(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppConfig()) -> Generation:
     """Validate a /v1/chat/completions body and render its messages with the tokenizer's chat template."""
     body = Body(raw, CHAT_FIELDS)
     _check_model(body, model_name)
@@ -335,23 +469,23 @@ def parse_chat(raw: Any, engine: Engine, model_name: str) -> Generation:
         role = mb.string("role", required=True)
         if role not in ROLES:
             raise _bad(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}")
-        out: dict[str, Any] = {"role": role, "content": _message_text(mb, i) or ""}
-        for key in ("name", "tool_call_id", "reasoning_content"):
+        # OpenAI's newer name for system instructions: the chat templates know only "system"
+        out: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _message_text(mb, i) or ""}
+        if mb.has("name"):
+            out["name"] = _name(mb, "name")
+        for key in ("tool_call_id", "reasoning_content"):
             if mb.has(key):
                 out[key] = mb.string(key)
         if mb.has("tool_calls"):
-            if not isinstance(mb.raw["tool_calls"], list):
-                raise _bad(f"messages[{i}].tool_calls", "must be an array")
-            out["tool_calls"] = mb.raw["tool_calls"]
+            out["tool_calls"] = _tool_calls(mb)
         messages.append(out)
-    tools = body.raw.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise _bad("tools", "must be an array of objects")
-    if engine.tokenizer is None:
-        raise UnsupportedParameterError("this model has no tokenizer: use /v1/completions with token ids",
-                                        value=None, param="messages")
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    prompt = engine.encode(text)
+    tools = _tools(body.raw.get("tools"))
+    tok = _tokenizer(engine, "messages")
+    # what the template renders at least once (earlier turns' reasoning may be dropped, so it is not counted)
+    rendered = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
+    _check_chars(tok, _text_chars(rendered) + _text_chars(tools), max_len, "messages")
+    prompt = tok.encode_chat(messages, add_generation_prompt=True, tools=tools, limit=max_len)
     top = body.integer("top_logprobs", 0, 20)
     if top:
         raise UnsupportedParameterError("'top_logprobs': top alternatives are not computed; logprobs=true "
@@ -359,7 +493,7 @@ def parse_chat(raw: Any, engine: Engine, model_name: str) -> Generation:
     logprobs = body.boolean("logprobs", False)
     stream = body.boolean("stream", False)
     mt = _max_tokens(body, max_len, "max_completion_tokens", "max_tokens")
-    params = _common_params(body, prompt, mt, max_len, max_len, vocab, logprobs, "messages")
+    params = _common_params(body, prompt, mt, cfg.default_chat_max_tokens, max_len, vocab, logprobs, "messages")
     return Generation(prompt, params, stream, _stream_options(body, stream), logprobs)
 
 
@@ -398,11 +532,88 @@ def _end_error(end: TokenEvent) -> JaxserveError | None:
     return None
 
 
-def create_app(engine: Engine, model_name: str) -> Flask:
+class Admission:
+    """At most `limit` generation requests in flight; the next one is refused at once (429), never queued in the
+    WSGI layer."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free = threading.BoundedSemaphore(limit)
+
+    def enter(self) -> None:
+        if not self._free.acquire(blocking=False):
+            raise QueueFullError(f"{self.limit} requests in flight (the server's admission limit)", value=self.limit,
+                                 param="max_inflight")
+
+    def leave(self) -> None:
+        self._free.release()
+
+
+class DisconnectWatcher:
+    """Aborts in the engine the non-streaming requests whose client went away (a stream notices on its next write;
+    a blocking request writes nothing until it ends). One polling thread, alive only while something is watched."""
+
+    def __init__(self, abort: Callable[[str], None], poll_s: float = DISCONNECT_POLL_S) -> None:
+        self._abort = abort
+        self._poll_s = poll_s
+        self._watched: dict[str, Callable[[], bool]] = {}
+        self._gone: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, rid: str, disconnected: Callable[[], bool]) -> None:
+        with self._lock:
+            self._watched[rid] = disconnected
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxserve-disconnects", daemon=True)
+                self._thread.start()
+
+    def unwatch(self, rid: str) -> bool:
+        """Stop watching; True if the request was aborted because its client disconnected."""
+        with self._lock:
+            self._watched.pop(rid, None)
+            if rid in self._gone:
+                self._gone.discard(rid)
+                return True
+            return False
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._watched:
+                    self._thread = None
+                    return
+                gone = [rid for rid, disconnected in self._watched.items()
+                        if rid not in self._gone and disconnected()]
+                self._gone.update(gone)
+            for rid in gone:
+                self._abort(rid)
+            time.sleep(self._poll_s)
+
+
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's malloc_trim(0): returns the free heap of a large request to the OS (a no-op elsewhere)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    trim = getattr(libc, "malloc_trim", None)
+    return (lambda: trim(0)) if trim is not None else (lambda: None)
+
+
+def _is_json(content_type: str | None, params: dict[str, str]) -> bool:
+    if content_type != "application/json" and not (content_type or "").endswith("+json"):
+        return False
+    return params.get("charset", "utf-8").lower() in ("utf-8", "utf8")  # RFC 8259: JSON text is UTF-8
+
+
+def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) -> Flask:
     """A Flask app serving `engine` under `model_name` (what clients pass as `model`)."""
+    cfg = cfg if cfg is not None else AppConfig(max_inflight=engine.cfg.max_queue)
     app = Flask("jaxserve")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes  # waitress refuses larger bodies first (main.py)
     metrics = ServerMetrics(engine)
+    admission = Admission(cfg.max_inflight)
+    watcher = DisconnectWatcher(engine.abort)
+    trim = _malloc_trim()
     created = int(time.time())
     tokenizer = engine.tokenizer
 
@@ -422,12 +633,18 @@ def create_app(engine: Engine, model_name: str) -> Flask:
                 "text_offset": [offset]}
 
     def parse_json() -> Any:
+        if not _is_json(request.mimetype or None, request.mimetype_params):
+            got = request.content_type or "none"
+            raise NotJsonError(f"the request body must be JSON ('Content-Type: application/json'), got {got[:100]}",
+                               value=got[:100], param="Content-Type")
         data = request.get_data(cache=False)
         try:
-            return json.loads(data)
+            raw = json.loads(data, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:  # ValueError covers bad UTF-8, bad JSON, >4300-digit ints
             reason = "nesting too deep" if isinstance(e, RecursionError) else str(e)[:200]
             raise MalformedBodyError(f"the request body is not valid JSON: {reason}", value=None, param=None) from e
+        _check_text(raw)
+        return raw
 
     def submit(gen: Generation, shape: Shape) -> tuple[str, Iterator[TokenEvent]]:
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
@@ -441,6 +658,9 @@ def create_app(engine: Engine, model_name: str) -> Flask:
         lps: list[dict[str, Any]] = []
         offset = 0
         end: TokenEvent | None = None
+        disconnected = request.environ.get("waitress.client_disconnected")  # needs channel_request_lookahead > 0
+        if disconnected is not None:
+            watcher.watch(rid, disconnected)
         try:
             for ev in events:
                 if ev.token_id is not None:
@@ -452,9 +672,13 @@ def create_app(engine: Engine, model_name: str) -> Flask:
                 else:
                     end = ev
         finally:
+            gone = watcher.unwatch(rid)
             events.close()  # the iterator aborts the request if it did not finish (never leak pages)
         assert end is not None  # the engine always ends a stream with one finish event
         metrics.finished(shape.endpoint, end)
+        if gone and end.finish_reason == "abort":
+            metrics.disconnect(shape.endpoint)
+            return Response(status=499)  # nginx's "client closed request": nobody reads it; /metrics does
         err = _end_error(end)
         if err is not None:
             return error_response(err)
@@ -473,7 +697,8 @@ def create_app(engine: Engine, model_name: str) -> Flask:
                 "choices": [choice], "usage": _usage(end), "system_fingerprint": None}
         return Response(json.dumps(body), mimetype="application/json")
 
-    def stream(gen: Generation, shape: Shape, rid: str, events: Iterator[TokenEvent], t0: float) -> Iterator[str]:
+    def stream(gen: Generation, shape: Shape, rid: str, events: Iterator[TokenEvent], t0: float,
+               ended: threading.Event) -> Iterator[str]:
         timer = metrics.timer(t0)
         stamp = int(time.time())
 
@@ -506,6 +731,7 @@ def create_app(engine: Engine, model_name: str) -> Flask:
                         yield chunk({"content": ev.text} if shape.chat else ev.text, None, lp)
                     continue
                 finished = True
+                ended.set()
                 metrics.finished(shape.endpoint, ev)
                 err = _end_error(ev)
                 if err is not None:
@@ -523,14 +749,31 @@ def create_app(engine: Engine, model_name: str) -> Flask:
         finally:
             events.close()  # aborts the engine request and frees its pages if it is still running
 
-    def generate(parse: Callable[[Any, Engine, str], Generation], shape: Shape) -> Response:
+    def generate(parse: Callable[[Any, Engine, str, AppConfig], Generation], shape: Shape) -> Response:
         t0 = time.monotonic()
-        gen = parse(parse_json(), engine, model_name)
-        rid, events = submit(gen, shape)
+        gen = parse(parse_json(), engine, model_name, cfg)
+        admission.enter()  # after validation: a bad request is a 400 even when the server is full
+        try:
+            rid, events = submit(gen, shape)
+        except BaseException:
+            admission.leave()
+            raise
         if not gen.stream:
-            return complete(gen, shape, rid, events, t0)
-        return Response(stream(gen, shape, rid, events, t0), mimetype="text/event-stream",
+            try:
+                return complete(gen, shape, rid, events, t0)
+            finally:
+                admission.leave()
+        ended = threading.Event()
+        resp = Response(stream(gen, shape, rid, events, t0, ended), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        def closed() -> None:
+            if not ended.is_set():
+                engine.abort(rid)  # a stream closed before its first chunk never ran the generator's cleanup
+            admission.leave()
+
+        resp.call_on_close(closed)
+        return resp
 
     @app.post("/v1/completions")
     def completions() -> Response:
@@ -573,7 +816,7 @@ def create_app(engine: Engine, model_name: str) -> Flask:
 
     @app.errorhandler(JaxserveError)
     def typed_error(err: JaxserveError) -> Response:
-        return error_response(err)
+        return error_response(err, cfg.retry_after_s)
 
     @app.errorhandler(HTTPException)
     def http_error(err: HTTPException) -> Response:
@@ -589,6 +832,8 @@ def create_app(engine: Engine, model_name: str) -> Flask:
     @app.after_request
     def count(resp: Response) -> Response:
         metrics.request(request.url_rule.rule if request.url_rule else "other", resp.status_code)
+        if (request.content_length or 0) >= LARGE_BODY_BYTES:
+            resp.call_on_close(trim)  # after the body, its JSON and the response are garbage
         return resp
 
     return app

@@ -2,10 +2,19 @@
 
 waitress (a production WSGI server) writes each SSE chunk to the socket as soon as the app yields it: its
 `send_bytes` default is 1 byte in waitress 3, so token streams are never held back in an output buffer.
+
+Admission: the engine's queue bound (`--max-queue`, EngineConfig.max_queue) is also the app's admission limit, and
+waitress gets more worker threads than that (`--threads`, default max-queue + 4; given alone, --threads sets
+max-queue to threads - 4), so every admitted request has a thread and the spare ones answer /health and the 429s at once: overload never queues inside waitress.
+Bodies over `--max-body-bytes` are refused by waitress from the Content-Length header, before the body is read,
+with a 413 in the OpenAI error shape.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import json
 import logging
 import signal
 import sys
@@ -13,25 +22,60 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flask import Flask
+from waitress.channel import HTTPChannel
 from waitress.server import BaseWSGIServer, MultiSocketServer, create_server
+from waitress.task import ErrorTask
 
 from jaxserve.engine import Engine, EngineConfig
+from jaxserve.errors import ConfigError
+
+SPARE_THREADS = 4  # beyond the admission limit: /health, /metrics and refusals never wait for a stream to end
+MAX_BODY_BYTES = 4 << 20
+MALLOC_ARENAS = 2  # glibc makes up to 8 x cores heap arenas; each request thread's garbage would pin its own
+M_ARENA_MAX = -8  # mallopt parameter number (malloc.h)
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Where and how wide to listen. threads bounds concurrent HTTP requests (each stream holds one)."""
+    """Where and how wide to listen. threads bounds concurrent HTTP requests (each stream holds one): keep it above
+    the app's admission limit (AppConfig.max_inflight) by SPARE_THREADS."""
 
     host: str = "127.0.0.1"
     port: int = 8000
-    threads: int = 16
+    threads: int = 16 + SPARE_THREADS
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+class JsonErrorTask(ErrorTask):
+    """waitress's own refusals (413 body too large, 400 malformed HTTP, ...) in the OpenAI error shape."""
+
+    def execute(self) -> None:
+        e = self.request.error
+        body = json.dumps({"error": {"message": f"{e.reason}: {e.body}", "type": "invalid_request_error",
+                                     "param": None, "code": None}}).encode()
+        self.status = f"{e.code} {e.reason}"
+        self.response_headers.append(("Content-Type", "application/json"))
+        self.set_close_on_finish()
+        self.content_length = len(body)
+        self.write(body)
+
+
+class JsonErrorChannel(HTTPChannel):
+    error_task_class = JsonErrorTask
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="a converted checkpoint (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--threads", type=int, default=16, help="HTTP worker threads (concurrent requests/streams)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="generation requests admitted at once (queued or running); the next gets 429 + Retry-After "
+                        f"(default 16, or --threads - {SPARE_THREADS})")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"HTTP worker threads (default: --max-queue + {SPARE_THREADS}; must exceed --max-queue)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger request bodies get 413")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="chat completion length when the request sets none (default 1024, within the window)")
     p.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8")
     p.add_argument("--decode-weights", choices=["int4", "fp8", "bf16"], default="int4")
     p.add_argument("--prefill-weights", choices=["fp8", "bf16"], default="fp8")
@@ -42,10 +86,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="context window (prompt + completion)")
 
 
+def admission(args: argparse.Namespace) -> tuple[int, int]:
+    """(max_queue, threads), configured together: refuse a thread count that would queue admitted work in waitress."""
+    max_queue = args.max_queue
+    if max_queue is None:
+        max_queue = args.threads - SPARE_THREADS if args.threads is not None else 16
+    if max_queue < 1:
+        raise ConfigError("--max-queue must be at least 1", value=max_queue, param="max_queue")
+    threads = args.threads if args.threads is not None else max_queue + SPARE_THREADS
+    if threads <= max_queue:
+        raise ConfigError(f"--threads ({threads}) must exceed --max-queue ({max_queue}): admitted requests "
+                          "would hold every thread and /health and 429s would wait", value=threads, param="threads")
+    return max_queue, threads
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(kv_dtype=args.kv_dtype, decode_weights=args.decode_weights,
                         prefill_weights=args.prefill_weights, integrity=args.integrity == "on",
-                        devices=args.devices, max_model_len=args.max_model_len)
+                        devices=args.devices, max_model_len=args.max_model_len, max_queue=admission(args)[0])
 
 
 def model_name(checkpoint: str | Path) -> str:
@@ -55,8 +113,25 @@ def model_name(checkpoint: str | Path) -> str:
 
 def make_server(app: Flask, cfg: ServeConfig) -> BaseWSGIServer | MultiSocketServer:
     """A waitress server bound to cfg.host:cfg.port (port 0: a free port, see `.effective_port`); call `.run()`."""
-    return create_server(app, host=cfg.host, port=cfg.port, threads=cfg.threads, ident="jaxserve",
-                         clear_untrusted_proxy_headers=True)
+    # channel_request_lookahead keeps a busy connection readable, so waitress sees a client hang up mid-request
+    # (environ["waitress.client_disconnected"]) and the app aborts its generation
+    server = create_server(app, host=cfg.host, port=cfg.port, threads=cfg.threads, ident="jaxserve",
+                           clear_untrusted_proxy_headers=True, max_request_body_size=cfg.max_body_bytes,
+                           channel_request_lookahead=1)
+    listeners = [server] if isinstance(server, BaseWSGIServer) else \
+        [s for s in server.map.values() if isinstance(s, BaseWSGIServer)]
+    for s in listeners:
+        s.channel_class = JsonErrorChannel
+    return server
+
+
+def cap_malloc_arenas(n: int = MALLOC_ARENAS) -> None:
+    """Bound glibc's heap arenas (like MALLOC_ARENA_MAX=n), so memory freed after a large request is reusable by
+    every thread and trimmable; call before the server threads start. A no-op without glibc."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    if mallopt is not None:
+        mallopt(M_ARENA_MAX, n)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -65,9 +140,12 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxserve.cli import default_checkpoint
-    from jaxserve.server.app import create_app
+    from jaxserve.server.app import DEFAULT_CHAT_MAX_TOKENS, AppConfig, create_app
 
+    cap_malloc_arenas()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    max_queue, threads = admission(args)  # before loading: a bad flag fails at once, not after the weights load
+    serve_cfg = ServeConfig(args.host, args.port, threads, args.max_body_bytes)
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
     engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True)
     if args.workers > 1:
@@ -76,10 +154,13 @@ def run(args: argparse.Namespace) -> int:
         engine = SessionRouter([engine] + [Engine(engine.model, engine.cfg, engine.tokenizer)
                                            for _ in range(args.workers - 1)])
     name = model_name(checkpoint)
-    server = make_server(create_app(engine, name), ServeConfig(args.host, args.port, args.threads))
+    app_cfg = AppConfig(max_inflight=max_queue, max_body_bytes=args.max_body_bytes,
+                        default_chat_max_tokens=args.default_max_tokens or DEFAULT_CHAT_MAX_TOKENS)
+    server = make_server(create_app(engine, name, app_cfg), serve_cfg)
     # SIGTERM (what process managers send) shuts down like Ctrl-C: waitress's loop ends on SystemExit
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    print(f"jaxserve: serving {name} on http://{args.host}:{server.effective_port}/v1", file=sys.stderr, flush=True)
+    print(f"jaxserve: serving {name} on http://{args.host}:{server.effective_port}/v1 (admits {max_queue} "
+          f"requests, {serve_cfg.threads} threads)", file=sys.stderr, flush=True)
     try:
         server.run()  # returns after Ctrl-C / SIGTERM (waitress catches KeyboardInterrupt and SystemExit)
     finally:
