@@ -2,24 +2,43 @@
 
 x [M, K] bf16, rows sorted by expert; group_sizes [E] int32 (ragged, empty groups allowed, sum <= M; rows past
 the sum give 0). Weights: int4 `w [E, K//2, N] uint8, scale [E, K//g, N] bf16` or fp8
-`w [E, K, N] float8_e4m3fn, scale [E, ceil(K/128), ceil(N/128)] f32` (see jaxserve.quant.formats).
+`w [E, K, N] float8_e4m3fn, scale [E, K//128, ceil(N/128)] f32` (the layouts of jaxserve.quant.formats).
 
-Approach (as vLLM's `moe_align_block_size`, simpler than megablox's shared tiles): in XLA, each group's rows
-are copied into its own run of whole M-tiles (group sizes padded up to a multiple of block_m), and a small
-metadata array `tile_group [T]` names each tile's expert (-1: unused tile, written as zeros). Every tile has
-exactly one expert, so each output tile is written by exactly one grid program: no cross-program
-accumulation, which GPU grids (parallel programs) need. T = cdiv(M, block_m) + min(E, M) bounds the tiles
-statically (each non-empty group adds at most one partial tile). Afterwards rows are gathered back to the
-input order. Only activations are moved in XLA; weights are read packed and dequantized per tile:
-- int4: the same group loop as pallas_kernels.int4_matmul (even/odd activation split, scale on the f32 partial).
-- fp8: per 128-row K block, `acc += (x_blk @ bf16(w_blk)) * scale[e, kb, nb]`; fp8 -> bf16 is exact and the
-  block scale is constant over the [128, block_n] tile (block_n divides 128).
+Rows to tiles (as vLLM's `moe_align_block_size`): in XLA, each group's rows are copied into its own run of whole
+M-tiles (group sizes padded up to a multiple of block_m) and `tile_group [T]` names each tile's expert (-1: unused
+tile). Every tile has exactly one expert, so each output tile has exactly one writer: no cross-program
+accumulation. T = cdiv(M, block_m) + min(E, M) bounds the tiles statically; used tiles come first. Rows are
+gathered back to the input order afterwards. Only activations move in XLA; weights are read packed.
 
-Checked here: legacy `interpret=True` on CPU vs pallas_kernels.reference.gmm_reference (tests/test_moe_gmm.py).
-Not checked here (no accelerator): GPU Triton lowering and TPU Mosaic lowering, and speed. The expert is chosen
-inside the kernel from the metadata input, so the weight BlockSpec spans all E experts (fine for Triton, whose
-refs are pointers; on TPU that block would not fit VMEM and should become a scalar-prefetch index_map
-`(tile_group[t], 0, j)`), and unused tiles still cost a grid step.
+- backend="gpu" (Pallas Triton, `plt.CompilerParams` from `int4_matmul.GPU_TUNING`): grid (T, N blocks); the
+  expert is chosen inside the kernel from `tile_group` by pointer offset (the weight BlockSpec spans all E
+  experts, which costs nothing in Triton: refs are pointers, and shared memory holds only what one K-loop
+  iteration loads, times num_stages: `gmm_stage_plan`). int4: the group loop of int4_matmul (scale on the f32
+  partial); fp8: per 128-row K block `acc += (x_blk @ bf16(w_blk)) * scale[e, kb, nb]` (exact cast, one scale
+  per [128, block_n] tile since block_n divides 128). An unused tile writes zeros.
+- backend="tpu" (Mosaic TPU, megablox-style): `pltpu.PrefetchScalarGridSpec` with `tile_group` and `tile_src`
+  in SMEM; grid (N blocks, T, K blocks), K last. The weight BlockSpec is ONE expert's [bk, bn] tile at
+  `(tile_group[t], k, j)`: never the expert stack. int4 dequantizes the block to x.dtype in VMEM
+  (`int4_matmul.dequant_int4_block`, q * scale rounded to bf16 once); fp8 does one K=128 dot per scale row
+  block and scales it by a [1, bn] row built from the expert's [K/128, N/128] f32 scales, one full-dim SMEM
+  block per expert (Mosaic refuses smaller scale blocks: (8, 128) rule). Unused tiles repeat the last used
+  tile's block indices, so the pipeline issues no DMA for them and their output block stays resident
+  (unchanged) until it is written back; their rows are never gathered. VMEM per step: `gmm_stage_plan`.
+
+The Pallas Triton backend is deprecated upstream as of JAX 0.11. Path forward, not built: Mosaic GPU
+(`plgpu`), e.g. a scalar-prefetched expert index like the tpu path with TMA tiles that fit 227 KiB of SMEM per
+stage (jax's ragged_dot_mgpu.py is the shape to follow), or tokamax's ragged dot if it gains int4/fp8 weights.
+
+What was checked (CPU only, JAX 0.10.2): legacy `interpret=True` (gpu tiling) and TPU interpret mode
+(`pltpu.InterpretParams()`, tpu tiling) against `pallas_kernels.reference.gmm_reference` at toy dims and at
+hidden 7168 / FFN 2048 with a few experts (tests/test_moe_gmm.py); `jax.export` for cuda (Triton) and tpu
+(Mosaic) at the per-device Kimi K2.6 (EP: 48 local experts, TP: 384 experts of FFN 256), GLM-5.2 (32 local) and
+GLM-4.5 (20 local, FFN 1536) shapes, gate/up and the transposed down projection, INT4 g32/g128 and FP8, M = 1..4096;
+per-stage byte budgets from `gmm_stage_plan` (tests/test_lowering_matmul.py). What was NOT checked (no
+accelerator): compiling the exported modules (Mosaic's layout passes and the Triton compiler run only on a
+device: the fp8 -> bf16 cast on TPU generations without fp8 units, the scale-row concatenation and the uint8
+unpack may be rejected or slow), that the pipeline really skips DMAs for unused tiles (interpret mode does not
+count DMAs), and speed (untimed; no GPU split-K for tiny decode groups).
 """
 from __future__ import annotations
 
@@ -30,27 +49,73 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.int4_matmul import KernelShapeError, accumulate_int4_groups, split_even_odd
+from pallas_kernels.int4_matmul import (TPU_VMEM_LIMIT_BYTES, Int4Blocks, KernelShapeError, StagePlan,
+                                        accumulate_int4_groups, check_backend, dequant_int4_block, split_even_odd,
+                                        stage_plan, tpu_block_k, tpu_block_n, tpu_tile, triton_params)
 
 FP8_BLOCK = 128
 
 
 @dataclass(frozen=True)
 class GmmBlocks:
-    """Tile sizes: block_m rows (one expert per tile) x block_n output columns per grid program."""
+    """Tiles: block_m rows (one expert per tile) x block_n output columns per program; block_k K per grid step
+    (tpu only; 0 = all of K)."""
 
     block_m: int
     block_n: int
+    block_k: int = 0
 
 
-def choose_gmm_blocks(m: int, n: int, num_groups: int) -> GmmBlocks:
-    """block_m from the mean group size (16 for decode-sized groups, up to 64), block_n the largest of
-    128..16 dividing n, else 128 with a partial edge tile; block_n <= 128 keeps one FP8 scale per tile."""
+def choose_gmm_blocks(m: int, n: int, num_groups: int, k: int | None = None, *, fmt: str = "int4",
+                      group_size: int = 32, backend: str = "gpu", dtype: str = "bfloat16") -> GmmBlocks:
+    """Blocks for moe_gmm of x [m, k] over `num_groups` experts of [k, n].
+
+    gpu: block_m from the mean group size (16 for decode-sized groups, up to 64), block_n the largest of 128..16
+    dividing n, else 128 with a partial edge tile (block_n <= 128 keeps one FP8 scale per tile).
+    tpu: block_m the power of two >= the mean group size in [16, 256] (8 for f32 x), block_n up to 1024 for
+    decode-sized groups (bigger DMAs per grid step) or 512, block_k 1024..256 (int4: `tpu_block_k`, so the
+    scale block has a multiple of 8 rows; fp8: a multiple of 128 dividing K), else all of K.
+    """
+    check_backend(backend)
     mean = -(-m // max(num_groups, 1))
-    block_m = next((b for b in (16, 32) if mean <= b), 64)
-    block_n = next((b for b in (128, 64, 32, 16) if n % b == 0), 128)
-    return GmmBlocks(block_m, block_n)
+    if backend == "gpu":
+        block_m = next((b for b in (16, 32) if mean <= b), 64)
+        block_n = next((b for b in (128, 64, 32, 16) if n % b == 0), 128)
+        return GmmBlocks(block_m, block_n)
+    low = 16 if jnp.dtype(dtype).itemsize == 2 else 8
+    block_m = min(max(low, 1 << max(mean - 1, 0).bit_length()), 256)
+    block_n = tpu_block_n(n, 1024 if mean <= 16 else 512)
+    if not k:
+        return GmmBlocks(block_m, block_n)
+    if fmt == "int4":
+        return GmmBlocks(block_m, block_n, tpu_block_k(k, group_size))
+    return GmmBlocks(block_m, block_n, next((b for b in (1024, 512, 256, 128) if k % b == 0), k))
+
+
+def gmm_stage_plan(k: int, n: int, blocks: GmmBlocks, *, fmt: str, group_size: int = 32, backend: str = "gpu",
+                   dtype: str = "bfloat16", num_stages: int | None = None) -> StagePlan:
+    """On-chip bytes per pipeline stage of moe_gmm with `blocks` (see int4_matmul.StagePlan).
+
+    int4: as int4_matmul.stage_plan for the same tile. fp8 gpu: x [bm, 128], w [128, bn] fp8 per K iteration x
+    num_stages, plus the bf16 cast of w. fp8 tpu: x [bm, bk], w [bk, bn] fp8 and out [bm, bn] double-buffered,
+    the f32 accumulator, one [128, bn] cast and one [bm, bn] f32 partial; the expert's scales in SMEM.
+    """
+    bm, bn = blocks.block_m, blocks.block_n
+    if fmt == "int4":
+        return stage_plan(bm, k, n, group_size, Int4Blocks(bm, bn, blocks.block_k), backend=backend, dtype=dtype,
+                          num_stages=num_stages)
+    if backend == "gpu":
+        stages = num_stages or triton_params(bm, bn).num_stages
+        return StagePlan(pipelined=(((bm, FP8_BLOCK), dtype), ((FP8_BLOCK, bn), "float8_e4m3fn")),
+                         buffers=stages, resident=(((FP8_BLOCK, bn), dtype),))
+    bk = blocks.block_k or k
+    pad = lambda blocks_: tuple((tpu_tile(s, d), d) for s, d in blocks_)
+    return StagePlan(
+        pipelined=pad((((bm, bk), dtype), ((bk, bn), "float8_e4m3fn"), ((bm, bn), dtype))), buffers=2,
+        resident=pad((((bm, bn), "float32"), ((FP8_BLOCK, bn), dtype), ((bm, bn), "float32"))),
+        smem=((tpu_tile((k // FP8_BLOCK, -(-n // FP8_BLOCK)), "float32"), "float32"),))
 
 
 class TileLayout(NamedTuple):
@@ -92,6 +157,9 @@ def tile_layout(group_sizes: jax.Array, m: int, block_m: int) -> TileLayout:
     return TileLayout(row_src, row_valid, tile_group, row_dst, out_valid)
 
 
+# ----------------------------------------------------------------------------------------------- gpu tiling
+
+
 def _gmm_int4_kernel(meta_ref, x_ref, w_ref, s_ref, o_ref, *, n_groups: int, half: int) -> None:
     """meta_ref [T] int32, x_ref [2, G, bm, half], w_ref [E, K//2, bn] uint8, s_ref [E, G, bn] bf16."""
     e = meta_ref[pl.program_id(0)]
@@ -125,45 +193,15 @@ def _gmm_fp8_kernel(meta_ref, x_ref, w_ref, s_ref, o_ref, *, k_blocks: int) -> N
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _check_shapes(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array, fmt: str) -> None:
-    """Raises KernelShapeError naming the first inconsistent operand."""
-    m, k = x.shape
-    e = w.shape[0]
-    if group_sizes.shape != (e,):
-        raise KernelShapeError(f"group_sizes shape {group_sizes.shape} != ({e},)", value=tuple(group_sizes.shape),
-                          param="group_sizes")
-    if fmt == "int4":
-        ok = (w.ndim == 3 and 2 * w.shape[1] == k and scale.shape[::2] == (e, w.shape[2])
-              and scale.shape[1] > 0 and k % scale.shape[1] == 0 and (k // scale.shape[1]) % 2 == 0)
-    elif fmt == "fp8":
-        ok = (w.ndim == 3 and w.shape[1] == k and k % FP8_BLOCK == 0
-              and scale.shape == (e, k // FP8_BLOCK, -(-w.shape[2] // FP8_BLOCK)))
-    else:
-        raise KernelShapeError(f"moe_gmm handles 'int4' and 'fp8' weights, not {fmt!r}", value=fmt, param="fmt")
-    if not ok:
-        raise KernelShapeError(f"moe_gmm {fmt} shapes do not match: x {x.shape}, w {w.shape}, scale {scale.shape}"
-                          + (" (fp8 kernel needs K % 128 == 0)" if fmt == "fp8" else ""),
-                          value=(tuple(x.shape), tuple(w.shape), tuple(scale.shape)), param="w")
-
-
-@functools.partial(jax.jit, static_argnames=("fmt", "blocks", "interpret"))
-def moe_gmm(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array, *, fmt: str,
-            blocks: GmmBlocks | None = None, interpret: bool = False) -> jax.Array:
-    """Expert-sorted x [M, K] bf16 (or f32) x expert weights in `fmt` ("int4" | "fp8") -> [M, N] x.dtype.
-
-    Row r uses expert g where cumsum(group_sizes)[g-1] <= r < cumsum(group_sizes)[g]; rows past the sum are 0.
-    Precondition (not checkable under jit): sum(group_sizes) <= M.
-    """
-    _check_shapes(x, w, scale, group_sizes, fmt)
-    m, k = x.shape
+def _gmm_gpu(x_pad: jax.Array, tile_group: jax.Array, w: jax.Array, scale: jax.Array, fmt: str,
+             blocks: GmmBlocks, interpret: bool) -> jax.Array:
+    """x_pad [T*bm, K] (tiles of one expert) -> y_pad [T*bm, N] x.dtype."""
+    k = x_pad.shape[1]
     n_experts, _, n = w.shape
-    blocks = blocks or choose_gmm_blocks(m, n, n_experts)
     bm, bn = blocks.block_m, blocks.block_n
     if fmt == "fp8" and FP8_BLOCK % bn:
         raise KernelShapeError(f"fp8 block_n {bn} must divide {FP8_BLOCK}", value=bn, param="blocks")
-    layout = tile_layout(group_sizes, m, bm)
-    n_tiles = layout.tile_group.shape[0]
-    x_pad = jnp.where(layout.row_valid[:, None], x[layout.row_src], 0).astype(x.dtype)  # [T*bm, K]
+    n_tiles = tile_group.shape[0]
     meta_spec = pl.BlockSpec((n_tiles,), lambda t, j: (0,))
     if fmt == "int4":
         n_groups = scale.shape[1]
@@ -181,12 +219,176 @@ def moe_gmm(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array
                     pl.BlockSpec((n_experts, k, bn), lambda t, j: (0, 0, j)),
                     # block of width 1 along the scale columns: block index = the 128-column tile of N block j
                     pl.BlockSpec((n_experts, k_blocks, 1), lambda t, j: (0, 0, (j * bn) // FP8_BLOCK))]
-    y_pad = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(n_tiles, pl.cdiv(n, bn)),
         in_specs=[meta_spec, *in_specs],
         out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
-        out_shape=jax.ShapeDtypeStruct((n_tiles * bm, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((n_tiles * bm, n), x_pad.dtype),
+        compiler_params=triton_params(bm, bn),
         interpret=interpret,
-    )(layout.tile_group, *operands)
+    )(tile_group, *operands)
+
+
+# ----------------------------------------------------------------------------------------------- tpu tiling
+
+
+def _gmm_int4_tpu_kernel(tg_ref, src_ref, x_ref, w_ref, s_ref, o_ref, acc_ref, *, group_size: int,
+                         n_k: int) -> None:
+    """Step (j, t, k): x_ref [2, bm, bk/2], w_ref [bk/2, bn] uint8 (expert tile_group[t]), s_ref [bk/g, bn] bf16,
+    o_ref [bm, bn], acc_ref [bm, bn] f32."""
+    del src_ref
+    used = tg_ref[pl.program_id(1)] >= 0
+    k = pl.program_id(2)
+
+    @pl.when(used & (k == 0))
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(used)
+    def _():
+        lo, hi = dequant_int4_block(w_ref[...], s_ref[...], group_size, x_ref.dtype)
+        acc_ref[...] += (jnp.dot(x_ref[0], lo, preferred_element_type=jnp.float32)
+                         + jnp.dot(x_ref[1], hi, preferred_element_type=jnp.float32))
+
+    @pl.when(used & (k == n_k - 1))
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _gmm_fp8_tpu_kernel(tg_ref, src_ref, x_ref, w_ref, s_ref, o_ref, acc_ref, *, n_k: int) -> None:
+    """Step (j, t, k): x_ref [bm, bk], w_ref [bk, bn] fp8, s_ref [K/128, ceil(N/128)] f32 in SMEM (the expert's
+    scales), o_ref [bm, bn], acc_ref [bm, bn] f32."""
+    del src_ref
+    j, t, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    used = tg_ref[t] >= 0
+    bk, bn = w_ref.shape
+    widths = [min(FP8_BLOCK, bn - c) for c in range(0, bn, FP8_BLOCK)]  # scale columns of this N block
+    col0 = j * (bn // FP8_BLOCK)  # bn is a multiple of 128, or all of N (j == 0)
+
+    @pl.when(used & (k == 0))
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(used)
+    def _():
+        for kk in range(bk // FP8_BLOCK):
+            rows = slice(kk * FP8_BLOCK, (kk + 1) * FP8_BLOCK)
+            part = jnp.dot(x_ref[:, rows], w_ref[rows, :].astype(x_ref.dtype), preferred_element_type=jnp.float32)
+            kb = k * (bk // FP8_BLOCK) + kk
+            row = jnp.concatenate([jnp.full((1, wd), s_ref[kb, col0 + c], jnp.float32)
+                                   for c, wd in enumerate(widths)], axis=1)  # [1, bn]
+            acc_ref[...] += part * row
+
+    @pl.when(used & (k == n_k - 1))
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _gmm_tpu(x_pad: jax.Array, tile_group: jax.Array, w: jax.Array, scale: jax.Array, fmt: str,
+             blocks: GmmBlocks, interpret: bool | pltpu.InterpretParams) -> jax.Array:
+    """x_pad [T*bm, K] (tiles of one expert, used tiles first) -> y_pad [T*bm, N]; unused tiles' rows undefined."""
+    k = x_pad.shape[1]
+    n = w.shape[2]
+    bm, bn = blocks.block_m, blocks.block_n
+    bk = blocks.block_k or k
+    n_tiles = tile_group.shape[0]
+    g = k // scale.shape[1] if fmt == "int4" else FP8_BLOCK
+    if k % bk or n % bn or bk % g or (bn % FP8_BLOCK and bn != n):
+        raise KernelShapeError(f"tpu blocks {blocks} must tile K={k} (in whole groups of {g}) and N={n} "
+                               f"(block_n a multiple of 128 or all of N)", value=blocks, param="blocks")
+    n_k = k // bk
+    ids = jnp.arange(n_tiles, dtype=jnp.int32)
+    used = tile_group >= 0
+    # unused tiles (a suffix) repeat the last used tile's indices: same blocks, so no DMA and no writeback race
+    tile_src = jnp.where(used, ids, jnp.max(jnp.where(used, ids, 0)))
+
+    def live(t, kk, tg, src):
+        """(tile whose blocks step t uses, its K block): unused steps pin the last used tile's last K block."""
+        keep = tg[t] >= 0
+        return src[t], jnp.where(keep, kk, n_k - 1)
+
+    def expert(t, src, tg):
+        return jnp.maximum(tg[src[t]], 0)
+
+    if fmt == "int4":
+        operand = x_pad.reshape(n_tiles * bm, k // 2, 2).transpose(2, 0, 1)  # [2, T*bm, K/2]
+        x_spec = pl.BlockSpec((2, bm, bk // 2), lambda j, t, kk, tg, src: (0, *live(t, kk, tg, src)))
+        w_spec = pl.BlockSpec((None, bk // 2, bn),
+                              lambda j, t, kk, tg, src: (expert(t, src, tg), live(t, kk, tg, src)[1], j))
+        s_spec = pl.BlockSpec((None, bk // g, bn),
+                              lambda j, t, kk, tg, src: (expert(t, src, tg), live(t, kk, tg, src)[1], j))
+        kernel = functools.partial(_gmm_int4_tpu_kernel, group_size=g, n_k=n_k)
+        scale_op = scale
+    else:
+        operand = x_pad
+        x_spec = pl.BlockSpec((bm, bk), lambda j, t, kk, tg, src: live(t, kk, tg, src))
+        w_spec = pl.BlockSpec((None, bk, bn),
+                              lambda j, t, kk, tg, src: (expert(t, src, tg), live(t, kk, tg, src)[1], j))
+        n_sc = scale.shape[2]
+        s_spec = pl.BlockSpec((None, k // FP8_BLOCK, n_sc), lambda j, t, kk, tg, src: (expert(t, src, tg), 0, 0),
+                              memory_space=pltpu.SMEM)
+        kernel = functools.partial(_gmm_fp8_tpu_kernel, n_k=n_k)
+        scale_op = scale.astype(jnp.float32)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(n // bn, n_tiles, n_k),  # N outermost ("parallel"): tiles and K stay sequential on each core
+        in_specs=[x_spec, w_spec, s_spec],
+        out_specs=pl.BlockSpec((bm, bn), lambda j, t, kk, tg, src: (src[t], j)),
+        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((n_tiles * bm, n), x_pad.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=TPU_VMEM_LIMIT_BYTES),
+        interpret=interpret,
+    )(tile_group, tile_src, operand, w, scale_op)
+
+
+def _check_shapes(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array, fmt: str) -> None:
+    """Raises KernelShapeError naming the first inconsistent operand."""
+    m, k = x.shape
+    e = w.shape[0]
+    if group_sizes.shape != (e,):
+        raise KernelShapeError(f"group_sizes shape {group_sizes.shape} != ({e},)", value=tuple(group_sizes.shape),
+                               param="group_sizes")
+    if fmt == "int4":
+        ok = (w.ndim == 3 and 2 * w.shape[1] == k and scale.shape[::2] == (e, w.shape[2])
+              and scale.shape[1] > 0 and k % scale.shape[1] == 0 and (k // scale.shape[1]) % 2 == 0)
+    elif fmt == "fp8":
+        ok = (w.ndim == 3 and w.shape[1] == k and k % FP8_BLOCK == 0
+              and scale.shape == (e, k // FP8_BLOCK, -(-w.shape[2] // FP8_BLOCK)))
+    else:
+        raise KernelShapeError(f"moe_gmm handles 'int4' and 'fp8' weights, not {fmt!r}", value=fmt, param="fmt")
+    if not ok:
+        raise KernelShapeError(f"moe_gmm {fmt} shapes do not match: x {x.shape}, w {w.shape}, scale {scale.shape}"
+                               + (" (fp8 kernel needs K % 128 == 0)" if fmt == "fp8" else ""),
+                               value=(tuple(x.shape), tuple(w.shape), tuple(scale.shape)), param="w")
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "blocks", "backend", "interpret"))
+def moe_gmm(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array, *, fmt: str,
+            blocks: GmmBlocks | None = None, backend: str = "gpu",
+            interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
+    """Expert-sorted x [M, K] bf16 (or f32) x expert weights in `fmt` ("int4" | "fp8") -> [M, N] x.dtype.
+
+    Row r uses expert g where cumsum(group_sizes)[g-1] <= r < cumsum(group_sizes)[g]; rows past the sum are 0.
+    Precondition (not checkable under jit): sum(group_sizes) <= M. backend: "gpu" (Triton) or "tpu" (Mosaic);
+    interpret: True (legacy, either tiling) or, for "tpu", `pltpu.InterpretParams()` to run on CPU.
+    """
+    check_backend(backend)
+    _check_shapes(x, w, scale, group_sizes, fmt)
+    m, k = x.shape
+    n_experts, _, n = w.shape
+    g = k // scale.shape[1] if fmt == "int4" else FP8_BLOCK
+    blocks = blocks or choose_gmm_blocks(m, n, n_experts, k, fmt=fmt, group_size=g, backend=backend,
+                                         dtype=x.dtype.name)
+    layout = tile_layout(group_sizes, m, blocks.block_m)
+    x_pad = jnp.where(layout.row_valid[:, None], x[layout.row_src], 0).astype(x.dtype)  # [T*bm, K]
+    if backend == "gpu":
+        y_pad = _gmm_gpu(x_pad, layout.tile_group, w, scale, fmt, blocks, bool(interpret))
+    else:
+        y_pad = _gmm_tpu(x_pad, layout.tile_group, w, scale, fmt, blocks, interpret)
     return jnp.where(layout.out_valid[:, None], y_pad[layout.row_dst], 0).astype(x.dtype)
