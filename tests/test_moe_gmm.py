@@ -1,16 +1,21 @@
 """Pallas grouped MoE matmul (interpret mode) vs dequantize + ragged_dot, its tile metadata, and
 `ops.grouped_linear` dispatch.
 
-Tolerance as in test_int4_matmul: same bf16 activations and exactly dequantized weights on both sides, f32
-accumulation, bf16 output rounding: ||out - ref|| / ||ref|| <= 1e-2 (measured ~1.7e-3). Rows past
-sum(group_sizes) must be exactly 0.
+Tolerance as in test_int4_matmul: same bf16 activations on both sides, exactly dequantized weights (the tpu
+int4 tiling rounds q * scale to bf16 once), f32 accumulation, bf16 output rounding: ||out - ref|| / ||ref||
+<= 1e-2 (measured ~1.7e-3 gpu and fp8, ~2.2e-3 tpu int4). Rows past sum(group_sizes) must be exactly 0. The
+gpu tiling runs in legacy `interpret=True`, the tpu tiling in TPU interpret mode.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +26,7 @@ from pallas_kernels.moe_gmm import GmmBlocks, moe_gmm, tile_layout
 from pallas_kernels.reference import gmm_reference
 
 REL_TOL = 1e-2
+TPU = pltpu.InterpretParams()  # TPU interpret mode: runs the Mosaic-shaped (scalar-prefetch) kernel on CPU
 
 
 def _rel_err(out: jax.Array, ref: jax.Array) -> float:
@@ -46,31 +52,82 @@ def _check(out: jax.Array, x: jax.Array, wq: jax.Array, scale: jax.Array, gs: np
 @pytest.mark.parametrize("seed, m, group_sizes, blocks", [
     (0, 1, [0, 1, 0, 0], None),  # decode: one token, one non-empty expert
     (1, 7, [3, 0, 1, 0, 2, 0], None),  # empty groups, a group of size 1, sum 6 < M: last row is 0
-    (2, 64, [0, 20, 1, 30, 0, 0, 5, 1], GmmBlocks(16, 64)),  # groups spanning several tiles, 2 N blocks
+    # groups spanning several tiles; gpu: 2 N blocks, tpu: 2 K steps carried in the VMEM accumulator
+    (2, 64, [0, 20, 1, 30, 0, 0, 5, 1], {"gpu": GmmBlocks(16, 64), "tpu": GmmBlocks(16, 128, 128)}),
     (3, 256, [64, 0, 100, 1, 0, 91], None),  # prefill-sized
 ])
-def test_moe_gmm_matches_reference(fmt: str, g: int, seed: int, m: int, group_sizes: list[int],
-                                   blocks: GmmBlocks | None) -> None:
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_moe_gmm_matches_reference(backend: str, fmt: str, g: int, seed: int, m: int, group_sizes: list[int],
+                                   blocks: dict[str, GmmBlocks] | None) -> None:
     rng = np.random.default_rng(seed * 7 + g)
     k, n = 256, 128
     gs = np.asarray(group_sizes, np.int32)
     wq, scale = _experts(rng, len(gs), k, n, fmt, g)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    out = moe_gmm(x, wq, scale, jnp.asarray(gs), fmt=fmt, blocks=blocks, interpret=True)
+    out = moe_gmm(x, wq, scale, jnp.asarray(gs), fmt=fmt, blocks=(blocks or {}).get(backend), backend=backend,
+                  interpret=TPU if backend == "tpu" else True)
     assert out.shape == (m, n)
     _check(out, x, wq, scale, gs, fmt)
 
 
-def test_moe_gmm_random_ragged_groups_and_all_empty() -> None:
+def _random_packed(rng: np.random.Generator, e: int, k: int, n: int, fmt: str) -> tuple[jax.Array, jax.Array]:
+    """Random weights straight in the runtime layout (quantizing [E, 7168, 2048] f32 would dominate the test)."""
+    if fmt == "int4":
+        w = rng.integers(0, 256, (e, k // 2, n), dtype=np.uint8)
+        return jnp.asarray(w), jnp.asarray(rng.uniform(0.005, 0.02, (e, k // 32, n)), jnp.bfloat16)
+    b = rng.integers(0, 256, (e, k, n), dtype=np.uint8)
+    b[(b & 0x7F) == 0x7F] = 0  # the e4m3fn NaN codes
+    return (jnp.asarray(b.view(ml_dtypes.float8_e4m3fn)),
+            jnp.asarray(rng.uniform(1e-4, 1e-3, (e, k // 128, -(-n // 128))), jnp.float32))
+
+
+@functools.lru_cache(maxsize=1)
+def _real_dims_case(fmt: str, k: int, n: int) -> tuple[jax.Array, jax.Array, jax.Array, np.ndarray, jax.Array]:
+    """(x [6, k] bf16, w, scale, group_sizes [2], reference [6, n] f32), built once per shape for both backends."""
+    rng = np.random.default_rng(k + n)
+    gs = np.asarray([3, 2], np.int32)  # five rows of six: the last row must come out 0
+    wq, scale = _random_packed(rng, len(gs), k, n, fmt)
+    x = jnp.asarray(rng.standard_normal((6, k)), jnp.bfloat16)
+    return x, wq, scale, gs, gmm_reference(x, wq, scale, jnp.asarray(gs), fmt)
+
+
+_SLOW = pytest.mark.slow  # each ~10-25 s on the shared 2-core host (reference + interpret over 7168 x 2048)
+
+
+@pytest.mark.parametrize("fmt, k, n, backend", [
+    ("int4", 7168, 2048, "gpu"),  # Kimi K2.6 gate/up: hidden 7168 -> expert FFN 2048, INT4 g32
+    ("int4", 7168, 2048, "tpu"),
+    ("fp8", 7168, 2048, "tpu"),
+    pytest.param("fp8", 7168, 2048, "gpu", marks=_SLOW),
+    pytest.param("int4", 2048, 7168, "gpu", marks=_SLOW),  # down projection (the transposed shape)
+    pytest.param("int4", 2048, 7168, "tpu", marks=_SLOW),
+    pytest.param("fp8", 2048, 7168, "gpu", marks=_SLOW),
+    pytest.param("fp8", 2048, 7168, "tpu", marks=_SLOW),
+])
+def test_moe_gmm_real_dims(fmt: str, k: int, n: int, backend: str) -> None:
+    # the default blocks of each backend at the real K and N (tpu: K tiled 1024, N 1024; gpu: 224 g32 groups)
+    x, wq, scale, gs, ref = _real_dims_case(fmt, k, n)
+    out = moe_gmm(x, wq, scale, jnp.asarray(gs), fmt=fmt, backend=backend,
+                  interpret=TPU if backend == "tpu" else True)
+    np.testing.assert_array_equal(np.asarray(out[5:], np.float32), 0.0)
+    assert _rel_err(out[:5], ref[:5]) <= REL_TOL
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_moe_gmm_random_ragged_groups_and_all_empty(backend: str) -> None:
+    # tpu: unused tiles skip compute and leave their rows unwritten (NaN in interpret mode); none may leak
+    mode = TPU if backend == "tpu" else True
     rng = np.random.default_rng(11)
     e, k, n, m = 8, 128, 96, 40
     gs = rng.multinomial(m - 3, rng.dirichlet(np.full(e, 0.3))).astype(np.int32)  # sum 37 < M
     for fmt in ("int4", "fp8"):
         wq, scale = _experts(rng, e, k, n, fmt, 32)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-        _check(moe_gmm(x, wq, scale, jnp.asarray(gs), fmt=fmt, interpret=True), x, wq, scale, gs, fmt)
+        out = moe_gmm(x, wq, scale, jnp.asarray(gs), fmt=fmt, backend=backend, interpret=mode)
+        _check(out, x, wq, scale, gs, fmt)
         empty = np.zeros(e, np.int32)
-        _check(moe_gmm(x, wq, scale, jnp.asarray(empty), fmt=fmt, interpret=True), x, wq, scale, empty, fmt)
+        out = moe_gmm(x, wq, scale, jnp.asarray(empty), fmt=fmt, backend=backend, interpret=mode)
+        _check(out, x, wq, scale, empty, fmt)
 
 
 _jit_tile_layout = jax.jit(tile_layout, static_argnums=(1, 2))
