@@ -1,6 +1,52 @@
 """Flash (chunked, ragged) PREFILL attention over the page pool: MLA absorbed (MQA over the latent) and GQA.
 
-HEADER_PLACEHOLDER
+Contract (both functions; `reference_prefill.py` implements the same one in plain jnp):
+- A chunk of T query tokens per batch row (right-padded), attending over the row's context read back from the
+  page pool through its block table: prior context + this chunk, whose KV must already be written.
+- q [B, T, heads, Dk]; block_tables [B, M] int32 (padding entries 0, a valid page); positions [B, T] int32
+  (absolute); ctx_lens [B] int32 (prior + chunk tokens, clipped to M * page_size).
+- Key position s is visible to the query at position p iff s <= p and s < ctx_len. A query that sees no key
+  (ctx_len 0, position < 0) gets exactly 0; padding query slots get whatever their positions give (finite).
+- Output f32. MLA: absorbed (latent) form, MQA of q [B, T, N, kv_lora_rank + rope] against latent rows, value =
+  latent[:kv_lora_rank] -> [B, T, N, kv_lora_rank]. GQA: [B, T, Hq, D], query head h reads kv head h // G.
+- FP8 pages carry f32 scales (x ~= q8 * scale): MLA [num_pages, page_size], GQA [num_pages, page_size, Hkv].
+
+Layout: the wrapper flattens (token, query head of a kv group) into query rows, [B, Hkv, T * G, Dk], so one
+program's block of rows shares every key it loads (MLA: all N heads read the same latent row; GQA: the G heads
+of one kv head) with no head padding (GLM-4.5's 12-head group is 12 rows a token, not 16). Online softmax over
+key blocks of `block_k // page_size` pages; a program's key loop stops at its causal limit,
+cdiv(min(max(row positions) + 1, ctx_len), block_k), so key blocks past it are never read and the cost of a
+chunk follows its real context, not the table width. Slots past ctx_len (tail of the last page, the null page)
+may hold anything, NaN included: their logits are masked, their V rows and V scales zeroed.
+- backend "gpu" (Triton; `plgpu.CompilerParams(num_warps, num_stages)`): grid (B, Hkv, row blocks); the whole
+  pool is one block and a key block's pages are gathered by a vector of page ids (as JAX's GPU paged attention
+  does); K dequant multiplies the logits by the K scales, V dequant the probabilities by the V scales; the
+  latent is loaded as a kv_lora_rank-wide and a rope-wide part (Triton loads need power-of-two widths).
+- backend "tpu" (Mosaic): grid (B, Hkv, row blocks), all parallel; pages stay in HBM (`memory_space=pl.ANY`);
+  each key block's pages are DMA'd one page per copy into a two-slot VMEM buffer, the next block's copies in
+  flight while this one computes, page ids read from that batch row's block table held in SMEM (one row, a
+  [1, M] block: 64 KiB at 262,144 tokens of 16-token pages, double-buffered, independent of the batch); the
+  per-row-block key-block counts are scalar-prefetched. FP8 rows are dequantized in VMEM (x8 -> f32 times the
+  scale column -> q's dtype) before the dots.
+
+What was checked (CPU only, JAX 0.10.2; tests/test_paged_prefill.py): against the dense f32 reference with a
+derived per-element bound, GPU layout in legacy `interpret=True`, TPU layout in TPU interpret mode
+(`pltpu.InterpretParams()`, which raises on out-of-bounds DMAs): toy dims (page sizes 8 and 16, ragged
+ctx_lens, chunks at the start, middle and end of a sequence, one-token chunks, padding rows, several row and key
+blocks) and the real per-device dims with few pages (Kimi / GLM-5 MLA 8 heads x (512 + 64); GLM-4.5 GQA 12 q
+heads / 1 kv head x 128), bf16 and fp8 pages, NaN in every slot outside a context; that the TPU kernel never
+copies a page past the causal limit (out-of-range ids there run clean, inside the limit they raise);
+cross-lowering with `jax.export` for cuda and tpu at chunk 256 and 512 over block tables of 262,144 tokens,
+bf16 and fp8 (this runs the Pallas -> Triton and Pallas -> Mosaic lowerings, including Pallas' power-of-two
+and TPU block-shape rules); per-stage shared-memory / VMEM / SMEM estimates of the default blocks against H200
+and TPU budgets (a model of the buffers, not a compiler's number).
+What was NOT checked: any compiled kernel. Triton's compilation to PTX and Mosaic's layout passes run only on
+a GPU / TPU and have never run here: register pressure of the 64 x 512 f32 MLA accumulator (spills?), whether
+Triton pipelines the gathered page loads, Mosaic's handling of 16-row page DMAs into fp8 VMEM buffers (fp8
+sublane tiles are 32 rows; page_size >= 32 or an int32-packed layout may be needed), of GQA's strided
+per-kv-head DMAs and of the [ps, 1] scale-column DMAs. Block sizes are untuned; no speed was measured anywhere.
+The TPU variant does not prefetch the next row block's first key block across grid steps (a DMA bubble per row
+block).
 """
 from __future__ import annotations
 
@@ -56,7 +102,7 @@ def choose_blocks(backend: str, *, mla: bool, rows: int, page_size: int, block_r
     elif backend == "tpu":
         br = block_r or min(256, max(16, _next_pow2(rows)))
         bk = block_k or max(page_size, 128)
-        blocks = PrefillBlocks(br, bk, num_warps=0, num_stages=2)
+        blocks = PrefillBlocks(br, bk)
     else:
         raise ValueError(f"backend {backend!r}: 'gpu' or 'tpu'")
     if blocks.block_k % page_size or blocks.block_r % 8:
@@ -228,8 +274,8 @@ def _paged_prefill_gqa_gpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scale
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# TPU (Mosaic): pages stay in HBM (`memory_space=pl.ANY`); each key block's pages are DMA'd into a double-buffered
-# VMEM buffer by page id read from the block table in SMEM, the next block's copies in flight while this one computes.
+# TPU (Mosaic): pages stay in HBM (`memory_space=pl.ANY`); each key block's pages are DMA'd into a two-slot VMEM
+# buffer by page id read from the block table in SMEM, the next block's copies in flight while this one computes.
 
 
 def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp8: bool, value_dim: int,
@@ -373,7 +419,8 @@ def _paged_prefill_mla_tpu(q, pages, bt, lens, pos, scales, *, kv_lora_rank, sof
         # [P, ps, 1]: a page's scales land as a [ps, 1] column, broadcast over the latent's lanes
         srcs.append(scales.astype(jnp.float32).reshape(num_pages, page_size, 1))
         bufs.append(pltpu.VMEM((2, bk, 1), jnp.float32))
-    return _tpu_call(kernel, q, pos, bt, lens, srcs, bufs, kv_lora_rank, blocks, interpret, "paged_prefill_mla_tpu")
+    return _tpu_call(kernel, q, pos, bt, lens, srcs, bufs, kv_lora_rank, blocks, interpret,
+                     "paged_prefill_mla_tpu")
 
 
 def _paged_prefill_gqa_tpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, *, softmax_scale, blocks,
