@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +17,9 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.errors import CheckpointError
 from jaxserve.models import CausalLM
+from jaxserve.models.sharded import shard_model
 from jaxserve.quant.apply import WeightFormat, quantize_model
+from jaxserve.sharding import Parallel, ShardingRules, check_model, param_sharding
 
 MANIFEST = "jaxserve.json"
 ShardingFn = Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding]
@@ -90,12 +93,16 @@ def load_formats(checkpoint_dir: str | Path) -> list[str]:
     return ([base] if base else []) + [f for f in manifest.get("formats", {}) if f != base]
 
 
-def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None,
-         sharding: ShardingFn | None = None, weights: str | None = None) -> tuple[ModelConfig, CausalLM]:
+def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding: ShardingFn | None = None,
+         weights: str | None = None, mesh: jax.sharding.Mesh | None = None,
+         rules: ShardingRules | None = None) -> tuple[ModelConfig, CausalLM]:
     """Restore a converted checkpoint into a CausalLM.
 
-    dtype: the model's compute/storage dtype (default: the checkpoint's). sharding(path, abstract) -> the
-    Sharding of each parameter (default: the first device); each array is restored directly onto it.
+    dtype: the model's compute/storage dtype (default: the checkpoint's). mesh (+ rules, default tensor
+    parallel): every array is restored straight into its NamedSharding from the logical-axis table (each host
+    reads only the shards it holds; nothing is staged whole on a host or on device 0), and the model's per-shard
+    paths are switched on. Otherwise sharding(path, abstract) -> the Sharding of each parameter (default: the
+    first device).
     weights: a format from `load_formats` (None: the checkpoint's own `params/`). A quantized format ("fp8",
     "int4") is restored into a model built in that format: the abstract model comes from `quantize_model` under
     `nnx.eval_shape`, so no BF16 copy of the quantized tensors is ever materialized.
@@ -104,6 +111,10 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None,
     manifest = read_manifest(checkpoint_dir)
     cfg = ModelConfig.from_dict(manifest["model"])
     dtype = dtype or {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[manifest["dtype"]]
+    par = None if mesh is None else Parallel(mesh, rules or ShardingRules.tensor_parallel())
+    if par is not None:
+        check_model(par, cfg.num_heads, 0 if cfg.is_mla else cfg.num_kv_heads, cfg.n_routed_experts)
+        sharding = lambda path, sds: param_sharding(par, path, sds.shape)  # noqa: E731
     sharding = sharding or _default_sharding
     base = _base_fmt(manifest)
     stored = manifest.get("formats", {})
@@ -121,7 +132,10 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None,
     else:
         raise CheckpointError(f"checkpoint {checkpoint_dir} has no {weights!r} weights; it has "
                               f"{load_formats(checkpoint_dir)}", value=weights, param="weights")
-    return cfg, _restore(params_dir, abstract, sharding)
+    model = _restore(params_dir, abstract, sharding)
+    if par is not None and mesh.devices.size > 1:
+        shard_model(model, par)
+    return cfg, model
 
 
 def _restore(params_dir: Path, abstract: CausalLM, sharding: ShardingFn) -> CausalLM:
@@ -153,6 +167,8 @@ def _restore(params_dir: Path, abstract: CausalLM, sharding: ShardingFn) -> Caus
             except (ValueError, KeyError) as e:
                 raise CheckpointError(f"checkpoint group {group} does not match the model: {e}", value=group,
                                       param=group) from e
+            jax.block_until_ready(restored[group])
+            _release_host_memory()  # the group's read buffers go back to the OS before the next group is read
     for path, var in flat:
         group, sub = _group_of(path)
         node = restored[group]
@@ -163,6 +179,14 @@ def _restore(params_dir: Path, abstract: CausalLM, sharding: ShardingFn) -> Caus
                                   value=tuple(node.shape), param=_path_str(path))
         var.set_value(node)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _release_host_memory() -> None:
+    """Return freed heap pages to the OS (glibc keeps them per thread arena otherwise), where glibc exists."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
 
 
 def group_trees(model: CausalLM) -> dict[str, dict]:
@@ -183,3 +207,17 @@ def model_params(model: CausalLM) -> dict[str, np.ndarray]:
     """Flat {path: array} of a model's parameters (for tests and inspection)."""
     _, state = nnx.split(model)
     return {_path_str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+
+
+def save(model: CausalLM, out_dir: str | Path, *, dtype: str = "float32") -> Path:
+    """Write `model` (dense weights) as a jaxserve checkpoint at `out_dir` (one Orbax pytree per group)."""
+    out_dir = Path(out_dir)
+    trees = group_trees(model)
+    groups = ["embed"] + [f"layer_{i:03d}" for i in range(model.cfg.num_layers)]
+    with partial_output(out_dir) as partial:
+        for g in groups:
+            save_group(partial / "params" / g, trees[g])
+        manifest = {"format": "jaxserve-orbax-v1", "dtype": dtype, "model": model.cfg.to_dict(),
+                    "source": {"path": None, "quantization": None}, "groups": groups}
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return out_dir

@@ -38,6 +38,7 @@ class EngineConfig:
     max_queue: int = 1024
     prefix_cache: bool = True
     devices: int = 1
+    first_device: int = 0  # this engine uses jax.devices()[first_device : first_device + devices] (replicas)
     disaggregate: bool = False
     expert_parallel: bool = False  # shorthand for sharding="ep"
     # how each phase's devices are used (jaxserve.sharding presets): "tp" tensor parallel (heads, FFN, vocab),

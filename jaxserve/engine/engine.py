@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxserve.checkpoint import load
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.programs import Programs
+from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
@@ -26,8 +26,7 @@ class Engine:
     def __init__(self, model: CausalLM, cfg: EngineConfig, tokenizer: object | None = None, *,
                  start: bool = True, warmup: bool = False, decode_model: CausalLM | None = None) -> None:
         self.cfg = cfg
-        self.model = model  # the source weights (each phase keeps its own formatted copy)
-        self.model_cfg = model.cfg
+        self.model_cfg = model.cfg  # no reference to `model` is kept: each phase holds its own formatted weights
         self.tokenizer = tokenizer
         self.programs = Programs(model, cfg, decode_model)
         if warmup:
@@ -47,23 +46,32 @@ class Engine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, cfg: EngineConfig = EngineConfig(), *, start: bool = True,
                         warmup: bool = False) -> Engine:
-        """Load a checkpoint (and its tokenizer, if the folder has one). A phase whose format the checkpoint
-        stores (`jaxserve quantize` output: fp8 / int4) loads those weights directly; otherwise it is quantized
-        from the checkpoint's own weights."""
+        """Load a checkpoint (and its tokenizer, if the folder has one) straight onto each phase's mesh.
+
+        Each phase restores only its own format: one stored by `jaxserve quantize` (fp8 / int4) is read as is;
+        otherwise the checkpoint's own weights are read and quantized on the devices. Every array is restored
+        directly into its sharding (no host or single-device staging). Phases on the same devices with the same
+        format share one copy; with different formats (FP8 prefill + INT4 decode, not disaggregated) both are
+        resident: `jaxserve plan` shows what that costs.
+        """
         from jaxserve.checkpoint import load_formats
         from jaxserve.tokenizer import Tokenizer
 
         stored = load_formats(path)
         dtype = _DTYPES[cfg.dtype]
-        loaded: dict[str | None, CausalLM] = {}
+        p_dev, d_dev = phase_devices(cfg)
+        loaded: dict[tuple, CausalLM] = {}
 
-        def model_for(fmt: str) -> CausalLM:
+        def model_for(fmt: str, devices: list) -> CausalLM:
             key = fmt if fmt in stored and fmt in ("fp8", "int4") else None
-            if key not in loaded:
-                loaded[key] = load(path, dtype=dtype, weights=key)[1]
-            return loaded[key]
+            cache_key = (key, tuple(d.id for d in devices))
+            if cache_key not in loaded:
+                par = phase_parallel(cfg, devices)
+                loaded[cache_key] = load(path, dtype=dtype, weights=key, mesh=par.mesh, rules=par.rules)[1]
+            return loaded[cache_key]
 
-        prefill_model, decode_model = model_for(cfg.prefill_weights), model_for(cfg.decode_weights)
+        prefill_model, decode_model = model_for(cfg.prefill_weights, p_dev), model_for(cfg.decode_weights, d_dev)
+        del loaded
         has_tok = any((Path(path) / f).exists() for f in ("tokenizer.json", "tiktoken.model"))
         return cls(prefill_model, cfg, Tokenizer(path) if has_tok else None, start=start, warmup=warmup,
                    decode_model=decode_model)

@@ -65,6 +65,19 @@ class Phase:
     tags_sharding: NamedSharding
 
 
+def phase_devices(cfg: EngineConfig) -> tuple[list[jax.Device], list[jax.Device]]:
+    """(prefill devices, decode devices): cfg.devices devices from cfg.first_device; split in two halves when
+    disaggregated, the same list otherwise."""
+    devices = jax.devices()
+    end = cfg.first_device + cfg.devices
+    if end > len(devices):
+        raise ConfigError(f"EngineConfig asks for devices [{cfg.first_device}, {end}) but only {len(devices)} "
+                          "devices exist", value=cfg.devices, param="devices")
+    devices = devices[cfg.first_device: end]
+    half = len(devices) // 2
+    return (devices[:half], devices[half:]) if cfg.disaggregate else (devices, devices)
+
+
 def phase_parallel(cfg: EngineConfig, devices: list[jax.Device]) -> Parallel:
     """The mesh and sharding rules of one phase: a ("dp", "tp") mesh over its devices."""
     rules = ShardingRules.preset(cfg.sharding)
@@ -104,13 +117,7 @@ class Programs:
                 f"glm_moe_dsa over paged KV needs max_model_len <= index_topk ({model.cfg.index_topk}): the DSA "
                 "indexer key cache is not implemented, and within index_topk DSA equals dense attention",
                 value=cfg.max_model_len, param="max_model_len")
-        devices = jax.devices()
-        if cfg.devices > len(devices):
-            raise ConfigError(f"EngineConfig.devices={cfg.devices} but only {len(devices)} devices exist",
-                              value=cfg.devices, param="devices")
-        devices = devices[: cfg.devices]
-        half = len(devices) // 2
-        p_dev, d_dev = (devices[:half], devices[half:]) if cfg.disaggregate else (devices, devices)
+        p_dev, d_dev = phase_devices(cfg)
         self.prefill_parallel = phase_parallel(cfg, p_dev)
         self.decode_parallel = phase_parallel(cfg, d_dev)
         interpret = cfg.attention.endswith("_interpret")
