@@ -1,28 +1,43 @@
-"""TPU-style paged MLA decode attention (absorbed, MQA over the latent), one query token per sequence.
+"""TPU-shaped paged decode attention (one query token per sequence): absorbed MLA (MQA over the latent) and GQA.
 
-Unlike `paged_attention.py` (whole pool as one block, pages gathered by vector index: fine for Triton, impossible
-for Mosaic), the block table and lengths are scalar-prefetch arguments (SMEM) and the pages BlockSpec is ONE
-page `(None, page_size, latent_dim)` whose index_map reads the page id from the block table, so the pipeline DMAs
-exactly the pages a sequence uses. Grid (batch, head block, page); the page axis is "arbitrary" (sequential) and
-carries the online-softmax state (m, l, acc) in VMEM scratch, initialised at page 0 and normalised into the output
-at the last page. Pages at or past a sequence's length are skipped with `pl.when`, and their index_map repeats the
-last used page id so the pipeline, which skips a copy when the block index is unchanged, issues no new DMA for
-them (not observed: interpret mode does not show DMA counts); tokens past the length inside the last page are
-masked (logits to a large negative, V rows to 0, so garbage or NaN there cannot leak). FP8 e4m3 pages are
-dequantized in the kernel with the per-token f32 scales (a second BlockSpec with the same index map): the scale
-multiplies the logits (K side) and the probabilities (V side). A length of 0 gives an output of 0.
+The page pool stays in HBM (`memory_space=pl.ANY`); the kernel copies the pages a sequence uses into VMEM itself,
+several pages per compute block, double-buffered: while block k is computed, the pages of block k + 1 are in
+flight (`pltpu.make_async_copy`, one DMA per page and per scale row, one DMA semaphore per buffer slot), the
+pattern of JAX's own TPU paged attention and tpu-inference's ragged paged attention. Grid (batch, head block or
+kv head, block-table chunk): the block table reaches the kernel one chunk of `pages_per_chunk` entries per grid
+step, as an SMEM BlockSpec, so SMEM holds 2 x pages_per_chunk page ids (double-buffered by the pipeline) plus
+the [batch] lengths (scalar prefetch) whatever the context length; the chunk axis is "arbitrary" and carries the
+online-softmax state (m, l [rows, 1], acc [rows, Dv] f32) in VMEM scratch, initialised at chunk 0 and normalised
+into the output at the last chunk. Chunks wholly past a sequence's length do no work and their index map repeats
+the last used chunk (no new SMEM copy). Pages past the length are not copied; tokens past the length inside
+a block are masked (logits to a large negative, V rows to 0, so stale or NaN buffer contents cannot leak).
 
-What was checked: CPU only, TPU interpret mode (`interpret=pltpu.InterpretParams()`, JAX 0.10.2) against
-`reference_paged.paged_mla_reference` in tests/test_paged_attention_tpu.py (page sizes 8 and 16, ragged lengths
-0, 1, ps-1, ps, several pages and the full table, random non-contiguous block tables, bf16 and fp8 pages, one
-and two head blocks, NaN in tail tokens). What was NOT checked: the real Mosaic lowering (`interpret=False` on a
-TPU has never run: tiling/layout constraints such as the (H, 1) softmax-state scratch, the transposed-RHS dot,
-or the fp8 -> bf16 cast may be rejected or slow there), the DMA saving for skipped pages, and speed (never
-measured anywhere). Legacy `interpret=True` gives the same results on the test shapes.
+Dequantization: BF16 or FP8 e4m3 pages are cast to the compute dtype (the query's, bf16 or f32; e4m3 -> bf16 is
+exact) and fed to the MXU with f32 accumulation. The per-token f32 scales (MLA [P, ps]; GQA [P, ps, Hkv], one
+kv head's column copied per page) arrive one page row per DMA as [pages, ps]; an exact 0/1 matmul spreads them
+into the block's [1, tokens] row, which multiplies the logits (K side) and the probabilities after the softmax
+sum (V side), as in the GPU kernel. A length of 0 gives an output of 0.
+
+Not done (yet): prefetch across grid steps (the first block of every chunk and sequence is waited for, one
+exposed DMA latency per chunk; JAX's kernel carries a buffer index across steps to hide it), megacore splitting.
+
+What was checked: CPU only. TPU interpret mode (`pltpu.InterpretParams()`) and legacy `interpret=True` against
+`reference_paged.py` (tests/test_paged_attention_tpu.py: toy dims, page sizes 8 and 16, lengths 0, 1, ps-1, ps,
+several pages, the full table, several chunks, random non-contiguous block tables, bf16 and fp8, one and two
+head blocks, NaN past the length; real per-device dims MLA 8 heads x (512 + 64) and GQA 12 / 1 heads x 128,
+bf16 and fp8 pages, bf16 and f32 query). Cross-lowering with `jax.export(platforms=["tpu"])`
+(tests/test_lowering_attention.py, Kimi K2.6 / GLM-5.2 / GLM-4.5 shapes, page 16 and 64, batch 1..64, up to
+262,144 tokens): that runs Pallas -> Mosaic MLIR only. VMEM / SMEM bytes of the chosen blocks (block_bytes) are
+checked against 32 MiB scoped VMEM and 1 MiB SMEM. What was NOT checked: Mosaic's own compile in libtpu (layout
+passes: the [ppcb, ps, Dl] -> [ppcb * ps, Dl] reshape, the f8 -> compute-dtype cast, strided single-head DMAs
+`.at[page, :, head]` of the GQA pool, the (rows, 1) softmax-state scratch may be rejected or slow there), running
+on any TPU, DMA overlap and speed. No TPU was available.
 """
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +46,32 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Block-table entries per grid step at most: 2 x 1024 x 4 B = 8 KiB of SMEM, far under tpu-inference's
+# 128k-entry guard, at any context length.
+MAX_PAGES_PER_CHUNK = 1024
+# The chunk is a 1-D SMEM block of the flattened table: Mosaic wants its size a multiple of 128.
+CHUNK_ALIGN = 128
+TOKENS_PER_COMPUTE_BLOCK = 256  # per compute block: 16 pages of 16, 4 of 64 (~300 KiB of a BF16 latent)
+
+Tile = tuple[tuple[int, ...], jnp.dtype]
+
+
+@dataclass(frozen=True)
+class TpuDecodeBlocks:
+    """Static tiling: query rows per program (MLA head block; GQA: the kv head's group), pages per compute block
+    (one double-buffer slot), and block-table entries per grid step (a multiple of pages_per_compute_block)."""
+
+    block_h: int
+    pages_per_compute_block: int
+    pages_per_chunk: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def choose_block_h(num_heads: int, block_h: int | None = None) -> int:
-    """Query heads per program.
+    """MLA query heads per program.
 
     Default: all heads in one program, because every MLA head reads the same latent page, so one head block means
     each page is DMA'd once per sequence. An override must divide num_heads and be a multiple of 8 (TPU sublane
@@ -46,83 +83,195 @@ def choose_block_h(num_heads: int, block_h: int | None = None) -> int:
     return bh
 
 
-def _last_page(b: jax.Array, lens_ref: jax.Array, page_size: int) -> jax.Array:
-    """Index of the last page holding a token of sequence b (0 for an empty sequence), int32 scalar."""
-    return jnp.maximum(pl.cdiv(lens_ref[b], page_size) - 1, 0)
+def choose_tpu_blocks(page_size: int, max_pages: int, rows: int, *, block_h: int | None = None,
+                      pages_per_compute_block: int | None = None,
+                      pages_per_chunk: int | None = None) -> TpuDecodeBlocks:
+    """Default tiling; any argument given overrides it.
 
-
-def _page_index_map(b, h, i, bt_ref, lens_ref, *, page_size: int):
-    """Page id for grid step (b, h, i); past the last used page repeat it, so no new DMA is issued."""
-    return (bt_ref[b, jnp.minimum(i, _last_page(b, lens_ref, page_size))], 0, 0)
-
-
-def _mla_decode_kernel(bt_ref, lens_ref, q_ref, kv_ref, *refs, fp8: bool, kv_lora_rank: int, page_size: int,
-                       softmax_scale: float):
-    """One (sequence b, head block, page i) step.
-
-    bt_ref [B, M] int32, lens_ref [B] int32 (SMEM, scalar prefetch); q_ref [bh, Dl]; kv_ref [ps, Dl] bf16|f8;
-    (s_ref [1, ps] f32 for fp8); o_ref [bh, Dv] f32; scratch m_sc, l_sc [bh, 1] f32, acc_sc [bh, Dv] f32.
+    rows: MLA query heads (block_h from choose_block_h) or the GQA group size (block_h = group). Compute block
+    ~TOKENS_PER_COMPUTE_BLOCK tokens (at least one page, at most the table); chunk: the whole table up to
+    MAX_PAGES_PER_CHUNK entries, rounded up to a multiple of CHUNK_ALIGN and of the compute block.
     """
-    if fp8:
-        s_ref, o_ref, m_sc, l_sc, acc_sc = refs
-    else:
-        s_ref, (o_ref, m_sc, l_sc, acc_sc) = None, refs
-    b, i = pl.program_id(0), pl.program_id(2)
-    length = lens_ref[b]
+    bh = choose_block_h(rows, block_h)
+    ppcb = pages_per_compute_block or max(1, min(_next_pow2(max_pages), TOKENS_PER_COMPUTE_BLOCK // page_size))
+    unit = math.lcm(ppcb, CHUNK_ALIGN)
+    chunk = pages_per_chunk or min(-(-max_pages // unit) * unit, max(unit, MAX_PAGES_PER_CHUNK // unit * unit))
+    if chunk % unit:
+        raise ValueError(f"pages_per_chunk {chunk} must be a multiple of {CHUNK_ALIGN} and of "
+                         f"pages_per_compute_block {ppcb}")
+    return TpuDecodeBlocks(bh, ppcb, chunk)
 
-    @pl.when(i == 0)
+
+def block_bytes(blocks: TpuDecodeBlocks, page_size: int, *, batch: int, kv_widths: tuple[int, ...], q_width: int,
+                out_width: int, kv_dtype, q_dtype, fp8: bool) -> dict[str, list[Tile]]:
+    """The buffers of one program, by memory and buffering (unpadded shapes; a consumer pads them to tiles).
+
+    "vmem_x2": double-buffered: each K/V page buffer [ppcb, ps, width] in the page dtype, scale rows [ppcb, ps]
+    f32 (fp8; one per K/V part), the pipelined q [bh, q_width] and out [bh, out_width] blocks.
+    "vmem_x1": scratch m, l [bh, 1] and acc [bh, out_width] f32, and the largest temporaries: the block converted
+    to the compute dtype [bk, width], logits/p [bh, bk] f32.
+    "smem_x2": the block-table chunk [pages_per_chunk] int32. "smem_x1": lengths [batch] int32.
+    """
+    ppcb, bh, bk = blocks.pages_per_compute_block, blocks.block_h, blocks.pages_per_compute_block * page_size
+    x2 = [((ppcb, page_size, w), kv_dtype) for w in kv_widths]
+    x2 += [((ppcb, page_size), jnp.float32)] * (len(kv_widths) if fp8 else 0)
+    x2 += [((bh, q_width), q_dtype), ((bh, out_width), jnp.float32)]
+    x1 = [((bh, 1), jnp.float32), ((bh, 1), jnp.float32), ((bh, out_width), jnp.float32)]
+    x1 += [((bk, w), q_dtype) for w in kv_widths] + [((bh, bk), jnp.float32)] * 2
+    return {"vmem_x2": x2, "vmem_x1": x1, "smem_x2": [((blocks.pages_per_chunk,), jnp.int32)],
+            "smem_x1": [((batch,), jnp.int32)]}
+
+
+def _last_chunk(b, lens_ref, page_size: int, pages_per_chunk: int) -> jax.Array:
+    """Index of the last block-table chunk holding a page of sequence b (0 for an empty one), int32 scalar."""
+    return jnp.maximum(pl.cdiv(lens_ref[b], page_size * pages_per_chunk) - 1, 0)
+
+
+def _chunk_index_map(b, h, c, lens_ref, *, page_size: int, pages_per_chunk: int, chunks: int):
+    """Block of the flattened table for grid step (b, h, c); past the last used chunk repeat it, so nothing is
+    re-copied."""
+    return (b * chunks + jnp.minimum(c, _last_chunk(b, lens_ref, page_size, pages_per_chunk)),)
+
+
+def _scale_row(s: jax.Array, page_size: int) -> jax.Array:
+    """Per-page scale rows s [ppcb, ps] f32 -> the block's row [1, ppcb * ps] (token t = page * ps + slot).
+
+    An exact 0/1 matmul and a masked sublane sum instead of a sublane-to-lane reshape: s @ E, E[u, t] = (t % ps
+    == u), repeats every page's row across the block; row j keeps its own page's lanes.
+    """
+    ppcb = s.shape[0]
+    if ppcb == 1:
+        return s
+    bk = ppcb * page_size
+    tok = lax.broadcasted_iota(jnp.int32, (page_size, bk), 1)
+    spread = (lax.rem(tok, page_size) == lax.broadcasted_iota(jnp.int32, (page_size, bk), 0)).astype(jnp.float32)
+    tiled = jnp.dot(s, spread, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    own = lax.div(lax.broadcasted_iota(jnp.int32, (ppcb, bk), 1), page_size) == lax.broadcasted_iota(
+        jnp.int32, (ppcb, bk), 0)
+    return jnp.where(own, tiled, 0.0).sum(axis=0, keepdims=True)
+
+
+def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
+                   pages_per_compute_block: int, softmax_scale: float, compute_dtype):
+    """One (sequence b, head block / kv head h, block-table chunk c) step.
+
+    lens_ref [B] int32 (SMEM, scalar prefetch); bt_ref [chunk] int32 (SMEM); q_ref [rows, Dk].
+    MLA HBM refs: latent pages [P, ps, Dl], (scales [P, ps] f32). GQA: k, v pages [P, ps, Hkv, D], (k, v scales
+    [P, ps, Hkv] f32). o_ref [rows, Dv] f32. Scratch: one [2, ppcb, ps, width] page buffer per K/V part, (one
+    [2, ppcb, ps] f32 scale buffer per part), DMA semaphores [2], m, l [rows, 1] f32, acc [rows, Dv] f32.
+    """
+    n_parts = 1 if mla else 2
+    hbm, rest = refs[:n_parts], refs[n_parts:]
+    s_hbm, rest = (rest[:n_parts], rest[n_parts:]) if fp8 else ((), rest)
+    o_ref, rest = rest[0], rest[1:]
+    bufs, rest = rest[:n_parts], rest[n_parts:]
+    s_bufs, rest = (rest[:n_parts], rest[n_parts:]) if fp8 else ((), rest)
+    sems, m_sc, l_sc, acc_sc = rest
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ppcb = pages_per_compute_block
+    pages_per_chunk = bt_ref.shape[0]
+    bk = ppcb * page_size
+    length = lens_ref[b]
+    n_pages = jnp.clip(pl.cdiv(length, page_size) - c * pages_per_chunk, 0, pages_per_chunk)
+    n_blocks = pl.cdiv(n_pages, ppcb)
+
+    def src(ref, page):
+        # MLA: the whole latent row; GQA: kv head h's [ps, D] (or [ps] scale) column of the page
+        return ref.at[page] if mla else ref.at[page, :, h]
+
+    def copies(blk, slot) -> list[tuple[jax.Array, pltpu.AsyncCopyDescriptor]]:
+        """(needed, copy) for every page (and scale row) of chunk-local compute block blk into buffer slot."""
+        out = []
+        for j in range(ppcb):
+            p = blk * ppcb + j
+            page = bt_ref[p]
+            for part in range(n_parts):
+                out.append((p < n_pages, pltpu.make_async_copy(src(hbm[part], page), bufs[part].at[slot, j],
+                                                               sems.at[slot])))
+                if fp8:
+                    out.append((p < n_pages, pltpu.make_async_copy(src(s_hbm[part], page),
+                                                                   s_bufs[part].at[slot, j], sems.at[slot])))
+        return out
+
+    def start(blk, slot):
+        for needed, cp in copies(blk, slot):
+            pl.when(needed)(cp.start)
+
+    def wait(blk, slot):
+        for needed, cp in copies(blk, slot):
+            pl.when(needed)(cp.wait)
+
+    @pl.when(c == 0)
     def _init():
         m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @pl.when(i * page_size < length)  # pages wholly past the length do no work
-    def _compute():
-        q = q_ref[...]
-        kv = kv_ref[...]
-        # fp8 e4m3 -> bf16 is exact (bf16 has more exponent and mantissa bits); bf16 feeds the MXU
-        kv = kv.astype(jnp.bfloat16) if fp8 else kv.astype(q.dtype)
-        # q [bh, Dl] . kv [ps, Dl]^T over the whole latent (nope + rope parts)
-        logits = lax.dot_general(q, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        scale = s_ref[...] if fp8 else None  # [1, ps]
-        if scale is not None:
-            logits = logits * scale  # K-side dequant: (q . k8) * s == q . (k8 * s)
-        tok = i * page_size + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
-        logits = jnp.where(tok < length, logits * softmax_scale, MASK_VALUE)
+    def compute(blk, slot):
+        q = q_ref[...].astype(compute_dtype)
+        k = bufs[0][slot].astype(compute_dtype).reshape(bk, bufs[0].shape[-1])
+        v = k[:, :value_dim] if mla else bufs[1][slot].astype(compute_dtype).reshape(bk, value_dim)
+        tok0 = (c * pages_per_chunk + blk * ppcb) * page_size
+        valid = tok0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1) < length  # [1, bk]
+        # scale rows of uncopied pages are stale (NaN in interpret mode): zero them, 0 * NaN would leak
+        scale = lambda part: jnp.where(valid, _scale_row(s_bufs[part][slot], page_size), 0.0)  # noqa: E731
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if fp8:
+            logits = logits * scale(0)  # K-side dequant: (q . k8) s == q . (k8 s)
+        logits = jnp.where(valid, logits * softmax_scale, MASK_VALUE)
         m_prev, l_prev = m_sc[...], l_sc[...]
         m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
         correction = jnp.exp(m_prev - m_next)
         p = jnp.exp(logits - m_next)  # masked entries underflow to exactly 0
         l_sc[...] = correction * l_prev + p.sum(axis=-1, keepdims=True)
         m_sc[...] = m_next
-        if scale is not None:
-            p = p * scale  # V-side dequant, applied after the sum so l stays the plain softmax denominator
-        v = kv[:, :kv_lora_rank]
-        # zero V rows past the length: a tail page may hold anything (NaN included) and 0 * NaN would leak
-        tok_col = i * page_size + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
-        v = jnp.where(tok_col < length, v, jnp.zeros((), v.dtype))
+        if fp8:  # V-side dequant, after the sum so l stays the plain softmax denominator
+            p = p * scale(-1)
+        # zero V rows past the length: stale or uncopied buffer rows may hold anything (NaN included)
+        v = jnp.where(tok0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < length, v, jnp.zeros((), v.dtype))
         acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
-    @pl.when(i == pl.num_programs(2) - 1)
+    @pl.when(n_blocks > 0)
+    def _run():
+        start(0, 0)
+
+        def body(blk, carry):
+            slot = lax.rem(blk, 2)
+
+            @pl.when(blk + 1 < n_blocks)
+            def _prefetch():  # the next block's pages fly while this one is computed
+                start(blk + 1, 1 - slot)
+
+            wait(blk, slot)
+            compute(blk, slot)
+            return carry
+
+        lax.fori_loop(0, n_blocks, body, 0)
+
+    @pl.when(c == pl.num_programs(2) - 1)
     def _finalize():
         l = l_sc[...]
         # empty sequence: l == 0, output 0 rather than 0 / 0
         o_ref[...] = jnp.where(l > 0, acc_sc[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_h", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_h", "pages_per_compute_block",
+                                             "pages_per_chunk", "compute_dtype", "interpret", "out_dtype"))
 def paged_mla_decode_tpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, lengths: jax.Array,
                          scales: jax.Array | None = None, *, kv_lora_rank: int, softmax_scale: float,
-                         block_h: int | None = None,
-                         interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
-    """Absorbed MLA decode attention over paged latents, TPU pipeline (one page per grid step).
+                         block_h: int | None = None, pages_per_compute_block: int | None = None,
+                         pages_per_chunk: int | None = None, compute_dtype: jnp.dtype | None = None,
+                         interpret: bool | pltpu.InterpretParams = False,
+                         out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Absorbed MLA decode attention over paged latents (TPU: HBM pool, multi-page double-buffered DMAs).
 
     q: [batch, heads, latent_dim] bf16|f32 (absorbed nope part then rope part); pages: [num_pages, page_size,
     latent_dim] bf16|float8_e4m3fn (one layer); block_tables: [batch, max_pages] int32 (ids < num_pages for every
     page below the length); lengths: [batch] int32 (0 allowed; clipped to max_pages * page_size); scales:
     [num_pages, page_size] f32 for fp8 pages, else None. logits = (q . latent) * softmax_scale; value =
-    latent[:kv_lora_rank]. interpret: False (Mosaic), or `pltpu.InterpretParams()` / True to run on CPU.
-    Returns [batch, heads, kv_lora_rank] f32.
+    latent[:kv_lora_rank]. compute_dtype: MXU operand dtype (default q.dtype). Tiling overrides: see
+    choose_tpu_blocks. interpret: False (Mosaic), True or `pltpu.InterpretParams()` to run on CPU.
+    Returns [batch, heads, kv_lora_rank] in out_dtype (default f32).
     """
     b, h, dl = q.shape
     num_pages, page_size, dl_p = pages.shape
@@ -131,36 +280,103 @@ def paged_mla_decode_tpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array
     fp8 = scales is not None
     if fp8 and scales.shape != (num_pages, page_size):
         raise ValueError(f"scales {scales.shape} != {(num_pages, page_size)}")
-    bh = choose_block_h(h, block_h)
-    max_pages = block_tables.shape[1]
-    bt = block_tables.astype(jnp.int32)
-    lens = jnp.clip(lengths.astype(jnp.int32), 0, max_pages * page_size)
-    page_map = functools.partial(_page_index_map, page_size=page_size)
-    in_specs = [
-        pl.BlockSpec((None, bh, dl), lambda b_, h_, i, bt_, lens_: (b_, h_, 0)),  # same block over i: fetched once
-        pl.BlockSpec((None, page_size, dl), page_map),  # one page, id read from the prefetched block table
-    ]
-    args = [q, pages]
-    if fp8:
-        # [P, 1, ps] so the block's last two dims equal the array's (TPU tiling rule) for a one-page block
-        in_specs.append(pl.BlockSpec((None, 1, page_size), page_map))
-        args.append(scales.astype(jnp.float32).reshape(num_pages, 1, page_size))
-    kernel = functools.partial(_mla_decode_kernel, fp8=fp8, kv_lora_rank=kv_lora_rank, page_size=page_size,
-                               softmax_scale=softmax_scale)
+    blocks = choose_tpu_blocks(page_size, block_tables.shape[1], h, block_h=block_h,
+                               pages_per_compute_block=pages_per_compute_block, pages_per_chunk=pages_per_chunk)
+    bt, lens = _prepare_tables(block_tables, lengths, page_size, blocks)
+    bh, ppcb = blocks.block_h, blocks.pages_per_compute_block
+    hbm = [pages]
+    s_hbm = [scales.astype(jnp.float32)] if fp8 else []
+    scratch = [pltpu.VMEM((2, ppcb, page_size, dl), pages.dtype)]
+    scratch += [pltpu.VMEM((2, ppcb, page_size), jnp.float32)] if fp8 else []
+    row_map = lambda b_, h_, c_, lens_: (b_, h_, 0)  # noqa: E731
+    kernel = functools.partial(_decode_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
+                               pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
+                               compute_dtype=jnp.dtype(compute_dtype or q.dtype))
+    return _pallas(kernel, blocks, page_size, lens, bt, q, hbm + s_hbm, scratch, grid_h=h // bh,
+                   q_block=(None, bh, dl), q_map=row_map, out_block=(None, bh, kv_lora_rank), out_map=row_map,
+                   out_shape=(b, h, kv_lora_rank), out_dtype=out_dtype, name="paged_mla_decode_tpu",
+                   interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "pages_per_compute_block", "pages_per_chunk",
+                                             "compute_dtype", "interpret", "out_dtype"))
+def paged_gqa_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                         lengths: jax.Array, k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                         *, softmax_scale: float, pages_per_compute_block: int | None = None,
+                         pages_per_chunk: int | None = None, compute_dtype: jnp.dtype | None = None,
+                         interpret: bool | pltpu.InterpretParams = False,
+                         out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """GQA decode attention over paged K/V (TPU: HBM pool, multi-page double-buffered DMAs, one kv head per
+    program). Same contract as paged_attention.paged_gqa_decode.
+
+    q: [batch, q_heads, head_dim] bf16|f32; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
+    bf16|float8_e4m3fn (one layer); k_scales, v_scales: [num_pages, page_size, kv_heads] f32 for fp8, else None;
+    block_tables: [batch, max_pages] int32; lengths: [batch] int32. q_heads must be a multiple of kv_heads.
+    compute_dtype: MXU operand dtype (default q.dtype). Tiling overrides: see choose_tpu_blocks.
+    Returns [batch, q_heads, head_dim] in out_dtype (default q.dtype).
+    """
+    b, hq, d = q.shape
+    num_pages, page_size, hkv, d_k = k_pages.shape
+    if d != d_k or hq % hkv or k_pages.shape != v_pages.shape:
+        raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}")
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("pass both k_scales and v_scales or neither")
+    fp8 = k_scales is not None
+    if fp8 and (k_scales.shape != (num_pages, page_size, hkv) or v_scales.shape != k_scales.shape):
+        raise ValueError(f"k_scales {k_scales.shape}, v_scales {v_scales.shape} != {(num_pages, page_size, hkv)}")
+    group = hq // hkv
+    blocks = choose_tpu_blocks(page_size, block_tables.shape[1], group,
+                               pages_per_compute_block=pages_per_compute_block, pages_per_chunk=pages_per_chunk)
+    bt, lens = _prepare_tables(block_tables, lengths, page_size, blocks)
+    ppcb = blocks.pages_per_compute_block
+    s_hbm = [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)] if fp8 else []
+    scratch = [pltpu.VMEM((2, ppcb, page_size, d), k_pages.dtype)] * 2
+    scratch += [pltpu.VMEM((2, ppcb, page_size), jnp.float32)] * 2 if fp8 else []
+    row_map = lambda b_, h_, c_, lens_: (b_, h_, 0, 0)  # noqa: E731
+    kernel = functools.partial(_decode_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size,
+                               pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
+                               compute_dtype=jnp.dtype(compute_dtype or q.dtype))
+    out = _pallas(kernel, blocks, page_size, lens, bt, q.reshape(b, hkv, group, d), [k_pages, v_pages] + s_hbm,
+                  scratch, grid_h=hkv, q_block=(None, None, group, d), q_map=row_map,
+                  out_block=(None, None, group, d), out_map=row_map, out_shape=(b, hkv, group, d),
+                  out_dtype=out_dtype or q.dtype, name="paged_gqa_decode_tpu", interpret=interpret)
+    return out.reshape(b, hq, d)
+
+
+def _prepare_tables(block_tables: jax.Array, lengths: jax.Array, page_size: int,
+                    blocks: TpuDecodeBlocks) -> tuple[jax.Array, jax.Array]:
+    """Pad block tables [B, M] with page 0 to whole chunks (never copied: past every length) and flatten them;
+    clip lengths to the table's capacity. -> (bt [B * chunks * pages_per_chunk] int32, lens [B] int32)."""
+    m = block_tables.shape[1]
+    padded = -(-m // blocks.pages_per_chunk) * blocks.pages_per_chunk
+    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - m)))
+    return bt.reshape(-1), jnp.clip(lengths.astype(jnp.int32), 0, m * page_size)
+
+
+def _pallas(kernel, blocks: TpuDecodeBlocks, page_size: int, lens: jax.Array, bt: jax.Array, q: jax.Array,
+            hbm: list[jax.Array], scratch: list, *, grid_h: int, q_block: tuple, q_map, out_block: tuple, out_map,
+            out_shape: tuple[int, ...], out_dtype, name: str, interpret) -> jax.Array:
+    """pallas_call over grid (batch, grid_h, block-table chunks): lengths scalar-prefetched, the block-table
+    chunk in SMEM, q / out pipelined VMEM blocks, `hbm` arrays left in HBM for the kernel's own DMAs."""
+    batch, chunks = q.shape[0], bt.shape[0] // (q.shape[0] * blocks.pages_per_chunk)
+    chunk_map = functools.partial(_chunk_index_map, page_size=page_size, pages_per_chunk=blocks.pages_per_chunk,
+                                  chunks=chunks)
+    rows = q_block[-2]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(b, h // bh, max_pages),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, bh, kv_lora_rank), lambda b_, h_, i, bt_, lens_: (b_, h_, 0)),
-        scratch_shapes=[pltpu.VMEM((bh, 1), jnp.float32), pltpu.VMEM((bh, 1), jnp.float32),
-                        pltpu.VMEM((bh, kv_lora_rank), jnp.float32)],
+        num_scalar_prefetch=1,
+        grid=(batch, grid_h, chunks),
+        in_specs=[pl.BlockSpec((blocks.pages_per_chunk,), chunk_map, memory_space=pltpu.SMEM),
+                  pl.BlockSpec(q_block, q_map)] + [pl.BlockSpec(memory_space=pl.ANY)] * len(hbm),
+        out_specs=pl.BlockSpec(out_block, out_map),
+        scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((rows, 1), jnp.float32),
+                        pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, out_block[-1]), jnp.float32)],
     )
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((b, h, kv_lora_rank), jnp.float32),
-        # page axis carries the softmax state, so it must run in order
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        # the chunk axis carries the softmax state, so it must run in order
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
-        name="paged_mla_decode_tpu",
-    )(bt, lens, *args)
+        name=name,
+    )(lens, bt, q, *hbm)

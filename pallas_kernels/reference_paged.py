@@ -1,6 +1,12 @@
-"""Plain-jnp references for paged decode attention (one query token per sequence), in float32.
+"""Plain-jnp references for paged decode attention (one query token per sequence), in float32, and the derived
+per-element bound of FP8 quantization's effect on the output (fp8_error_bound, numpy) that the kernel tests use.
 
 Gather pages through the block table, dequantize (x * per-token scale), masked softmax, weighted sum.
+
+FP8 bound (derived, per output element). Let e[t, d] = |k[t, d] - k8[t, d]| be the actual quantization error,
+delta[t] = softmax_scale * sum_d |q[d]| e[t, d] the logit error, D = max over valid t. softmax(l + eps) /
+softmax(l) lies in [exp(-2D), exp(2D)], so sum_t |p8[t] - p[t]| <= exp(2D) - 1 and, per output dim d,
+    |o8[d] - o[d]| <= (exp(2D) - 1) * max_t |v8[t, d]| + max_t |v8[t, d] - v[t, d]|.
 """
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _gather(pages: jax.Array, scales: jax.Array | None, block_tables: jax.Array) -> jax.Array:
@@ -61,3 +68,24 @@ def paged_gqa_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, bl
     mask = _length_mask(lengths, k.shape[1])[:, None, None, :]
     out = _masked_softmax_av(logits * softmax_scale, mask, v, "bkgt,btkd->bkgd")
     return out.reshape(b, hq, d)
+
+
+def fp8_error_bound(q: np.ndarray, k: np.ndarray, k8: np.ndarray, v: np.ndarray, v8: np.ndarray,
+                    lengths: list[int], softmax_scale: float) -> np.ndarray:
+    """Per-element bound of |attn(q, k8, v8) - attn(q, k, v)| (see the module docstring).
+
+    q [B, Hkv, G, Dk]; k, k8 [B, T, Hkv, Dk] and v, v8 [B, T, Hkv, Dv] f32 (exact and dequantized, gathered).
+    Returns [B, Hkv, G, Dv] f64 (0 for an empty row).
+    """
+    out = []
+    for b, n in enumerate(lengths):
+        if n == 0:
+            out.append(np.zeros((q.shape[1], q.shape[2], v.shape[-1])))
+            continue
+        e_k = np.abs(k[b, :n] - k8[b, :n])  # [T, Hkv, Dk]
+        delta = softmax_scale * np.einsum("kgd,tkd->kgt", np.abs(q[b]), e_k)
+        dmax = delta.max(-1)  # [Hkv, G]
+        vmax = np.abs(v8[b, :n]).max(0)  # [Hkv, Dv]
+        evmax = np.abs(v8[b, :n] - v[b, :n]).max(0)
+        out.append(np.expm1(2 * dmax)[..., None] * vmax[:, None, :] + evmax[:, None, :])
+    return np.stack(out)

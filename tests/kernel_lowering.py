@@ -19,16 +19,28 @@ H200_SMEM_BYTES = 232_448
 # Mosaic TPU's default scoped-VMEM limit for one kernel; a kernel may raise it with vmem_limit_bytes.
 TPU_SCOPED_VMEM_BYTES = 32 * 2**20
 TPU_SMEM_BYTES = 1 * 2**20
+# The chip the TPU lowering tests declare (device_kind of lower_for): v6e (Trillium) has FP8-capable Mosaic and
+# the 32 MiB default scoped VMEM above.
+TPU_V6E = "TPU v6 lite"
 
 _TRITON_TARGET = "__gpu$xla.gpu.triton"
 
 
-def lower_for(fn: Callable, *args: object, platform: str) -> str:
+def lower_for(fn: Callable, *args: object, platform: str, device_kind: str | None = None) -> str:
     """StableHLO text of `jax.jit(fn)(*args)` exported for `platform` ("cuda" or "tpu"); args may be
-    jax.ShapeDtypeStruct. Raises whatever the lowering raises."""
+    jax.ShapeDtypeStruct. Raises whatever the lowering raises.
+
+    device_kind: a chip to declare for lowerings that query the target's hardware (Pallas TPU asks for it, e.g.
+    for 1-D block rules; on this CPU host there is no TPU to ask), e.g. TPU_V6E. It is set through an abstract
+    mesh of one device for the duration of the export only.
+    """
     checks = [jax.export.DisabledSafetyCheck.custom_call(_TRITON_TARGET)] if platform == "cuda" else []
-    exported = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
-    return exported.mlir_module()
+    export = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)
+    if device_kind is None:
+        return export(*args).mlir_module()
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("chip",), abstract_device=device)):
+        return export(*args).mlir_module()
 
 
 def sds(shape: Sequence[int], dtype: object) -> jax.ShapeDtypeStruct:

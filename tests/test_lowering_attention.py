@@ -9,7 +9,9 @@ BF16 and FP8 e4m3 pages, page sizes 16 and 64, decode batch 1..64, block tables 
 
 `cuda` lowers the Triton path of pallas_kernels/paged_attention.py (Pallas -> Triton IR only: Triton's PTX
 compile runs in XLA's GPU compiler and needs a GPU). `tpu` lowers pallas_kernels/paged_attention_tpu.py to a
-Mosaic custom call (Mosaic's own compile runs in libtpu on a TPU, not here).
+Mosaic custom call (Mosaic's own compile runs in libtpu on a TPU, not here). The Pallas TPU lowering asks the
+target chip for its tiling (the block-table chunk is a 1-D SMEM block); no TPU is attached here, so the tests
+declare one: v6e (kernel_lowering.TPU_V6E, through lower_for's device_kind).
 """
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ import functools
 import jax.numpy as jnp
 import pytest
 
-from kernel_lowering import H200_SMEM_BYTES, lower_for, sds, stage_bytes, within
+from kernel_lowering import (H200_SMEM_BYTES, TPU_SCOPED_VMEM_BYTES, TPU_SMEM_BYTES, TPU_V6E, lower_for, sds,
+                             stage_bytes, tpu_vmem_bytes, within)
 from pallas_kernels import paged_attention as gpu
+from pallas_kernels import paged_attention_tpu as tpu
 
 F8 = jnp.float8_e4m3fn
 MAX_CONTEXT = 262_144
@@ -108,3 +112,67 @@ def test_gpu_budget_check_catches_an_oversized_block():
     blocks, tiles = _gpu_blocks("mla", 16, jnp.bfloat16, jnp.float32, pages_per_compute_block=16)
     with pytest.raises(AssertionError, match="budget"):
         within(_gpu_smem(blocks, 16, tiles), H200_SMEM_BYTES, "oversized")
+
+
+# ---------------------------------------------------------------- TPU (Mosaic) --------------------------------------
+
+TPU_CALL = "tpu_custom_call"
+
+
+@DTYPES
+@PAGES
+@pytest.mark.parametrize("batch,q_dtype", [(1, jnp.float32), (64, jnp.float32), (8, jnp.bfloat16)])
+def test_mla_lowers_for_tpu(kv_dtype, page_size, batch, q_dtype):
+    fn = functools.partial(tpu.paged_mla_decode_tpu, kv_lora_rank=MLA["rank"], softmax_scale=0.07)
+    text = lower_for(fn, *_mla_args(batch, page_size, kv_dtype, q_dtype), platform="tpu", device_kind=TPU_V6E)
+    assert TPU_CALL in text
+
+
+@DTYPES
+@PAGES
+@pytest.mark.parametrize("geometry,batch", [("glm4.5-tp8", 1), ("glm4.5-tp8", 64), ("glm4.5-tp1", 8)])
+def test_gqa_lowers_for_tpu(kv_dtype, page_size, geometry, batch):
+    fn = functools.partial(tpu.paged_gqa_decode_tpu, softmax_scale=0.088, out_dtype=jnp.float32)
+    text = lower_for(fn, *_gqa_args(batch, page_size, kv_dtype, geometry), platform="tpu", device_kind=TPU_V6E)
+    assert TPU_CALL in text
+
+
+def _tpu_bytes(kind: str, page_size: int, kv_dtype, q_dtype, *, batch: int = 64, context: int = MAX_CONTEXT,
+               geometry: str = "glm4.5-tp8", **override) -> tuple[int, int]:
+    """(VMEM bytes, SMEM bytes) of one program of the TPU kernel's chosen blocks, tile-padded."""
+    max_pages = context // page_size
+    fp8 = kv_dtype == F8
+    if kind == "mla":
+        blocks = tpu.choose_tpu_blocks(page_size, max_pages, MLA["heads"], **override)
+        dims = dict(kv_widths=(MLA["rank"] + MLA["rope"],), q_width=MLA["rank"] + MLA["rope"],
+                    out_width=MLA["rank"])
+    else:
+        hq, hkv, d = GQA[geometry]
+        blocks = tpu.choose_tpu_blocks(page_size, max_pages, hq // hkv, **override)
+        dims = dict(kv_widths=(d, d), q_width=d, out_width=d)
+    parts = tpu.block_bytes(blocks, page_size, batch=batch, kv_dtype=kv_dtype, q_dtype=q_dtype, fp8=fp8, **dims)
+    vmem = tpu_vmem_bytes(parts["vmem_x2"], buffers=2) + tpu_vmem_bytes(parts["vmem_x1"], buffers=1)
+    smem = tpu_vmem_bytes(parts["smem_x2"], buffers=2) + tpu_vmem_bytes(parts["smem_x1"], buffers=1)
+    return vmem, smem
+
+
+@DTYPES
+@PAGES
+@pytest.mark.parametrize("kind,q_dtype", [("mla", jnp.float32), ("mla", jnp.bfloat16), ("gqa", jnp.bfloat16)])
+def test_tpu_blocks_fit_scoped_vmem_and_smem(kv_dtype, page_size, kind, q_dtype):
+    vmem, smem = _tpu_bytes(kind, page_size, kv_dtype, q_dtype)
+    within(vmem, TPU_SCOPED_VMEM_BYTES, f"{kind} VMEM")
+    within(smem, TPU_SMEM_BYTES, f"{kind} SMEM")
+    # the block table reaches SMEM one chunk at a time: capped, 4x the context costs no more SMEM
+    assert smem == _tpu_bytes(kind, page_size, kv_dtype, q_dtype, context=4 * MAX_CONTEXT)[1]
+
+
+def test_tpu_budget_checks_catch_oversized_blocks():
+    """Negative controls: a 65,536-token compute block overflows scoped VMEM; the previous kernel's whole [64,
+    16,384] block table scalar-prefetched into SMEM (4 MiB) overflows SMEM."""
+    vmem, _ = _tpu_bytes("mla", 16, jnp.bfloat16, jnp.float32, pages_per_compute_block=4096, pages_per_chunk=4096)
+    with pytest.raises(AssertionError, match="budget"):
+        within(vmem, TPU_SCOPED_VMEM_BYTES, "oversized VMEM")
+    whole_table = tpu_vmem_bytes([((64 * MAX_CONTEXT // 16,), jnp.int32)], buffers=1)
+    with pytest.raises(AssertionError, match="budget"):
+        within(whole_table, TPU_SMEM_BYTES, "whole table in SMEM")

@@ -1,7 +1,8 @@
-"""TPU-style paged MLA decode kernel in TPU interpret mode (`pltpu.InterpretParams()`, CPU) vs paged_mla_reference.
+"""TPU-shaped paged decode kernels (MLA and GQA) in TPU interpret mode (`pltpu.InterpretParams()`, CPU) and in
+legacy `interpret=True` (the engine's "pallas_tpu_interpret") vs the references.
 
-BF16 pages: 1e-2 abs/rel vs the reference on the same pages. FP8 pages: same tolerance vs the reference computed
-on the same FP8 pages and scales (quantization error itself is covered by tests/test_paged_attention.py).
+Tolerances as in tests/test_paged_attention.py (its check_mla / check_gqa): BF16_TOL abs/rel vs the reference on
+the same pages; FP8 pages also vs the exact f32 pages within reference_paged.fp8_error_bound + BF16_TOL.
 """
 from __future__ import annotations
 
@@ -13,74 +14,96 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.cache.pages import quantize_fp8
-from pallas_kernels.paged_attention_tpu import choose_block_h, paged_mla_decode_tpu
+from pallas_kernels.paged_attention_tpu import (choose_block_h, choose_tpu_blocks, paged_gqa_decode_tpu,
+                                                paged_mla_decode_tpu)
 from pallas_kernels.reference_paged import paged_mla_reference
+from test_paged_attention import check_gqa, check_mla
 
 TOL = 1e-2
-NUM_PAGES, MAX_PAGES = 28, 4
-DV, DR, H = 32, 16, 16  # kv_lora_rank, rope dim, query heads (small shapes keep interpret mode fast)
-INTERPRET = pltpu.InterpretParams()  # TPU interpret mode; fails loudly on OOB block reads
-# (page_size, lengths, block_h): 0, 1, ps-1, ps, several pages, the full table
+INTERPRET = pltpu.InterpretParams()  # TPU interpret mode; fails loudly on OOB copies
+NUM_PAGES = 41  # toy pool (page 0 unused)
+DV, DR, H = 32, 16, 16  # toy MLA dims (kv_lora_rank, rope dim, query heads)
+# (page_size, lengths, tiling): 0, 1, ps-1, ps, several compute blocks, the full table
 CASES = [
-    (8, [0, 1, 7, 8, 21, 32], None),
-    (16, [16, 40, 64], 8),  # two head blocks
+    (8, [0, 1, 7, 8, 21, 32], dict(pages_per_compute_block=2)),
+    (16, [16, 40, 64], dict(block_h=8)),  # two head blocks, default compute block
 ]
 
 
-def _block_tables(key, b: int) -> np.ndarray:
-    """Random non-contiguous, non-repeating page ids."""
-    perm = np.asarray(jax.random.permutation(key, NUM_PAGES))
-    return perm[: b * MAX_PAGES].reshape(b, MAX_PAGES).astype(np.int32)
-
-
-def _run(q, pages, bt, lens, sc, block_h):
-    scale = 1.0 / math.sqrt(DV + DR)
-    got = paged_mla_decode_tpu(q, pages, bt, lens, sc, kv_lora_rank=DV, softmax_scale=scale, block_h=block_h,
-                               interpret=INTERPRET)
-    return got, scale
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("page_size,lengths,tiling", CASES)
+def test_mla_tpu_kernel_matches_reference(page_size, lengths, tiling, dtype):
+    check_mla(paged_mla_decode_tpu, page_size=page_size, lengths=lengths, dtype=dtype, heads=H, rank=DV, rope=DR,
+              num_pages=NUM_PAGES, max_pages=4, seed=page_size + len(lengths), interpret=INTERPRET, **tiling)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize("page_size,lengths,block_h", CASES)
-def test_mla_tpu_kernel_matches_reference(page_size, lengths, block_h, dtype):
-    ks = jax.random.split(jax.random.key(page_size + len(lengths)), 3)
-    b = len(lengths)
-    lens = jnp.asarray(lengths, jnp.int32)
-    q = jax.random.normal(ks[0], (b, H, DV + DR)).astype(jnp.bfloat16)
-    latent = jax.random.normal(ks[1], (NUM_PAGES, page_size, DV + DR)) + 0.5  # non-zero mean: p @ V not ~0
-    bt = jnp.asarray(_block_tables(ks[2], b))
-    pages, sc = (latent.astype(jnp.bfloat16), None) if dtype == "bf16" else quantize_fp8(latent)
-    got, scale = _run(q, pages, bt, lens, sc, block_h)
-    assert got.shape == (b, H, DV) and got.dtype == jnp.float32
-    want = paged_mla_reference(q, pages, bt, lens, sc, kv_lora_rank=DV, softmax_scale=scale)
-    got, want = np.asarray(got), np.asarray(want)
-    assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got[np.asarray(lens) == 0], 0.0)
-    np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+@pytest.mark.parametrize("page_size,lengths,tiling", [(8, [0, 1, 7, 8, 21, 32], dict(pages_per_compute_block=2)),
+                                                      (16, [16, 40, 64], {})])
+def test_gqa_tpu_kernel_matches_reference(page_size, lengths, tiling, dtype):
+    check_gqa(paged_gqa_decode_tpu, page_size=page_size, lengths=lengths, dtype=dtype, q_heads=6, kv_heads=2,
+              head_dim=16, num_pages=NUM_PAGES, max_pages=4, seed=page_size * 3 + len(lengths), interpret=INTERPRET,
+              **tiling)
+
+
+@pytest.mark.parametrize("kind", ["mla", "gqa"])
+def test_several_block_table_chunks(kind):
+    """Lengths past one chunk (128 table entries): the softmax state carries across the chunk grid axis, a chunk
+    wholly past a length is skipped. Legacy interpret mode, the engine's path."""
+    page_size, max_pages = 4, 300
+    lengths = [4 * 128 + 9, 0, 3, 4 * 300]  # 2nd chunk partial; empty; first chunk only; the full 3 chunks
+    kw = dict(page_size=page_size, lengths=lengths, dtype="fp8", num_pages=len(lengths) * max_pages + 1,
+              max_pages=max_pages, seed=5, interpret=True, pages_per_chunk=128, pages_per_compute_block=8)
+    if kind == "mla":
+        check_mla(paged_mla_decode_tpu, heads=8, rank=DV, rope=DR, **kw)
+    else:
+        check_gqa(paged_gqa_decode_tpu, q_heads=4, kv_heads=2, head_dim=16, **kw)
+
+
+# Real per-device dims, few pages and rows: Kimi K2.6 / GLM-5.2 MLA 8 heads x (512 + 64) (the engine's f32
+# absorbed query and a bf16 one); GLM-4.5 GQA 12 q / 1 kv heads x 128.
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+def test_mla_tpu_kernel_at_real_dims(dtype, q_dtype):
+    check_mla(paged_mla_decode_tpu, page_size=16, lengths=[35, 64, 0], dtype=dtype, heads=8, rank=512, rope=64,
+              q_dtype=q_dtype, num_pages=13, max_pages=4, seed=21, interpret=INTERPRET, pages_per_compute_block=2)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_gqa_tpu_kernel_at_real_dims(dtype):
+    check_gqa(paged_gqa_decode_tpu, page_size=16, lengths=[37, 64], dtype=dtype, q_heads=12, kv_heads=1,
+              head_dim=128, num_pages=9, max_pages=4, seed=22, interpret=INTERPRET, pages_per_compute_block=2)
 
 
 def test_tail_tokens_holding_nan_do_not_leak():
-    """Tokens past a sequence's length in its last page may hold anything: output must equal the clean reference."""
-    page_size, lengths = 8, [1, 7, 13, 30]
+    """Tokens past a sequence's length (in its last page and in a copied block) may hold anything."""
+    page_size, lengths, max_pages = 8, [1, 7, 13, 30], 4
     b = len(lengths)
     ks = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(ks[0], (b, H, DV + DR)).astype(jnp.bfloat16)
     clean = jax.random.normal(ks[1], (NUM_PAGES, page_size, DV + DR)).astype(jnp.bfloat16)
-    bt = _block_tables(ks[2], b)
+    bt = np.asarray(jax.random.permutation(ks[2], NUM_PAGES))[: b * max_pages].reshape(b, max_pages)
     dirty = np.array(clean.astype(jnp.float32))
     for row, n in enumerate(lengths):
         flat = dirty[bt[row]].reshape(-1, DV + DR)
         flat[n:] = np.nan
-        dirty[bt[row]] = flat.reshape(MAX_PAGES, page_size, DV + DR)
+        dirty[bt[row]] = flat.reshape(max_pages, page_size, DV + DR)
     lens = jnp.asarray(lengths, jnp.int32)
-    got, scale = _run(q, jnp.asarray(dirty, jnp.bfloat16), jnp.asarray(bt), lens, None, None)
-    want = paged_mla_reference(q, clean, jnp.asarray(bt), lens, kv_lora_rank=DV, softmax_scale=scale)
+    scale = 1.0 / math.sqrt(DV + DR)
+    got = paged_mla_decode_tpu(q, jnp.asarray(dirty, jnp.bfloat16), jnp.asarray(bt, jnp.int32), lens,
+                               kv_lora_rank=DV, softmax_scale=scale, pages_per_compute_block=4, interpret=INTERPRET)
+    want = paged_mla_reference(q, clean, jnp.asarray(bt, jnp.int32), lens, kv_lora_rank=DV, softmax_scale=scale)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
 
 
-def test_choose_block_h():
+def test_choose_tpu_blocks():
     assert choose_block_h(128) == 128 and choose_block_h(16, 8) == 8
     with pytest.raises(ValueError):
         choose_block_h(16, 4)
+    blk = choose_tpu_blocks(16, 262_144 // 16, 8)
+    assert (blk.block_h, blk.pages_per_compute_block, blk.pages_per_chunk) == (8, 16, 1024)
+    blk = choose_tpu_blocks(4, 6, 8)  # a short table: one 128-entry chunk, one compute block covers it
+    assert (blk.pages_per_compute_block, blk.pages_per_chunk) == (8, 128)
+    with pytest.raises(ValueError):
+        choose_tpu_blocks(16, 1024, 8, pages_per_chunk=100)  # not a multiple of 128
