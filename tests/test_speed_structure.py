@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -107,3 +108,26 @@ def test_decode_reads_convert_no_layer_pool(models, arch, kv_dtype):
     lay = pr.decode_phase.pages.layout
     assert pool_sized_converts(_decode_hlo(pr), NUM_PAGES, _layer_elems(lay, NUM_PAGES)) == []
 
+
+
+_SORT = re.compile(r"= \(?\w+\[([\d,]*)\]\S*(?:, \w+\[[\d,]*\]\S*)*\)? sort\(")
+
+
+def vocab_sorts(hlo: str, vocab: int) -> list[str]:
+    """HLO sort lines over an array with a vocabulary-sized dim (the MoE's small dispatch sorts do not count)."""
+    return [line.strip()[:200] for line in hlo.splitlines()
+            if (m := _SORT.search(line)) and vocab in [int(d) for d in m.group(1).split(",") if d]]
+
+
+def test_greedy_decode_has_no_vocabulary_sort(models):
+    pr = _programs(models["deepseek_v3"], "fp8")
+    ph = pr.decode_phase
+    tags = jnp.zeros((NUM_PAGES,), jnp.uint32)
+    batch, samp = dummy_decode(4, 8)
+    assert samp.mode == "greedy"  # an all-greedy (here all-padding) batch picks the greedy program
+    vocab = pr.model_cfg.vocab_size
+    assert vocab_sorts(pr._decode.lower(ph.state, ph.pages, tags, batch, samp).compile().as_text(), vocab) == []
+    for mode, sorts in (("top_k", False), ("full", True)):  # the general program still sorts: the check can fail
+        s = dataclasses.replace(samp, temperature=jnp.ones_like(samp.temperature), mode=mode)
+        hlo = pr._decode.lower(ph.state, ph.pages, tags, batch, s).compile().as_text()
+        assert bool(vocab_sorts(hlo, vocab)) == sorts, mode

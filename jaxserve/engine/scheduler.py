@@ -21,7 +21,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.programs import Programs, bucket
 from jaxserve.engine.request import Request, Status, TokenEvent
-from jaxserve.engine.sampling import SamplingArrays
+from jaxserve.engine.sampling import SamplingArrays, sampling_mode
 from jaxserve.errors import JaxserveError, KVIntegrityError, OutOfPagesError
 from jaxserve.models.paged import DecodeBatch, PrefillBatch
 
@@ -83,6 +83,8 @@ def _samp_arrays(seqs: list[Sequence | None]) -> SamplingArrays:
     def col(f, dtype):  # noqa: ANN001
         return jnp.asarray(np.array([f(s) if s is not None else 0 for s in seqs], dtype))
 
+    mode = sampling_mode((s.req.params.temperature, s.req.params.top_k, s.req.params.top_p) for s in seqs
+                         if s is not None)
     return SamplingArrays(
         temperature=col(lambda s: s.req.params.temperature, np.float32),
         top_k=col(lambda s: s.req.params.top_k, np.int32),
@@ -90,6 +92,7 @@ def _samp_arrays(seqs: list[Sequence | None]) -> SamplingArrays:
         seed=col(lambda s: s.req.params.seed if s.req.params.seed is not None else hash(s.req.request_id) % 2**32,
                  np.uint32),
         step=col(lambda s: len(s.generated), np.int32),
+        mode=mode,
     )
 
 
