@@ -5,9 +5,9 @@ for CPU tests):
 
 | fmt        | use_kernel=False (XLA)                          | use_kernel=True (Pallas)                              |
 |------------|-------------------------------------------------|-------------------------------------------------------|
-| bf16, f32  | jnp.matmul / lax.ragged_dot                     | same (no kernel needed)                               |
-| fp8        | dequantize to x.dtype in XLA, matmul/ragged_dot | moe_gmm fp8 (linear: one group); K % 128 != 0 -> XLA  |
-| int4       | unpack + dequantize in XLA, matmul/ragged_dot   | int4_matmul (linear) / moe_gmm int4 (grouped)         |
+| bf16, f32  | jnp.matmul / expert-tile loop (below)          | same (no kernel needed)                               |
+| fp8        | dequantize to x.dtype in XLA, matmul / tiles    | moe_gmm fp8 (linear: one group); K % 128 != 0 -> XLA  |
+| int4       | unpack + dequantize in XLA, matmul / tiles      | int4_matmul (linear) / moe_gmm int4 (grouped)         |
 
 The XLA paths materialize the dequantized weight (a fallback for CPU and small models); the kernel paths read
 the packed weight and never write a dequantized copy to HBM. All paths accumulate in f32 and return x.dtype.
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxserve.errors import ConfigError
 from jaxserve.quant.formats import FP8_BLOCK, check_fmt, dequantize
 from pallas_kernels.int4_matmul import int4_matmul
-from pallas_kernels.moe_gmm import moe_gmm
+from pallas_kernels.moe_gmm import moe_gmm, tile_layout
 
 
 def _dense_weight(w: jax.Array, scale: jax.Array | None, fmt: str, dtype: jnp.dtype) -> jax.Array:
@@ -69,9 +69,32 @@ def grouped_linear(x_sorted: jax.Array, w: jax.Array, scale: jax.Array | None, g
                           f"{fmt} expert weight {w.shape}", value=tuple(w.shape), param="w")
     if use_kernel and (fmt == "int4" or (fmt == "fp8" and k % FP8_BLOCK == 0)):
         return moe_gmm(x_sorted, w, scale, group_sizes, fmt=fmt, interpret=interpret)
-    wd = _dense_weight(w, scale, fmt, x_sorted.dtype)
-    dtype = jnp.promote_types(x_sorted.dtype, wd.dtype)  # ragged_dot wants one operand dtype (bf16 x, f32 w)
-    out = jax.lax.ragged_dot(x_sorted.astype(dtype), wd.astype(dtype), group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
-    rows = jnp.arange(m)[:, None]
-    # explicit zero tail: the contract must not depend on a backend's ragged_dot padding behaviour
-    return jnp.where(rows < jnp.sum(group_sizes), out, 0.0).astype(x_sorted.dtype)
+    return _grouped_tiles(x_sorted, w, scale, group_sizes, fmt)
+
+
+XLA_TILE_ROWS = 16  # rows per expert tile on the XLA path: decode-sized groups waste little padding
+
+
+def _grouped_tiles(x: jax.Array, w: jax.Array, scale: jax.Array | None, group_sizes: jax.Array, fmt: str
+                   ) -> jax.Array:
+    """The XLA grouped matmul: each group's rows in whole tiles of XLA_TILE_ROWS (as moe_gmm lays them out), a
+    sequential loop over tiles, each reading (and dequantizing) only its own expert's weight.
+
+    XLA:CPU lowers lax.ragged_dot densely (every row against every expert: E times the work and an [M, E, K]
+    temporary); this costs the real work plus tile padding and holds one expert's weight at a time.
+    """
+    m, _ = x.shape
+    layout = tile_layout(group_sizes, m, XLA_TILE_ROWS)
+    n_tiles = layout.tile_group.shape[0]
+    x_pad = jnp.where(layout.row_valid[:, None], x[layout.row_src], 0).astype(x.dtype)
+    x_tiles = x_pad.reshape(n_tiles, XLA_TILE_ROWS, -1)
+
+    def tile(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        xt, e = args
+        ec = jnp.maximum(e, 0)
+        we = _dense_weight(w[ec], None if scale is None else scale[ec], fmt, x.dtype)
+        yt = jnp.matmul(xt, we, preferred_element_type=jnp.float32)
+        return jnp.where(e >= 0, yt, 0.0)  # unused tiles (e = -1) give 0
+
+    y_pad = jax.lax.map(tile, (x_tiles, layout.tile_group)).reshape(n_tiles * XLA_TILE_ROWS, -1)
+    return jnp.where(layout.out_valid[:, None], y_pad[layout.row_dst], 0.0).astype(x.dtype)
