@@ -442,6 +442,12 @@ def _paged_prefill_gqa_tpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scale
 # Public wrappers.
 
 
+def _compute_dtype(pages_dtype) -> jnp.dtype:
+    """bf16 for bf16 / fp8 pages (tensor-core / MXU inputs, and what the default blocks' shared-memory / VMEM
+    budgets assume); f32 only for f32 pages (tests; f32 tiles need smaller GPU blocks than the defaults)."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(pages_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
+
+
 def _check_mla(q: jax.Array, pages: jax.Array, scales: jax.Array | None, kv_lora_rank: int) -> None:
     if q.ndim != 4 or q.shape[-1] != pages.shape[-1] or not 0 < kv_lora_rank < q.shape[-1]:
         raise ValueError(f"q {q.shape}, pages {pages.shape}, kv_lora_rank {kv_lora_rank}")
@@ -469,7 +475,8 @@ def paged_prefill_mla(q: jax.Array, pages: jax.Array, block_tables: jax.Array, p
     """Absorbed MLA prefill attention over paged latents (MQA: every head reads the same latent rows).
 
     q: [B, T, N, kv_lora_rank + rope_dim] (the absorbed query: q_nope through kv_b's key half, then q_rope),
-    bf16 (tensor-core/MXU speed) or f32; the dots run in q's dtype with f32 accumulation.
+    any float dtype; it is cast to the compute dtype (`_compute_dtype`: bf16 for bf16 / fp8 pages) and the dots
+    accumulate in f32.
     pages: [num_pages, page_size, kv_lora_rank + rope_dim] bf16 | f32 | float8_e4m3fn, one layer, the chunk's own
     latents already written. scales: [num_pages, page_size] f32 for fp8 pages (x ~= q8 * scale), else None.
     block_tables: [B, M] int32 (prior context + this chunk; padding entries 0, a valid page).
@@ -485,7 +492,7 @@ def paged_prefill_mla(q: jax.Array, pages: jax.Array, block_tables: jax.Array, p
     page_size = pages.shape[1]
     blocks = choose_blocks(backend, mla=True, rows=t * n, page_size=page_size, block_r=block_r, block_k=block_k)
     bt, lens = _tables(block_tables, ctx_lens, page_size, blocks.block_k // page_size)
-    qr, pos = _rows(q, positions, 1, blocks.block_r)
+    qr, pos = _rows(q.astype(_compute_dtype(pages.dtype)), positions, 1, blocks.block_r)
     run = _paged_prefill_mla_gpu if backend == "gpu" else _paged_prefill_mla_tpu
     o = run(qr, pages, bt, lens, pos, scales, kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale,
             blocks=blocks, interpret=interpret)
@@ -500,7 +507,8 @@ def paged_prefill_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, bloc
                       block_k: int | None = None) -> jax.Array:
     """GQA prefill attention over paged K/V.
 
-    q: [B, T, Hq, D] bf16 | f32 (query head h uses kv head h // (Hq // Hkv)); k_pages, v_pages: [num_pages,
+    q: [B, T, Hq, D] any float dtype, cast to the compute dtype as in `paged_prefill_mla` (query head h uses kv
+    head h // (Hq // Hkv)); k_pages, v_pages: [num_pages,
     page_size, Hkv, D] bf16 | f32 | float8_e4m3fn, one layer, the chunk's own K/V already written; k_scales,
     v_scales: [num_pages, page_size, Hkv] f32 for fp8, else None. block_tables, positions, ctx_lens, the causal
     rule, backend and interpret as in `paged_prefill_mla`. logits = (q . k) * softmax_scale.
@@ -512,7 +520,7 @@ def paged_prefill_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, bloc
     blocks = choose_blocks(backend, mla=False, rows=t * (hq // hkv), page_size=page_size, block_r=block_r,
                            block_k=block_k)
     bt, lens = _tables(block_tables, ctx_lens, page_size, blocks.block_k // page_size)
-    qr, pos = _rows(q, positions, hkv, blocks.block_r)
+    qr, pos = _rows(q.astype(_compute_dtype(k_pages.dtype)), positions, hkv, blocks.block_r)
     run = _paged_prefill_gqa_gpu if backend == "gpu" else _paged_prefill_gqa_tpu
     o = run(qr, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, softmax_scale=softmax_scale, blocks=blocks,
             interpret=interpret)
