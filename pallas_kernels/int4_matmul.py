@@ -148,7 +148,7 @@ def choose_blocks(m: int, n: int, k: int | None = None, *, group_size: int = 32,
                   dtype: str = "bfloat16") -> Int4Blocks:
     """Block sizes for int4_matmul of x [m, k] (dtype) @ W [k, n] with scale groups of `group_size`.
 
-    gpu: prefill (m > 64) 128 x (largest of 256..16 dividing n, else 128); decode (m <= 64) block_m 16/32/64,
+    gpu: prefill (m > 64) 128 x (largest of 256..16 dividing n, else 128; at most 128 for g >= 128); decode (m <= 64) block_m 16/32/64,
     block_n 128 (64 if that gives too few programs) and the smallest power-of-two k_splits giving
     GPU_MIN_PROGRAMS programs, capped so the f32 partials (written and read) stay <= 25% of the weight bytes.
     tpu: block_m 16 (bf16 sublane pair) up to 256, block_n up to 1024 (decode) / 512 (prefill), block_k from
@@ -159,8 +159,9 @@ def choose_blocks(m: int, n: int, k: int | None = None, *, group_size: int = 32,
         bm = min(_pow2_at_least(m, 16 if np.dtype(dtype).itemsize == 2 else 8), 256)
         bn = tpu_block_n(n, 1024 if m <= DECODE_MAX_M else 512)
         return Int4Blocks(bm, bn, tpu_block_k(k, group_size) if k else 0)
-    if m > DECODE_MAX_M:
-        return Int4Blocks(128, next((b for b in (256, 128, 64, 32, 16) if n % b == 0), 128))
+    if m > DECODE_MAX_M:  # g >= 128: 64-row byte tiles, so block_n 128 keeps 3 stages well inside 227 KiB
+        widest = 256 if group_size <= 64 else 128
+        return Int4Blocks(128, next((b for b in (256, 128, 64, 32, 16) if b <= widest and n % b == 0), 128))
     bm = _pow2_at_least(m, 16)
     bn = 128 if pl.cdiv(n, 128) * 4 >= GPU_MIN_PROGRAMS or n <= 128 else 64
     splits = 1
