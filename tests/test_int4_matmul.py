@@ -137,6 +137,9 @@ def test_kernel_path_never_materializes_dequantized_weight() -> None:
     xla = jax.make_jaxpr(lambda a, b, c: ops.linear(a, b, c, "int4"))
     assert _no_weight_sized_float_outside_kernel(kernel(x, wq, scale).jaxpr, k * n)
     assert not _no_weight_sized_float_outside_kernel(xla(x, wq, scale).jaxpr, k * n)  # the check can fail
+    for backend, blocks in (("gpu", Int4Blocks(16, 64, 0, 4)), ("tpu", None)):  # split-K partials are [4, 16, N]
+        direct = jax.make_jaxpr(lambda a, b, c: int4_matmul(a, b, c, blocks=blocks, backend=backend, interpret=True))
+        assert _no_weight_sized_float_outside_kernel(direct(x, wq, scale).jaxpr, k * n)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "f32", "fp8", "int4"])
