@@ -217,7 +217,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
         scale = lambda part: jnp.where(valid, _scale_row(s_bufs[part][slot], page_size), 0.0)  # noqa: E731
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if fp8:
-            logits = logits * scale(0)  # K-side dequant: (q . k8) s == q . (k8 s)
+            k_row = scale(0)
+            logits = logits * k_row  # K-side dequant: (q . k8) s == q . (k8 s)
         logits = jnp.where(valid, logits * softmax_scale, MASK_VALUE)
         m_prev, l_prev = m_sc[...], l_sc[...]
         m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
@@ -226,7 +227,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
         l_sc[...] = correction * l_prev + p.sum(axis=-1, keepdims=True)
         m_sc[...] = m_next
         if fp8:  # V-side dequant, after the sum so l stays the plain softmax denominator
-            p = p * scale(-1)
+            p = p * (k_row if mla else scale(1))
         # zero V rows past the length: stale or uncopied buffer rows may hold anything (NaN included)
         v = jnp.where(tok0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < length, v, jnp.zeros((), v.dtype))
         acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
