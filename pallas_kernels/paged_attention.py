@@ -15,8 +15,10 @@ the Triton lowering this kernel is written for. num_warps / num_stages come from
 (head block, loaded width per token, page size, pages per compute block); its entries are starting points chosen
 from JAX's own Triton decode kernels and the shared-memory model below, NOT tuned on a GPU. `choose_blocks`
 shrinks pages_per_compute_block until `smem_bytes` (a model: num_stages copies of the tiles the loop loads, in
-the page dtype, plus one copy of the dot operands converted to the query dtype, q and p) fits the H200's
-232,448 bytes.
+the page dtype, plus one copy of the dot operands converted to the compute dtype, q and p) fits the H200's
+232,448 bytes, then reads one page per step in 2, 4, .. parts (`page_splits`: a 64-token page of a 576-wide
+latent beside its f32 copy does not fit). Modelled at batch 64, 262,144 tokens: MLA 130-186 KB, GQA 90-177 KB.
+`compute_dtype` (default q.dtype) sets the dot operand dtype: bf16 halves the converted copy of an f32 query.
 
 Deprecation: the Pallas Triton backend is deprecated upstream as of JAX 0.11.0 (and JAX's own Triton ops point
 to tokamax). Path forward, NOT built: a Mosaic GPU (`pallas.mosaic_gpu`) variant for Hopper, with pages in GMEM

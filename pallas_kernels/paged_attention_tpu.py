@@ -4,9 +4,11 @@ The page pool stays in HBM (`memory_space=pl.ANY`); the kernel copies the pages 
 several pages per compute block, double-buffered: while block k is computed, the pages of block k + 1 are in
 flight (`pltpu.make_async_copy`, one DMA per page and per scale row, one DMA semaphore per buffer slot), the
 pattern of JAX's own TPU paged attention and tpu-inference's ragged paged attention. Grid (batch, head block or
-kv head, block-table chunk): the block table reaches the kernel one chunk of `pages_per_chunk` entries per grid
-step, as an SMEM BlockSpec, so SMEM holds 2 x pages_per_chunk page ids (double-buffered by the pipeline) plus
-the [batch] lengths (scalar prefetch) whatever the context length; the chunk axis is "arbitrary" and carries the
+kv head, block-table chunk): the block table, flattened, reaches the kernel one chunk of `pages_per_chunk`
+entries (a multiple of 128, at most 1024) per grid step as a 1-D SMEM block, so SMEM holds 2 x pages_per_chunk
+page ids (double-buffered by the pipeline) plus the [batch] lengths (scalar prefetch) whatever the context
+length (the previous version scalar-prefetched the whole [B, M] table: 4 MiB at batch 64 and 262,144 tokens,
+over SMEM and tpu-inference's 128k-entry guard); the chunk axis is "arbitrary" and carries the
 online-softmax state (m, l [rows, 1], acc [rows, Dv] f32) in VMEM scratch, initialised at chunk 0 and normalised
 into the output at the last chunk. Chunks wholly past a sequence's length do no work and their index map repeats
 the last used chunk (no new SMEM copy). Pages past the length are not copied; tokens past the length inside
@@ -19,19 +21,25 @@ into the block's [1, tokens] row, which multiplies the logits (K side) and the p
 sum (V side), as in the GPU kernel. A length of 0 gives an output of 0.
 
 Not done (yet): prefetch across grid steps (the first block of every chunk and sequence is waited for, one
-exposed DMA latency per chunk; JAX's kernel carries a buffer index across steps to hide it), megacore splitting.
+exposed DMA latency per chunk; JAX's kernel carries a buffer index across steps to hide it); megacore splitting
+beyond the "parallel" batch and head axes; a tuned block table (TOKENS_PER_COMPUTE_BLOCK is a prior: ~256
+tokens per block, 16 page DMAs in flight per slot).
 
 What was checked: CPU only. TPU interpret mode (`pltpu.InterpretParams()`) and legacy `interpret=True` against
 `reference_paged.py` (tests/test_paged_attention_tpu.py: toy dims, page sizes 8 and 16, lengths 0, 1, ps-1, ps,
-several pages, the full table, several chunks, random non-contiguous block tables, bf16 and fp8, one and two
-head blocks, NaN past the length; real per-device dims MLA 8 heads x (512 + 64) and GQA 12 / 1 heads x 128,
-bf16 and fp8 pages, bf16 and f32 query). Cross-lowering with `jax.export(platforms=["tpu"])`
-(tests/test_lowering_attention.py, Kimi K2.6 / GLM-5.2 / GLM-4.5 shapes, page 16 and 64, batch 1..64, up to
-262,144 tokens): that runs Pallas -> Mosaic MLIR only. VMEM / SMEM bytes of the chosen blocks (block_bytes) are
-checked against 32 MiB scoped VMEM and 1 MiB SMEM. What was NOT checked: Mosaic's own compile in libtpu (layout
-passes: the [ppcb, ps, Dl] -> [ppcb * ps, Dl] reshape, the f8 -> compute-dtype cast, strided single-head DMAs
-`.at[page, :, head]` of the GQA pool, the (rows, 1) softmax-state scratch may be rejected or slow there), running
-on any TPU, DMA overlap and speed. No TPU was available.
+several pages, the full table, random non-contiguous block tables, bf16 and fp8, one and two head blocks, NaN
+past the length; three block-table chunks in legacy mode; real per-device dims MLA 8 heads x (512 + 64) and GQA
+12 / 1 heads x 128, bf16 and fp8 pages, bf16 and f32 query), and the interpreter's race detector (eager DMAs,
+NaN-initialised VMEM) finds no race in the double buffer (it does flag the kernel with its waits removed).
+Cross-lowering with `jax.export(platforms=["tpu"])` for a declared v6e (tests/test_lowering_attention.py, Kimi
+K2.6 / GLM-5.2 / GLM-4.5 shapes, page 16 and 64, batch 1..64, up to 262,144 tokens): that runs Pallas -> Mosaic
+MLIR only. VMEM / SMEM bytes of the chosen blocks (block_bytes, padded to (8 x packing, 128) tiles) are checked
+against 32 MiB scoped VMEM and 1 MiB SMEM (about 1.4 MiB VMEM and 8.5 KiB SMEM for MLA at batch 64).
+What was NOT checked: Mosaic's own compile in libtpu (its layout passes: the [ppcb, ps, Dl] -> [ppcb * ps, Dl]
+reshape after the cast, the f8 -> compute-dtype cast itself (v5e has no fp8), the strided single-head DMAs
+`.at[page, :, head]` of the GQA pool and of the [P, ps] scale rows, the HIGHEST-precision f32 0/1 matmul, the
+(rows, 1) softmax-state scratch may be rejected or slow there), the XLA TPU layout of the engine's [P, ps] f32
+scale arrays in HBM (lane-padded, perhaps 8x), running on any TPU, DMA overlap and speed. No TPU was available.
 """
 from __future__ import annotations
 
