@@ -117,8 +117,8 @@ def block_bytes(blocks: TpuDecodeBlocks, page_size: int, *, batch: int, kv_width
     "vmem_x2": double-buffered: each K/V page buffer [ppcb, ps, width] in the page dtype, scale rows [ppcb, ps]
     f32 (fp8; one per K/V part), the pipelined q [bh, q_width] and out [bh, out_width] blocks.
     "vmem_x1": scratch m, l [bh, 1] and acc [bh, out_width] f32, and the largest temporaries: the block converted
-    to the compute dtype [bk, width], logits/p [bh, bk] f32.
-    "smem_x2": the block-table chunk [pages_per_chunk] int32. "smem_x1": lengths [batch] int32.
+    to the compute dtype (q_dtype) [bk, width], logits/p [bh, bk] f32, and for fp8 the scale spreading's [ps, bk]
+    and [ppcb, bk] f32. "smem_x2": the block-table chunk [pages_per_chunk] int32. "smem_x1": lengths [batch] int32.
     """
     ppcb, bh, bk = blocks.pages_per_compute_block, blocks.block_h, blocks.pages_per_compute_block * page_size
     x2 = [((ppcb, page_size, w), kv_dtype) for w in kv_widths]
@@ -126,6 +126,7 @@ def block_bytes(blocks: TpuDecodeBlocks, page_size: int, *, batch: int, kv_width
     x2 += [((bh, q_width), q_dtype), ((bh, out_width), jnp.float32)]
     x1 = [((bh, 1), jnp.float32), ((bh, 1), jnp.float32), ((bh, out_width), jnp.float32)]
     x1 += [((bk, w), q_dtype) for w in kv_widths] + [((bh, bk), jnp.float32)] * 2
+    x1 += [((page_size, bk), jnp.float32), ((ppcb, bk), jnp.float32)] if fp8 else []
     return {"vmem_x2": x2, "vmem_x1": x1, "smem_x2": [((blocks.pages_per_chunk,), jnp.int32)],
             "smem_x1": [((batch,), jnp.int32)]}
 
