@@ -48,8 +48,10 @@ TPU = pltpu.InterpretParams()  # TPU interpret mode: runs the Mosaic-shaped kern
     (1, 7, 512, 200, 128, None),  # N with no power-of-two divisor >= 16: partial edge tile (gpu), full N (tpu)
     (2, 64, 256, 96, 32, None),
     (3, 256, 1024, 256, 128, None),  # prefill-sized: two 128-row tiles, 8 groups of 128
-    (4, 33, 128, 64, 32, {"gpu": Int4Blocks(16, 32), "tpu": Int4Blocks(16, 64, 64)}),  # 3 M tiles, 2 N (gpu) / K tiles
-    (5, 3, 1024, 256, 32, {"gpu": Int4Blocks(16, 64, 0, 4), "tpu": Int4Blocks(16, 128, 256)}),  # split-K / 4 K steps
+    # explicit blocks: 3 M tiles and 2 N tiles (gpu) / 2 K steps (tpu)
+    (4, 33, 128, 64, 32, {"gpu": Int4Blocks(16, 32), "tpu": Int4Blocks(16, 64, 64)}),
+    # gpu split-K (4 partials merged in XLA) / tpu 4 K steps in the VMEM accumulator
+    (5, 3, 1024, 256, 32, {"gpu": Int4Blocks(16, 64, 0, 4), "tpu": Int4Blocks(16, 128, 256)}),
 ])
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_int4_matmul_matches_reference(backend: str, seed: int, m: int, k: int, n: int, g: int,
@@ -77,7 +79,8 @@ def test_reference_dequantize_is_bit_exact_with_formats(fmt: str, shape: tuple[i
     rng = np.random.default_rng(len(shape) * 10 + g)
     wq, scale = formats.quantize(rng.standard_normal(shape).astype(np.float32) * 3.0, fmt, g)
     ours = np.asarray(reference.dequantize(wq, scale, fmt))
-    np.testing.assert_array_equal(ours.view(np.uint32), np.asarray(formats.dequantize(wq, scale, fmt)).view(np.uint32))
+    theirs = np.asarray(formats.dequantize(wq, scale, fmt))
+    np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
 def test_kernel_modules_import_without_jaxserve() -> None:
@@ -138,7 +141,8 @@ def test_kernel_path_never_materializes_dequantized_weight() -> None:
     assert _no_weight_sized_float_outside_kernel(kernel(x, wq, scale).jaxpr, k * n)
     assert not _no_weight_sized_float_outside_kernel(xla(x, wq, scale).jaxpr, k * n)  # the check can fail
     for backend, blocks in (("gpu", Int4Blocks(16, 64, 0, 4)), ("tpu", None)):  # split-K partials are [4, 16, N]
-        direct = jax.make_jaxpr(lambda a, b, c: int4_matmul(a, b, c, blocks=blocks, backend=backend, interpret=True))
+        direct = jax.make_jaxpr(lambda a, b, c: int4_matmul(a, b, c, blocks=blocks, backend=backend,
+                                                            interpret=True))
         assert _no_weight_sized_float_outside_kernel(direct(x, wq, scale).jaxpr, k * n)
 
 
