@@ -31,15 +31,15 @@ compiler_params: Mosaic GPU stages whole BlockSpec blocks in SMEM), or tokamax i
 What was checked (CPU only, JAX 0.10.2): legacy `interpret=True` (gpu tiling, incl. split-K) and TPU interpret
 mode (`pltpu.InterpretParams()`, tpu tiling, incl. several K steps) against `pallas_kernels.reference` at toy
 dims and at K = 7168 and 2048 (tests/test_int4_matmul.py; relative error ~1.7e-3 gpu, ~2.2e-3 tpu); `jax.export`
-for cuda (the Triton custom call) and tpu (Mosaic; no chip kind needed) of Kimi K2.6's per-device q_b / o /
-lm_head at M = 1, 64, 4096 (g = 32; lm_head also g = 128); per-stage bytes from `stage_plan` at those and the
-routed-expert shapes, whose tpu blocks are checked equal to the lowered pallas_call's BlockSpecs (worst cases:
-gpu 53.5 KiB at g32, 153 KiB at g128 of 227 KiB; tpu 11.9 MiB of 32 MiB) (tests/test_lowering_matmul.py). What
-was NOT checked (no accelerator): compiling the exported Triton/Mosaic modules (ptxas/Triton passes and Mosaic's
-layout passes run only at compile time on a device: the uint8 -> int32 unpack, the [G, g/2, bn] -> [G*g/2, bn]
-scale broadcast and the K=16 Triton dots may be rejected or slow there), whether Triton really keeps only
-num_stages loop tiles in shared memory, and any speed: the tuning table and block sizes are plausible defaults,
-never timed.
+for cuda (the Triton custom call) and tpu (Mosaic, chip declared v6e; it also lowers with none) of Kimi K2.6's
+per-device q_b / o / lm_head at M = 1, 64, 4096 (g = 32; lm_head also g = 128); per-stage bytes from
+`stage_plan` at those and the routed-expert shapes, whose tpu blocks are checked equal to the lowered
+pallas_call's BlockSpecs (worst cases: gpu 53.5 KiB at g32, 153 KiB at g128 of 227 KiB; tpu 11.9 MiB of 32 MiB)
+(tests/test_lowering_matmul.py). What was NOT checked (no accelerator): compiling the exported Triton/Mosaic
+modules (ptxas/Triton passes and Mosaic's layout passes run only at compile time on a device: the uint8 -> int32
+unpack, the [G, g/2, bn] -> [G*g/2, bn] scale broadcast and the K=16 Triton dots may be rejected or slow there),
+whether Triton really keeps only num_stages loop tiles in shared memory, and any speed: the tuning table and
+block sizes are plausible defaults, never timed.
 """
 from __future__ import annotations
 

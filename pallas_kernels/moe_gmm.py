@@ -34,13 +34,14 @@ What was checked (CPU only, JAX 0.10.2): legacy `interpret=True` (gpu tiling) an
 hidden 7168 / FFN 2048 with a few experts (tests/test_moe_gmm.py); `jax.export` for cuda (Triton) and tpu
 (Mosaic) at the per-device Kimi K2.6 (EP: 48 local experts, TP: 384 experts of FFN 256), GLM-5.2 (32 local) and
 GLM-4.5 (20 local, FFN 1536) shapes, gate/up and the transposed down projection, INT4 g32/g128 and FP8, M = 1
-and 4096 (no chip kind needed); per-stage bytes from `gmm_stage_plan`, whose tpu blocks are checked equal to the
-lowered pallas_call's BlockSpecs (worst cases: gpu 128 KiB (fp8) of 227 KiB; tpu 16.8 MiB (int4 g128, GLM-4.5
-down, full-K block 1536) of 32 MiB, SMEM scales <= 28 KiB per buffer) (tests/test_lowering_matmul.py). What was
-NOT checked (no accelerator): compiling the exported modules (Mosaic's layout passes and the Triton compiler run
-only on a device: the fp8 -> bf16 cast on TPU generations without fp8 units, the scale-row concatenation and the
-uint8 unpack may be rejected or slow), that the pipeline really skips DMAs for unused tiles (interpret mode does
-not count DMAs), and speed (untimed; no GPU split-K for tiny decode groups).
+and 4096 (tpu: chip declared v6e; it also lowers with none); per-stage bytes from `gmm_stage_plan`, whose tpu
+blocks are checked equal to the lowered pallas_call's BlockSpecs (worst cases: gpu 128 KiB (fp8) of 227 KiB; tpu
+16.8 MiB (int4 g128, GLM-4.5 down, full-K block 1536) of 32 MiB, SMEM scales <= 28 KiB per buffer)
+(tests/test_lowering_matmul.py). What was NOT checked (no accelerator): compiling the exported modules (Mosaic's
+layout passes and the Triton compiler run only on a device: the fp8 -> bf16 cast on TPU generations without fp8
+units, the scale-row concatenation and the uint8 unpack may be rejected or slow), that the pipeline really skips
+DMAs for unused tiles (interpret mode does not count DMAs), and speed (untimed; no GPU split-K for tiny decode
+groups).
 """
 from __future__ import annotations
 

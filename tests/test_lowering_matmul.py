@@ -2,9 +2,10 @@
 
 Lowering: `jax.export` for `cuda` with backend="gpu" (must be the Triton custom call: without compiler_params
 the GPU lowering would be Mosaic GPU, which fails its shared-memory check at these shapes) and for `tpu` with
-backend="tpu" (Mosaic; enforces the (8, 128)-or-full-dim block rule). No chip kind was needed on this CPU host:
-these kernels lower for `tpu` without one. Lowering is not compiling: Triton's and Mosaic's own passes run only
-on a device (see the kernel headers).
+backend="tpu" (Mosaic; enforces the (8, 128)-or-full-dim block rule), with the chip declared as v6e
+(kernel_lowering.TPU_V6E, whose 32 MiB scoped VMEM is the budget below); these kernels also lower with no chip
+kind on this CPU host. Lowering is not compiling: Triton's and Mosaic's own passes run only on a device (see
+the kernel headers).
 
 Budgets, from the block shapes: gpu (Triton, refs are pointers) = the tiles one K-loop iteration loads x
 num_stages + the dequantized dot operands <= H200 shared memory; tpu = every VMEM BlockSpec block of the
@@ -30,8 +31,8 @@ import numpy as np
 import pytest
 from jax.extend import core as jex_core
 
-from kernel_lowering import (H200_SMEM_BYTES, TPU_SCOPED_VMEM_BYTES, TPU_SMEM_BYTES, lower_for, sds, stage_bytes,
-                             tpu_padded)
+from kernel_lowering import (H200_SMEM_BYTES, TPU_SCOPED_VMEM_BYTES, TPU_SMEM_BYTES, TPU_V6E, lower_for, sds,
+                             stage_bytes, tpu_padded)
 from pallas_kernels.int4_matmul import Int4Blocks, StagePlan, choose_blocks, int4_matmul, stage_plan
 from pallas_kernels.moe_gmm import GmmBlocks, choose_gmm_blocks, gmm_stage_plan, moe_gmm
 
@@ -75,7 +76,7 @@ def _gmm_fn(fmt: str, backend: str, blocks: GmmBlocks | None = None) -> Callable
 
 
 def _assert_lowers(fn: Callable, args: tuple, backend: str) -> None:
-    text = lower_for(fn, *args, platform=PLATFORM[backend])
+    text = lower_for(fn, *args, platform=PLATFORM[backend], device_kind=TPU_V6E if backend == "tpu" else None)
     assert f"custom_call @{CUSTOM_CALL[backend]}(" in text  # gpu: the Triton call, not Mosaic GPU
 
 
@@ -112,7 +113,7 @@ def test_mosaic_rejects_an_illegal_tpu_block() -> None:
     # negative control for the lowering: block_n 64 is neither a multiple of 128 nor all of N = 2048
     with pytest.raises(ValueError, match="divisible by 8 and 128"):
         lower_for(lambda x, w, s: int4_matmul(x, w, s, blocks=Int4Blocks(16, 64, 1024), backend="tpu"),
-                  *_int4_args(1, 7168, 2048, 32), platform="tpu")
+                  *_int4_args(1, 7168, 2048, 32), platform="tpu", device_kind=TPU_V6E)
 
 
 # ------------------------------------------------------------------------------------------------- budgets
