@@ -182,3 +182,12 @@ def test_bad_format_and_shapes_raise_typed_errors() -> None:
     wq, scale = formats.quantize(np.ones((2, 64, 8), np.float32), "fp8")
     with pytest.raises(KernelShapeError, match="128"):  # fp8 kernel needs K % 128 == 0 (ops falls back to XLA)
         moe_gmm(x, wq, scale, jnp.asarray([2, 2], jnp.int32), fmt="fp8", interpret=True)
+    wq, scale = formats.quantize(np.ones((2, 256, 128), np.float32), "int4", 32)
+    x = jnp.ones((4, 256), jnp.bfloat16)
+    gs = jnp.asarray([2, 2], jnp.int32)
+    with pytest.raises(KernelShapeError) as e:  # tpu blocks must tile K in whole scale groups
+        moe_gmm(x, wq, scale, gs, fmt="int4", blocks=GmmBlocks(16, 128, 96), backend="tpu", interpret=TPU)
+    assert e.value.param == "blocks"
+    with pytest.raises(KernelShapeError) as e:
+        moe_gmm(x, wq, scale, gs, fmt="int4", backend="mosaic")
+    assert e.value.value == "mosaic" and e.value.param == "backend"
