@@ -33,7 +33,8 @@ from jax.extend import core as jex_core
 
 from kernel_lowering import (H200_SMEM_BYTES, TPU_SCOPED_VMEM_BYTES, TPU_SMEM_BYTES, TPU_V6E, lower_for, sds,
                              stage_bytes, tpu_padded)
-from pallas_kernels.int4_matmul import Int4Blocks, StagePlan, choose_blocks, int4_matmul, stage_plan
+from pallas_kernels.int4_matmul import (Int4Blocks, StagePlan, choose_blocks, int4_matmul, stage_plan,
+                                        triton_params)
 from pallas_kernels.moe_gmm import GmmBlocks, choose_gmm_blocks, gmm_stage_plan, moe_gmm
 
 PLATFORM = {"gpu": "cuda", "tpu": "tpu"}
@@ -75,9 +76,14 @@ def _gmm_fn(fmt: str, backend: str, blocks: GmmBlocks | None = None) -> Callable
     return lambda x, w, s, gs: moe_gmm(x, w, s, gs, fmt=fmt, blocks=blocks, backend=backend)
 
 
-def _assert_lowers(fn: Callable, args: tuple, backend: str) -> None:
+def _assert_lowers(fn: Callable, args: tuple, backend: str, tile: tuple[int, int] | None = None) -> None:
+    """Lowers fn for the backend's platform; gpu: the Triton call carries the tuning table's warps/stages for
+    the [block_m, block_n] `tile`."""
     text = lower_for(fn, *args, platform=PLATFORM[backend], device_kind=TPU_V6E if backend == "tpu" else None)
     assert f"custom_call @{CUSTOM_CALL[backend]}(" in text  # gpu: the Triton call, not Mosaic GPU
+    if backend == "gpu" and tile is not None:
+        params = triton_params(*tile)
+        assert f"num_warps = {params.num_warps} : i32" in text and f"num_stages = {params.num_stages} : i32" in text
 
 
 def _gmm_cases() -> list:
@@ -95,7 +101,9 @@ def _gmm_cases() -> list:
 def test_moe_gmm_lowers_at_real_shapes(backend: str, experts: int, k: int, n: int, fmt: str, g: int) -> None:
     for m in M_GMM:
         x, w, s = _int4_args(m, k, n, g, experts) if fmt == "int4" else _fp8_args(m, k, n, experts)
-        _assert_lowers(_gmm_fn(fmt, backend), (x, w, s, sds((experts,), jnp.int32)), backend)
+        blocks = choose_gmm_blocks(m, n, experts, k, fmt=fmt, group_size=g, backend=backend)
+        _assert_lowers(_gmm_fn(fmt, backend), (x, w, s, sds((experts,), jnp.int32)), backend,
+                       (blocks.block_m, blocks.block_n))
 
 
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
@@ -104,7 +112,9 @@ def test_dense_linears_lower_at_real_shapes(backend: str, layer: str) -> None:
     k, n = DENSE[layer]
     for m in M_DENSE:
         for g in (32, 128) if layer == "lm_head" else (32,):
-            _assert_lowers(lambda x, w, s: int4_matmul(x, w, s, backend=backend), _int4_args(m, k, n, g), backend)
+            blocks = choose_blocks(m, n, k, group_size=g, backend=backend)
+            _assert_lowers(lambda x, w, s: int4_matmul(x, w, s, backend=backend), _int4_args(m, k, n, g), backend,
+                           (blocks.block_m, blocks.block_n))
         # an fp8 dense layer is a one-group moe_gmm (as jaxserve.quant.ops.linear calls it)
         _assert_lowers(_gmm_fn("fp8", backend), (*_fp8_args(m, k, n, 1), sds((1,), jnp.int32)), backend)
 
