@@ -13,10 +13,14 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 def _errors(*codes: str) -> dict[str, Any]:
-    text = {"400": "invalid request: malformed JSON, a wrong type or range (the field is named in `param`), unknown "
-                   "model, prompt + max_tokens over the context window",
-            "413": "body over 4 MiB",
-            "429": "the engine's queue is full; retry after the `Retry-After` seconds",
+    text = {"400": "invalid request: malformed JSON (NaN/Infinity literals included), a wrong type or range, text "
+                   "that is not valid Unicode (a lone surrogate), an invalid tool name (the field is named in "
+                   "`param`), conflicting max_tokens / max_completion_tokens, prompt + max_tokens over the context "
+                   "window (`context_length_exceeded`)",
+            "404": "the body's `model` is not the served model (`model_not_found`)",
+            "413": "body over the server's limit (4 MiB by default), refused from Content-Length before it is read",
+            "415": "the body is not declared `Content-Type: application/json` (UTF-8)",
+            "429": "the server's admission limit is reached; retry after the `Retry-After` seconds",
             "500": "the engine failed the request (e.g. `kv_integrity_error`: a KV page tag mismatch, failed closed)"}
     return {c: _json(_ref("Error"), text[c]) for c in codes}
 
@@ -66,15 +70,22 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
         "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
         "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
             "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-        "name": {"type": "string"}, "tool_calls": {"type": "array"}, "tool_call_id": {"type": "string"}}}
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "tool_calls": {"type": "array"},
+        "tool_call_id": {"type": "string"}}}
+    tool = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+            "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}
     chat_req = {"type": "object", "required": ["model", "messages"], "additionalProperties": False,
                 "properties": {**_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": message},
                                "max_completion_tokens": {"type": "integer", "minimum": 1,
-                                                         "description": "preferred over max_tokens; default: the "
-                                                                        "rest of the context window"},
+                                                         "description": "or max_tokens (equal if both are sent); "
+                                                                        "default 1024 (`--default-max-tokens`), "
+                                                                        "at most the rest of the context window"},
                                "logprobs": {"type": "boolean"},
                                "top_logprobs": {"type": "integer", "enum": [0]},
-                               "tools": {"type": "array", "items": {"type": "object"},
+                               "tools": {"type": "array", "items": tool, "maxItems": 128,
                                          "description": "passed to the chat template"},
                                "tool_choice": {"enum": ["auto", "none"]}}}
     completion = {"type": "object", "properties": {
@@ -112,7 +123,7 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(req)}}},
             "responses": {"200": {"description": "the completion, or its stream",
                                   "content": {"application/json": {"schema": _ref(resp)}, **sse}},
-                          **_errors("400", "413", "429", "500")}}}
+                          **_errors("400", "404", "413", "415", "429", "500")}}}
 
     return {
         "openapi": "3.1.0",
