@@ -332,3 +332,20 @@ def test_valid_tools_reach_the_template(srv):
     plain = httpx.post(f"{srv.base}/v1/chat/completions", json=CHAT, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
     wait_idle(srv.engine)
+
+
+def test_threads_and_admission_limit_are_configured_together():
+    from jaxserve.cli import build_parser
+    from jaxserve.errors import ConfigError
+    from jaxserve.server.main import admission
+
+    def parse(*flags: str) -> tuple[int, int]:
+        return admission(build_parser().parse_args(["serve", *flags]))
+
+    assert parse() == (16, 16 + SPARE_THREADS)
+    assert parse("--max-queue", "64") == (64, 64 + SPARE_THREADS)
+    assert parse("--threads", "64") == (64 - SPARE_THREADS, 64)  # given alone, threads sets the queue bound
+    assert parse("--max-queue", "8", "--threads", "32") == (8, 32)
+    for flags in (("--max-queue", "8", "--threads", "8"), ("--max-queue", "0")):
+        with pytest.raises(ConfigError):
+            parse(*flags)
