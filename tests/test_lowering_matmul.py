@@ -205,12 +205,12 @@ def test_int4_matmul_blocks_fit_on_chip(backend: str) -> None:
 def test_decode_gemv_tiling_gives_an_h200_enough_programs() -> None:
     # lm_head shard at decode: the old [16, 256] tiling had 80 programs; now N blocks x K splits >= 2 per SM
     blocks = choose_blocks(1, 20480, 7168, group_size=32)
-    assert pl_programs(1, 20480, blocks) >= 2 * 132
+    assert _programs(1, 20480, blocks) >= 2 * 132
     # o_proj 1024 -> 7168: 28 programs before (block_n 256), 112 now (block_n 64, no split: see choose_blocks)
-    assert pl_programs(1, 7168, choose_blocks(1, 7168, 1024, group_size=32)) == 112
+    assert _programs(1, 7168, choose_blocks(1, 7168, 1024, group_size=32)) == 112
 
 
-def pl_programs(m: int, n: int, blocks: Int4Blocks) -> int:
+def _programs(m: int, n: int, blocks: Int4Blocks) -> int:
     return math.ceil(m / blocks.block_m) * math.ceil(n / blocks.block_n) * blocks.k_splits
 
 
