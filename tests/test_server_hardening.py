@@ -349,3 +349,13 @@ def test_threads_and_admission_limit_are_configured_together():
     for flags in (("--max-queue", "8", "--threads", "8"), ("--max-queue", "0")):
         with pytest.raises(ConfigError):
             parse(*flags)
+
+
+@pytest.mark.parametrize("depth", [65, 400, 900])
+def test_deep_nesting_is_400_not_a_recursion_error(srv, depth):
+    params = {"type": "object"}
+    for _ in range(depth):
+        params = {"properties": params}
+    body = {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]}
+    status, _, resp = raw_post(srv, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and assert_error(resp, "invalid_request_error")["code"] == "invalid_json"

@@ -9,8 +9,9 @@ Bodies are validated here, field by field, before anything reaches the engine, s
 context window by its character count before it is tokenized, then by its token count (tokenization stops at the
 window). User text is encoded with special tokens disabled: only the chat template writes control tokens.
 An admission gate of `AppConfig.max_inflight` generation requests answers the next one 429 + Retry-After at
-once; a non-streaming request whose client disconnects is aborted in the engine. Every error leaves as an OpenAI-shaped body
-`{"error": {"message", "type", "param", "code"}}` with the status from `jaxserve.errors.http_status` (the one place
+once; a non-streaming request whose client disconnects is aborted in the engine.
+
+Every error leaves as an OpenAI-shaped body `{"error": {"message", "type", "param", "code"}}` with the status from `jaxserve.errors.http_status` (the one place
 that maps exception types to codes). The app factory closes over the engine and its metrics: no global state.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 1024  # chat's default, bounded so a request without max_tokens cannot hold a slot for long
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function (and participant) names
 DISCONNECT_POLL_S = 0.05
+MAX_DEPTH = 64  # JSON nesting; deeper bodies would overflow the recursive walks (here, the template's tojson)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class AppConfig:
     retry_after_s: int = RETRY_AFTER_S
 
 
-# ---- typed request errors (all InvalidRequestError, so http_status maps them to 400) -------------------------
+# ---- typed request errors (their errors.py base classes carry the HTTP status) -------------------------------
 class ModelNotFoundError(NotFoundError):
     """The body names a model this server does not serve (404, as OpenAI and vLLM answer)."""
 
@@ -140,9 +142,12 @@ def _is_utf8_text(s: str) -> bool:
     return True
 
 
-def _check_text(value: Any, path: str = "") -> None:
+def _check_text(value: Any, path: str = "", depth: int = 0) -> None:
     """Refuse the first string (key or value) holding a lone surrogate: valid JSON (a \\ud800 escape), but no
-    UTF-8 text, so no tokenizer can take it."""
+    UTF-8 text, so no tokenizer can take it. Also refuse nesting deeper than MAX_DEPTH."""
+    if depth > MAX_DEPTH:
+        raise MalformedBodyError(f"the request body nests deeper than {MAX_DEPTH} levels (at '{path[:200]}')",
+                                 value=depth, param=None)
     if isinstance(value, str):
         if not _is_utf8_text(value):
             raise _bad(path or "body", "is not valid Unicode text (a lone UTF-16 surrogate)")
@@ -151,10 +156,10 @@ def _check_text(value: Any, path: str = "") -> None:
             name = f"{path}.{k[:64]}" if path else k[:64]
             if not _is_utf8_text(k):
                 raise _bad(path or "body", "has a key that is not valid Unicode text (a lone UTF-16 surrogate)")
-            _check_text(v, name)
+            _check_text(v, name, depth + 1)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_text(v, f"{path}[{i}]")
+            _check_text(v, f"{path}[{i}]", depth + 1)
 
 
 def _text_chars(value: Any) -> int:
