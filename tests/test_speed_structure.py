@@ -131,3 +131,37 @@ def test_greedy_decode_has_no_vocabulary_sort(models):
         s = dataclasses.replace(samp, temperature=jnp.ones_like(samp.temperature), mode=mode)
         hlo = pr._decode.lower(ph.state, ph.pages, tags, batch, s).compile().as_text()
         assert bool(vocab_sorts(hlo, vocab)) == sorts, mode
+
+
+def test_bucket_grid_is_fine_and_bounded():
+    """1-row bucket; decode page buckets pad at most 1.5x; the prefill grid only holds (rows, chunk) pairs within
+    the step's token slots; the whole grid's size is the documented count."""
+    from jaxserve.engine import EngineConfig
+
+    c = EngineConfig()
+    assert c.row_buckets[0] == 1
+    pages = c.page_buckets
+    assert pages == sorted(set(pages)) and pages[-1] == c.max_pages_per_seq
+    assert all(b / a <= 1.5 for a, b in zip(pages, pages[1:]))
+    assert all(b == 1 or b * t <= c.prefill_slots for b, t in c.prefill_shapes)
+    assert c.program_count() == {"decode": 54, "prefill": 100, "handoff": 5}
+    assert EngineConfig(page_bucket_steps=1).page_buckets == [8, 16, 32, 64, 128]
+    assert c.pick(pages, 13) == 16 and c.pick(pages, 1) == 8 and c.pick(pages, 999) == 128
+
+
+def test_warmup_compiles_the_grid_without_running_it(models):
+    """warmup() lowers and compiles every bucket (no pool is touched), and a greedy request afterwards compiles
+    nothing; the background form returns its thread."""
+    from engine_util import engine, prompts
+    from jaxserve.engine import SamplingParams
+
+    e = engine(models["deepseek_v3"], kv_dtype="fp8", max_batch=2, max_model_len=32)
+    pages_before = e.programs.decode_phase.pages
+    e.programs.warmup(background=True).join()
+    counts = e.programs.compiles
+    n = e.cfg.program_count()
+    assert counts["decode"] == n["decode"] and counts["prefill"] == n["prefill"] and counts["handoff"] == n["handoff"]
+    assert e.programs.decode_phase.pages is pages_before  # nothing ran, nothing was donated
+    before = dict(counts)
+    e.generate(prompts(2, seed=3, lengths=(5, 20)), SamplingParams(max_tokens=6, ignore_eos=True))
+    assert dict(e.programs.compiles) == before

@@ -45,10 +45,12 @@ class EngineConfig:
     # "ep" experts whole per device, "dp_attention" attention data-parallel over requests + experts split
     sharding: str = "tp"
     dtype: str = "bfloat16"
-    # smallest shape buckets: fewer distinct programs to compile, at the price of some padding
-    min_rows_bucket: int = 4
+    # smallest shape buckets: fewer distinct programs to compile, at the price of some padding (see `buckets`)
+    min_rows_bucket: int = 1
     min_pages_bucket: int = 8
     min_chunk_bucket: int = 16
+    # decode page buckets per doubling: 1 = powers of two (up to 2x padding), 2 = also 1.5x powers of two (<= 1.33x)
+    page_bucket_steps: int = 2
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> None:
@@ -75,27 +77,70 @@ class EngineConfig:
             object.__setattr__(self, "sharding", "ep")
         if self.dtype not in ("bfloat16", "float32"):
             bad("dtype", "must be 'bfloat16' or 'float32'")
+        if self.page_bucket_steps not in (1, 2):
+            bad("page_bucket_steps", "must be 1 (powers of two) or 2 (half octaves)")
+        for p in ("min_rows_bucket", "min_pages_bucket", "min_chunk_bucket"):
+            if getattr(self, p) < 1:
+                bad(p, "must be >= 1")
 
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
 
-    def buckets(self, floor: int, cap: int) -> list[int]:
-        """The power-of-two shape buckets from `floor` up to `cap` (cap itself included)."""
+    def buckets(self, floor: int, cap: int, steps: int = 1) -> list[int]:
+        """Shape buckets from `floor` up to `cap` (cap itself included): powers of two, and with steps=2 also
+        3 * 2^k between them (8, 12, 16, 24, 32, ...)."""
         out, b = [], max(1, min(floor, cap))
         while b < cap:
             out.append(b)
-            b *= 2
-        return out + [cap]
+            half = b + b // 2
+            if steps == 2 and b >= 2 and half < cap and b & (b - 1) == 0:
+                out.append(half)
+            b = 1 << b.bit_length() if b & (b - 1) else b * 2
+        return sorted(set(out + [cap]))
+
+    @staticmethod
+    def pick(buckets: list[int], n: int) -> int:
+        """The smallest bucket >= n (the largest when n exceeds them all)."""
+        return next((b for b in buckets if b >= n), buckets[-1])
 
     @property
     def row_buckets(self) -> list[int]:
+        """Batch rows of decode and prefill programs: 1, 2, 4, ... max_batch."""
         return self.buckets(self.min_rows_bucket, self.max_batch)
 
     @property
     def page_buckets(self) -> list[int]:
+        """Block-table widths of decode programs (attention reads this many pages per row)."""
+        return self.buckets(self.min_pages_bucket, self.max_pages_per_seq, self.page_bucket_steps)
+
+    @property
+    def prefill_page_buckets(self) -> list[int]:
+        """Block-table widths of prefill programs and hand-off sizes: powers of two (prefill is compute-bound on
+        its chunk, so coarser context buckets cost little and keep the prefill grid small)."""
         return self.buckets(self.min_pages_bucket, self.max_pages_per_seq)
 
     @property
     def chunk_buckets(self) -> list[int]:
         return self.buckets(self.min_chunk_bucket, self.prefill_chunk)
+
+    @property
+    def prefill_slots(self) -> int:
+        """Padded token slots (rows x chunk bucket) one prefill step may compute: the scheduler stops adding rows
+        past it, so only (rows, chunk) pairs within it (or a single row) ever compile."""
+        return self.max_prefill_tokens
+
+    @property
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """(rows, chunk tokens) bucket pairs a prefill step can have."""
+        return [(b, t) for t in self.chunk_buckets for b in self.row_buckets if b == 1 or b * t <= self.prefill_slots]
+
+    def program_count(self) -> dict[str, int]:
+        """How many programs the full bucket grid holds (what `Programs.warmup` compiles; a greedy batch uses the
+        greedy sampling program, and each sampling mode a batch uses compiles its own program on first use).
+
+        Default config (max_batch 32, 128 pages per sequence, chunks 16..256, 512 prefill tokens): decode 6 x 9
+        = 54, prefill 20 x 5 = 100, hand-off 5."""
+        return {"decode": len(self.row_buckets) * len(self.page_buckets),
+                "prefill": len(self.prefill_shapes) * len(self.prefill_page_buckets),
+                "handoff": len(self.prefill_page_buckets)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import Request, SamplingParams
@@ -19,11 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8")
     p.add_argument("--decode-weights", choices=["int4", "fp8", "bf16"], default="int4")
     p.add_argument("--prefill-weights", choices=["fp8", "bf16"], default="fp8")
+    add_cache_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from jaxserve.cli import default_checkpoint
 
+    enable_from_args(args)  # before anything compiles: a second run loads the programs instead
     cfg = EngineConfig(kv_dtype=args.kv_dtype, decode_weights=args.decode_weights,
                        prefill_weights=args.prefill_weights, num_decode_pages=256, num_prefill_pages=256,
                        max_batch=1, max_model_len=1024)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 from dataclasses import dataclass
 
 import jax
@@ -193,7 +194,7 @@ class Programs:
     def handoff(self, src_pages: list[int], dst_pages: list[int]) -> None:
         """Copy prefill pages to decode pages (FP8 conversion when the decode pool is FP8). Padded to a power of
         two: padding reads the null page and writes nowhere."""
-        n = bucket(len(src_pages), cap=self.cfg.max_pages_per_seq, floor=self.cfg.min_pages_bucket)
+        n = self.cfg.pick(self.cfg.prefill_page_buckets, len(src_pages))
         src = np.zeros(n, np.int32)
         dst = np.full(n, -1, np.int32)
         src[: len(src_pages)] = src_pages
@@ -204,24 +205,45 @@ class Programs:
         chunk = jax.device_put(chunk, jax.tree.map(lambda x: _on_mesh(x, mesh), chunk))
         self.decode_phase.pages = self._import(self.decode_phase.pages, chunk, jnp.asarray(dst))
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compile every bucketed program ahead of traffic (decode rows x pages, prefill rows x chunk x pages,
-        hand-off sizes), with a progress bar; afterwards no request shape compiles anything."""
+    def warmup(self, progress: bool = True, *, background: bool = False) -> threading.Thread | None:
+        """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages,
+        hand-off sizes; `EngineConfig.program_count`), smallest shapes first, with a progress bar. Afterwards no
+        greedy request compiles anything (a sampling mode compiles its program on first use).
+
+        Nothing runs: each program is lowered and compiled against the pools' shapes, so the pools are never
+        touched and warm-up may run beside live traffic. `background=True` does it in a daemon thread (returned);
+        requests meanwhile compile the shapes they need themselves (a shape both want compiles twice at worst).
+        With the persistent compilation cache (`jaxserve.engine.compile_cache`) a warm start only loads them.
+        """
+        if background:
+            t = threading.Thread(target=self.warmup, args=(False,), name="jaxserve-warmup", daemon=True)
+            t.start()
+            return t
         from jaxserve.engine.scheduler import dummy_decode, dummy_prefill  # the scheduler builds real batches
 
         c = self.cfg
         combos = [("decode", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
-        combos += [("prefill", b, m, t) for b in c.row_buckets for m in c.page_buckets for t in c.chunk_buckets]
-        combos += [("handoff", 0, m, 0) for m in c.page_buckets]
+        combos += [("prefill", b, m, t) for b, t in c.prefill_shapes for m in c.prefill_page_buckets]
+        combos += [("handoff", 0, m, 0) for m in c.prefill_page_buckets]
+        combos.sort(key=lambda x: (max(x[1], 1) * max(x[3], 1) * x[2], x[0]))  # small (common) shapes first
+        spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the live pools may be donated meanwhile
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        p_ph, d_ph = self.prefill_phase, self.decode_phase
+        p_pages, d_pages = spec(p_ph.pages), spec(d_ph.pages)
         tags = jnp.zeros((c.num_decode_pages,), jnp.uint32)
         for kind, b, m, t in tqdm(combos, desc="warm-up compiles", disable=not progress):
             if kind == "decode":
-                self.run_decode(tags, *dummy_decode(b, m))
+                self._decode.lower(d_ph.state, d_pages, tags, *dummy_decode(b, m)).compile()
             elif kind == "prefill":
-                self.run_prefill(*dummy_prefill(b, t, m))
+                self._prefill.lower(p_ph.state, p_pages, *dummy_prefill(b, t, m)).compile()
             else:
-                self.handoff([0] * m, [-1] * m)  # reads the null page, writes nowhere
-
+                ids = jnp.zeros((m,), jnp.int32)
+                lowered = self._export.lower(p_pages, ids)
+                out = lowered.compile().output_shardings
+                chunk = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(
+                    d_ph.mesh, sh.spec if isinstance(sh, NamedSharding) else P())), lowered.out_info, out)
+                self._import.lower(d_pages, chunk, ids).compile()
+        return None
 
 def _in_format(model: CausalLM, wf: WeightFormat) -> CausalLM:
     """`model` with its quantizable weights in wf.fmt; a weight already quantized differently is an error."""

@@ -19,7 +19,7 @@ from jaxserve.cache import NULL_PAGE, PageAllocator
 from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.prefix_cache import PrefixCache
-from jaxserve.engine.programs import Programs, bucket
+from jaxserve.engine.programs import Programs
 from jaxserve.engine.request import Request, Status, TokenEvent
 from jaxserve.engine.sampling import SamplingArrays, sampling_mode
 from jaxserve.errors import JaxserveError, KVIntegrityError, OutOfPagesError
@@ -203,17 +203,21 @@ class Scheduler:
         cfg, ps = self.cfg, self.cfg.page_size
         budget = cfg.max_prefill_tokens
         rows: list[tuple[Sequence, int, int]] = []  # (seq, start, n)
+        widest = 0
         for seq in self.running:
             if seq.status is not Status.PREFILLING or seq.computed >= seq.target or budget <= 0:
                 continue
             n = min(cfg.prefill_chunk, seq.target - seq.computed, budget)
+            slots = cfg.pick(cfg.row_buckets, len(rows) + 1) * cfg.pick(cfg.chunk_buckets, max(widest, n))
+            if rows and slots > cfg.prefill_slots:
+                break  # padded rows x chunk would exceed the step's token slots (see EngineConfig.prefill_shapes)
             rows.append((seq, seq.computed, n))
+            widest = max(widest, n)
             budget -= n
         if rows:
-            B = bucket(len(rows), cap=cfg.max_batch, floor=cfg.min_rows_bucket)
-            T = bucket(max(n for _, _, n in rows), cap=cfg.prefill_chunk, floor=cfg.min_chunk_bucket)
-            M = bucket(max(self._pages_for(s + n) for _, s, n in rows), cap=cfg.max_pages_per_seq,
-                       floor=cfg.min_pages_bucket)
+            B = cfg.pick(cfg.row_buckets, len(rows))
+            T = cfg.pick(cfg.chunk_buckets, widest)
+            M = cfg.pick(cfg.prefill_page_buckets, max(self._pages_for(s + n) for _, s, n in rows))
             tokens = np.zeros((B, T), np.int32)
             positions = np.zeros((B, T), np.int32)
             slots = np.full((B, T), -1, np.int32)
@@ -270,8 +274,8 @@ class Scheduler:
         ready = [s for s in self.running if s.status is Status.DECODING]
         if not ready:
             return
-        B = bucket(len(ready), cap=cfg.max_batch, floor=cfg.min_rows_bucket)
-        M = bucket(max(len(s.decode_pages) for s in ready), cap=cfg.max_pages_per_seq, floor=cfg.min_pages_bucket)
+        B = cfg.pick(cfg.row_buckets, len(ready))
+        M = cfg.pick(cfg.page_buckets, max(len(s.decode_pages) for s in ready))
         tokens = np.zeros(B, np.int32)
         positions = np.zeros(B, np.int32)
         slots = np.full(B, -1, np.int32)
