@@ -71,3 +71,64 @@ def steady_decode(engine: object, prompts: list[list[int]], max_tokens: int) -> 
     finally:
         engine.programs.run_decode = real
     return captured[0]
+
+
+def spread(xs: list[float]) -> dict:
+    """median, min, max of repeated measurements (the host is shared: the spread is part of the figure)."""
+    import statistics
+
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def minimal_decode_step(model: object, batch: int, context: int):  # noqa: ANN201 - (jitted step, state, cache)
+    """The benches' lower bound for a decode step: the same MLA model, one jitted function, a dense f32 latent
+    cache [layers, batch, context, latent_dim] updated in place (donated), absorbed attention over all `context`
+    positions (masked), greedy argmax. No pages, no tag check, no sampling filters, no host work.
+
+    Returns (step, state, cache); step(state, cache, tokens [B] int32, pos [B] int32) -> (tokens [B], cache).
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+
+    cfg = model.cfg
+    if not cfg.is_mla:
+        raise ValueError("minimal_decode_step is written for MLA models")
+    graphdef, state = nnx.split(model)
+    cache = jnp.zeros((cfg.num_layers, batch, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim), jnp.float32)
+
+    def step(state, cache, tokens, pos):  # noqa: ANN001, ANN202
+        m = nnx.merge(graphdef, state)
+        cos, sin = m.rope(pos[:, None])
+        h = m.embed_tokens(tokens[:, None])
+        rows = jnp.arange(tokens.shape[0])
+        mask = (jnp.arange(context)[None, :] <= pos[:, None])[:, None, :]  # [B, T=1, S]
+        for i, layer in enumerate(m.layers):
+            x = layer.input_norm(h)
+            q_nope, q_rope, latent, _ = layer.attn.project(x, cos, sin)
+            cache = cache.at[i, rows, pos].set(latent[:, 0].astype(cache.dtype))
+            o = layer.attn.attend_absorbed(q_nope, q_rope, cache[i], mask)
+            h = h + layer.attn.o(o.reshape(tokens.shape[0], 1, -1))
+            h = h + layer.mlp(layer.post_norm(h))
+        return jnp.argmax(m.logits(h[:, 0]), axis=-1).astype(jnp.int32), cache
+
+    return jax.jit(step, donate_argnums=(1,)), state, cache
+
+
+def time_minimal_step(model: object, batch: int, context: int, reps: int = 20) -> dict:
+    """Seconds per call of `minimal_decode_step` (after a compile call): spread() plus the load average."""
+    import time
+
+    import jax.numpy as jnp
+
+    step, state, cache = minimal_decode_step(model, batch, context)
+    tokens = jnp.ones((batch,), jnp.int32)
+    pos = jnp.full((batch,), context // 2, jnp.int32)
+    tokens, cache = step(state, cache, tokens, pos)
+    tokens.block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        tokens, cache = step(state, cache, tokens, pos)
+        tokens.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return {**spread(times), "loadavg": os.getloadavg()[0]}

@@ -13,10 +13,17 @@ Two jaxserve configurations: "f32" (f32 weights in both phases, BF16 KV: the clo
 "serving" (BF16 model, FP8 prefill / INT4 decode weights, FP8 KV: the default recipe).
 Agreement: per row, whether the greedy tokens equal HF's, and the common prefix length (greedy paths fork at
 the first near-tie, after which the rest differs by construction).
+Every timing is reported as median and min..max with the host's load average beside it (the host is shared).
+Lower bound: the minimal jitted dense-KV decode step of the same f32 model (`bench.common.minimal_decode_step`)
+at each concurrency, against the engine's steady-state decode step (one `Engine.step()` with every row decoding,
+host work included) and its decode program alone: "engine step / minimal step".
+Not run here: llama.cpp (building llama-cpp-python takes the shared CPU for ~8 minutes); it is the issue's
+strongest CPU peer and remains to be added.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -46,10 +53,11 @@ class BenchSpec:
     reps: int = 3
     seed: int = 0
     configs: tuple[str, ...] = ("f32", "serving")
+    step_reps: int = 12  # timed steady-state engine steps / decode-program calls per config and concurrency
 
 
 QUICK = BenchSpec(prompt_len=32, new_tokens=16, reps=2)
-SMOKE = BenchSpec(concurrency=(1, 2), prompt_len=8, new_tokens=4, reps=1, configs=("f32",))
+SMOKE = BenchSpec(concurrency=(1, 2), prompt_len=8, new_tokens=4, reps=1, configs=("f32",), step_reps=2)
 
 
 def machine() -> dict:
@@ -131,6 +139,35 @@ def run_js(engine: Engine, prompts: np.ndarray, new_tokens: int) -> tuple[float,
     return dt, np.array([o.token_ids for o in outs])
 
 
+def engine_step_times(engine: Engine, prompts: np.ndarray, steps: int) -> dict:
+    """Steady-state decode: every row of `prompts` decoding; spread of `Engine.step()` seconds (host work
+    included) and of the decode program alone (`Programs.run_decode` on the captured arguments)."""
+    import os
+
+    from jaxserve.engine.request import Status
+
+    call = common.steady_decode(engine, prompts.tolist(), max_tokens=steps + 8)
+    prog = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.programs.run_decode(call.tags, call.batch, call.samp)
+        prog.append(time.perf_counter() - t0)
+    sched = engine.scheduler
+    step = []
+    for _ in range(steps):
+        if sum(s.status is Status.DECODING for s in sched.running) < len(prompts):
+            break
+        t0 = time.perf_counter()
+        engine.step()
+        step.append(time.perf_counter() - t0)
+    for seq in list(sched.running):
+        engine.abort(seq.req.request_id)
+    while sched.has_work():
+        engine.step()
+    return {"engine_step_s": common.spread(step), "decode_program_s": common.spread(prog),
+            "loadavg": os.getloadavg()[0]}
+
+
 def agreement(ref: np.ndarray, got: np.ndarray) -> dict:
     """Rows equal, and the mean common-prefix length as a fraction of the tokens."""
     same = ref == got
@@ -158,21 +195,36 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
 
         outs = {s: call(s)[1] for s in sides}  # warm-up (compiles), and the outputs compared below
         times: dict[str, list[float]] = {s: [] for s in sides}
+        loads: list[float] = []
         for _ in range(spec.reps):
-            for s in sides:
+            for s in sides:  # interleaved: host noise hits every side alike
                 times[s].append(call(s)[0])
+            loads.append(os.getloadavg()[0])
         tps = {s: c * spec.new_tokens / statistics.median(times[s]) for s in sides}
-        rows.append({"concurrency": c, "tokens_per_s": tps, "seconds": times,
+        tps_range = {s: [c * spec.new_tokens / max(times[s]), c * spec.new_tokens / min(times[s])] for s in sides}
+        context = spec.prompt_len + spec.new_tokens + 1
+        minimal = common.time_minimal_step(m32, c, context)
+        steps = {s: engine_step_times(engines[s], prompts, spec.step_reps) for s in engines}
+        rows.append({"concurrency": c, "tokens_per_s": tps, "tokens_per_s_min_max": tps_range,
+                     "seconds": {s: common.spread(times[s]) for s in sides}, "seconds_raw": times,
+                     "loadavg_per_rep": loads,
                      "jaxserve_over_hf": {s: tps[s] / tps["hf"] for s in engines},
-                     "agreement_vs_hf": {s: agreement(outs["hf"], outs[s]) for s in engines}})
+                     "agreement_vs_hf": {s: agreement(outs["hf"], outs[s]) for s in engines},
+                     "minimal_step_s": minimal, "engine_steps": steps,
+                     "engine_step_over_minimal": {s: steps[s]["engine_step_s"]["median"] / minimal["median"]
+                                                  for s in engines},
+                     "decode_program_over_minimal": {s: steps[s]["decode_program_s"]["median"] / minimal["median"]
+                                                     for s in engines}})
     return {"bench": "peer_transformers", "model": name, "machine": machine(), "spec": asdict(spec),
             "cpu_figures": jax.default_backend() == "cpu", "torch_threads": torch.get_num_threads(),
             "configs": {"hf": "transformers generate(), f32, eager attention, greedy",
                         "f32": "jaxserve Engine, f32 weights, BF16 KV", "serving":
                         "jaxserve Engine, BF16 model, FP8 prefill / INT4 decode weights, FP8 KV"},
             "rows": rows,
-            "notes": "medians of interleaved runs after a warm-up; wall time of the whole call (prefill included);"
-                     " shared busy CPU host"}
+            "notes": "medians (min..max) of interleaved runs after a warm-up of both sides; wall time of the whole"
+                     " call (prefill included); shared CPU host, load average per repetition recorded;"
+                     " minimal_step_s: dense-KV jitted decode step of the f32 model (the lower bound);"
+                     " llama.cpp peer not run (its build would take the shared CPU for ~8 minutes)"}
 
 
 def table(r: dict) -> str:
@@ -187,6 +239,12 @@ def table(r: dict) -> str:
                      f"{g(t, 'serving', '{:.1f}'.format):>11} {g(q, 'f32', '{:.2f}'.format):>7} "
                      f"{g(q, 'serving', '{:.2f}'.format):>8} {g(a, 'f32', ag):>10} {g(a, 'serving', ag):>11}")
     lines.append("  agree: rows identical / fraction of token positions equal")
+    lines.append(f"  {'conc':>4} {'minimal ms':>11} " + " ".join(f"{'step ' + k + ' ms':>16} {'x min':>6}"
+                                                            f" {'prog ms':>8}" for k in r["rows"][0]["engine_steps"]))
+    for row in r["rows"]:
+        cells = [f"{st['engine_step_s']['median'] * 1e3:>16.2f} {row['engine_step_over_minimal'][k]:>6.1f}"
+                 f" {st['decode_program_s']['median'] * 1e3:>8.2f}" for k, st in row["engine_steps"].items()]
+        lines.append(f"  {row['concurrency']:>4} {row['minimal_step_s']['median'] * 1e3:>11.2f} " + " ".join(cells))
     return "\n".join(lines)
 
 
