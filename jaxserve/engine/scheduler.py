@@ -7,11 +7,13 @@ and `abort`, which only touch a locked inbox.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,6 +50,7 @@ class Sequence:
     decoder: object = None  # tokenizer.StreamDecoder, when the engine has a tokenizer
     preemptions: int = 0
     pending: tuple[int, float] | None = None  # first token sampled by prefill, emitted after the hand-off
+    slot: int = -1  # row of DecodeRows while decoding
 
     @property
     def tokens(self) -> list[int]:
@@ -96,6 +99,107 @@ def _samp_arrays(seqs: list[Sequence | None]) -> SamplingArrays:
     )
 
 
+# packed decode upload: int32 columns, then the block table and expected tags (M each)
+_COLS = ("tokens", "positions", "slots", "lengths", "num_pages", "temperature", "top_k", "top_p", "seed", "step")
+
+
+@functools.partial(jax.jit, static_argnames=("m",))
+def _unpack_decode(packed: jax.Array, m: int) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
+    """packed [B, 10 + 2m] int32 (one host->device upload) -> (DecodeBatch, sampling columns) on device.
+
+    Columns: _COLS (temperature and top_p are f32 bits, seed uint32 bits), block table [m], expected tags [m]
+    (uint32 bits)."""
+    col = {name: packed[:, i] for i, name in enumerate(_COLS)}
+    f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
+    u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731
+    n = len(_COLS)
+    batch = DecodeBatch(col["tokens"], col["positions"], col["slots"], packed[:, n:n + m], col["lengths"],
+                        u32(packed[:, n + m:n + 2 * m]), col["num_pages"])
+    return batch, (f32(col["temperature"]), col["top_k"], f32(col["top_p"]), u32(col["seed"]), col["step"])
+
+
+class DecodeRows:
+    """Persistent host arrays of the decoding sequences, one row (slot) each, updated in place: the decode batch
+    is gathered from them with numpy indexing (no per-row Python) and uploaded as one packed int32 array
+    (`_unpack_decode` splits it on device; one upload instead of twelve).
+
+    tables/tags [R, max_pages] int32/uint32 (the sequence's decode pages and their tags), num_pages [R],
+    length [R] (tokens in the decode pool), last [R] (last sampled token), step [R] (tokens generated),
+    temperature/top_p [R] f32, top_k [R] int32, seed [R] uint32.
+    """
+
+    def __init__(self, rows: int, max_pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.tables = np.zeros((rows, max_pages), np.int32)
+        self.tags = np.zeros((rows, max_pages), np.uint32)
+        self.num_pages = np.zeros(rows, np.int32)
+        self.length = np.zeros(rows, np.int32)
+        self.last = np.zeros(rows, np.int32)
+        self.step = np.zeros(rows, np.int32)
+        self.temperature = np.zeros(rows, np.float32)
+        self.top_p = np.ones(rows, np.float32)
+        self.top_k = np.zeros(rows, np.int32)
+        self.seed = np.zeros(rows, np.uint32)
+        self._free = list(range(rows - 1, -1, -1))
+
+    def assign(self, seq: Sequence) -> None:
+        """Give a sequence entering decode a row, filled from its state."""
+        slot = self._free.pop()
+        seq.slot = slot
+        p = seq.req.params
+        n = len(seq.decode_pages)
+        self.tables[slot] = 0
+        self.tags[slot] = 0
+        self.tables[slot, :n] = [pg for pg, _ in seq.decode_pages]
+        self.tags[slot, :n] = [t for _, t in seq.decode_pages]
+        self.num_pages[slot] = n
+        self.length[slot] = seq.decode_len
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = p.temperature, p.top_k, p.top_p
+        self.seed[slot] = p.seed if p.seed is not None else hash(seq.req.request_id) % 2**32
+
+    def accepted(self, seq: Sequence) -> None:
+        """Mirror a token accepted outside a decode step (the prefill's first token)."""
+        if seq.slot >= 0:
+            self.last[seq.slot] = seq.generated[-1]
+            self.step[seq.slot] = len(seq.generated)
+
+    def add_page(self, seq: Sequence, page: int, tag: int) -> None:
+        n = self.num_pages[seq.slot]
+        self.tables[seq.slot, n], self.tags[seq.slot, n] = page, tag
+        self.num_pages[seq.slot] = n + 1
+
+    def release(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self._free.append(seq.slot)
+            seq.slot = -1
+
+    def packed(self, idx: np.ndarray, b: int, m: int) -> np.ndarray:
+        """The decode batch of rows `idx` [n] padded to b rows and m pages: [b, 10 + 2m] int32 (see _unpack_decode).
+        Padding rows: slot -1, lengths 0, null pages, tags 0, greedy."""
+        # a fresh buffer each step: on CPU the upload may alias host memory, so a reused one could change under
+        # an array still in flight
+        buf = np.zeros((b, len(_COLS) + 2 * m), np.int32)
+        n, ps, c = len(idx), self.page_size, len(_COLS)
+        buf[n:, 2] = -1
+        buf[n:, 7] = np.float32(1.0).view(np.int32)
+        pos = self.length[idx]
+        tables = self.tables[idx, :m]
+        page = np.take_along_axis(tables, (pos // ps)[:, None], axis=1)[:, 0]
+        buf[:n, 0] = self.last[idx]
+        buf[:n, 1] = pos
+        buf[:n, 2] = page * ps + pos % ps
+        buf[:n, 3] = pos + 1
+        buf[:n, 4] = self.num_pages[idx]
+        buf[:n, 5] = self.temperature[idx].view(np.int32)
+        buf[:n, 6] = self.top_k[idx]
+        buf[:n, 7] = self.top_p[idx].view(np.int32)
+        buf[:n, 8] = self.seed[idx].view(np.int32)
+        buf[:n, 9] = self.step[idx]
+        buf[:n, c:c + m] = tables
+        buf[:n, c + m:] = self.tags[idx, :m].view(np.int32)
+        return buf
+
+
 class Scheduler:
     def __init__(self, programs: Programs, model_cfg: ModelConfig, cfg: EngineConfig, emit: Emit,
                  tokenizer: object | None = None) -> None:
@@ -107,6 +211,7 @@ class Scheduler:
         self.prefill_alloc = PageAllocator(cfg.num_prefill_pages)
         self.decode_alloc = PageAllocator(cfg.num_decode_pages)
         self.device_tags = self.decode_alloc.device_tags()
+        self.rows = DecodeRows(cfg.max_batch, cfg.max_pages_per_seq, cfg.page_size)
         self.prefix_cache = PrefixCache(self.prefill_alloc, cfg.page_size) if cfg.prefix_cache else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # prefilling or decoding, in admission order
@@ -261,9 +366,11 @@ class Scheduler:
         seq.decode_pages = pages
         seq.decode_len = seq.target
         seq.status = Status.DECODING
+        self.rows.assign(seq)
         token, logprob = seq.pending
         seq.pending = None
         self._accept(seq, token, logprob)
+        self.rows.accepted(seq)
 
     # ---- decode -------------------------------------------------------------------------------------------
     def _decode_step(self) -> None:
@@ -274,39 +381,30 @@ class Scheduler:
         ready = [s for s in self.running if s.status is Status.DECODING]
         if not ready:
             return
-        B = cfg.pick(cfg.row_buckets, len(ready))
-        M = cfg.pick(cfg.page_buckets, max(len(s.decode_pages) for s in ready))
-        tokens = np.zeros(B, np.int32)
-        positions = np.zeros(B, np.int32)
-        slots = np.full(B, -1, np.int32)
-        tables = np.full((B, M), NULL_PAGE, np.int32)
-        expected = np.zeros((B, M), np.uint32)
-        lengths = np.zeros(B, np.int32)
-        num_pages = np.zeros(B, np.int32)
-        for i, seq in enumerate(ready):
-            pos = seq.decode_len
-            tokens[i] = seq.generated[-1]
-            positions[i] = pos
-            n = len(seq.decode_pages)
-            tables[i, :n] = [p for p, _ in seq.decode_pages]
-            expected[i, :n] = [t for _, t in seq.decode_pages]
-            slots[i] = tables[i, pos // ps] * ps + pos % ps
-            lengths[i] = pos + 1
-            num_pages[i] = n
+        n = len(ready)
+        B = cfg.pick(cfg.row_buckets, n)
+        idx = np.fromiter((s.slot for s in ready), np.int64, n)
+        M = cfg.pick(cfg.page_buckets, int(self.rows.num_pages[idx].max()))
         self.device_tags = self.decode_alloc.sync_device_tags(self.device_tags)
-        batch = DecodeBatch(*(jnp.asarray(a) for a in (tokens, positions, slots, tables, lengths, expected,
-                                                         num_pages)))
-        sampled, logprobs, ok = self.programs.run_decode(self.device_tags, batch,
-                                                         _samp_arrays(ready + [None] * (B - len(ready))))
-        for i, seq in enumerate(ready):
-            if not ok[i]:
+        packed = self.rows.packed(idx, B, M)
+        batch, cols = _unpack_decode(jnp.asarray(packed), M)  # one upload for the whole batch
+        mode = sampling_mode(zip(self.rows.temperature[idx].tolist(), self.rows.top_k[idx].tolist(),
+                                 self.rows.top_p[idx].tolist()))
+        sampled, logprobs, ok = self.programs.run_decode(self.device_tags, batch, SamplingArrays(*cols, mode=mode))
+        good = ok[:n].astype(bool)
+        rows = self.rows
+        rows.length[idx[good]] += 1
+        rows.last[idx] = sampled[:n]
+        rows.step[idx] += 1
+        for seq, tok, lp, fine in zip(ready, sampled[:n].tolist(), logprobs[:n].tolist(), good.tolist()):
+            if not fine:
                 self.stats.tag_mismatches += 1
                 err = KVIntegrityError(f"KV page tags of request {seq.req.request_id!r} no longer match the pool; "
                                        "aborted (fail closed)", value=seq.req.request_id, param="request_id")
                 self._finish(seq, "error", err)
                 continue
             seq.decode_len += 1
-            self._accept(seq, int(sampled[i]), float(logprobs[i]))
+            self._accept(seq, tok, lp)
 
     def _grow(self, seq: Sequence) -> bool:
         """One more decode page for seq; preempts the youngest decoding sequences if the pool is full."""
@@ -314,6 +412,7 @@ class Scheduler:
             pages = self._allocate(self.decode_alloc, 1, evict=False)
             if pages is not None:
                 seq.decode_pages += pages
+                self.rows.add_page(seq, *pages[0])
                 return True
             victims = [s for s in self.running if s.status is Status.DECODING]
             victim = max(victims, key=lambda s: s.order)
@@ -326,6 +425,7 @@ class Scheduler:
         self._release(self.decode_alloc, seq.decode_pages)
         self._release(self.prefill_alloc, seq.prefill_pages)
         seq.decode_pages, seq.prefill_pages = [], []
+        self.rows.release(seq)
         seq.status = Status.WAITING
         seq.computed = seq.decode_len = 0
         seq.preemptions += 1
@@ -375,6 +475,7 @@ class Scheduler:
         self._release(self.decode_alloc, seq.decode_pages)
         self._release(self.prefill_alloc, seq.prefill_pages)
         seq.decode_pages, seq.prefill_pages = [], []
+        self.rows.release(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
