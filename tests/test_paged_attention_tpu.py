@@ -38,15 +38,17 @@ def test_mla_tpu_kernel_matches_reference(page_size, lengths, tiling, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize("page_size,lengths,tiling", [(8, [0, 1, 7, 8, 21, 32], dict(pages_per_compute_block=2)),
-                                                      (16, [16, 40, 64], {})])
+@pytest.mark.parametrize("page_size,lengths,tiling", [
+    (8, [0, 1, 7, 8, 21, 32], dict(pages_per_compute_block=2)),
+    pytest.param(16, [16, 40, 64], {}, marks=pytest.mark.slow),  # default tiling; the real-dim test covers it
+])
 def test_gqa_tpu_kernel_matches_reference(page_size, lengths, tiling, dtype):
     check_gqa(paged_gqa_decode_tpu, page_size=page_size, lengths=lengths, dtype=dtype, q_heads=6, kv_heads=2,
               head_dim=16, num_pages=NUM_PAGES, max_pages=4, seed=page_size * 3 + len(lengths), interpret=INTERPRET,
               **tiling)
 
 
-@pytest.mark.parametrize("kind", ["mla", "gqa"])
+@pytest.mark.parametrize("kind", ["mla", pytest.param("gqa", marks=pytest.mark.slow)])  # one chunk path for both
 def test_several_block_table_chunks(kind):
     """Lengths past one chunk (128 table entries): the softmax state carries across the chunk grid axis, a chunk
     wholly past a length is skipped. Legacy interpret mode, the engine's path."""
@@ -109,6 +111,7 @@ def test_choose_tpu_blocks():
         choose_tpu_blocks(16, 1024, 8, pages_per_chunk=100)  # not a multiple of 128
 
 
+@pytest.mark.slow  # ~10 s: the race detector tracks every VMEM access
 def test_double_buffer_has_no_dma_races():
     """The TPU interpreter's race detector (DMAs executed eagerly, uninitialised VMEM = NaN) finds no read of a
     buffer slot while its copy is in flight, across several slot swaps (one page per compute block). Negative
