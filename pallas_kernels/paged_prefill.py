@@ -10,6 +10,7 @@ Contract (both functions; `reference_prefill.py` implements the same one in plai
 - Output f32. MLA: absorbed (latent) form, MQA of q [B, T, N, kv_lora_rank + rope] against latent rows, value =
   latent[:kv_lora_rank] -> [B, T, N, kv_lora_rank]. GQA: [B, T, Hq, D], query head h reads kv head h // G.
 - FP8 pages carry f32 scales (x ~= q8 * scale): MLA [num_pages, page_size], GQA [num_pages, page_size, Hkv].
+- q may be any float dtype; for bf16 / fp8 pages it is cast to bf16 for the dots (f32 accumulation).
 
 Layout: the wrapper flattens (token, query head of a kv group) into query rows, [B, Hkv, T * G, Dk], so one
 program's block of rows shares every key it loads (MLA: all N heads read the same latent row; GQA: the G heads
