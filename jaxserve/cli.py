@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("jaxserve.engine.generate", "generate a continuation of a prompt (default: the embedded model)"),
     "serve": ("jaxserve.server.main", "serve the OpenAI-compatible HTTP API (default: the embedded model)"),
     "eval-quality": ("jaxserve.eval.quality", "compare weight and KV formats on held-out text"),
+    "plan": ("jaxserve.plan", "per-device weights, temporaries, KV tokens and collectives of a model on N devices"),
 }
 
 

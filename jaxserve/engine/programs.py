@@ -105,6 +105,26 @@ def _take_pages(src: KVPages, page_ids: jax.Array) -> KVPages:
                    v=take(src.v), k_scale=take(src.k_scale), v_scale=take(src.v_scale))
 
 
+def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: PrefillBatch,
+                 samp: SamplingArrays) -> tuple[jax.Array, jax.Array, KVPages]:
+    """The prefill program's body: one chunk per row written and attended, first tokens sampled.
+    -> (tokens [B] int32, logprobs [B] f32, pages)."""
+    model = nnx.merge(graphdef, state)
+    logits, pages = prefill(model, pages, batch)
+    tokens, logprobs = sample(logits, samp)
+    return tokens, logprobs, pages
+
+
+def decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, tags: jax.Array, batch: DecodeBatch,
+                samp: SamplingArrays, *, integrity: bool, attention: str
+                ) -> tuple[jax.Array, jax.Array, jax.Array, KVPages]:
+    """The decode program's body: tag check, one token per row. -> (tokens, logprobs, ok [B] bool, pages)."""
+    model = nnx.merge(graphdef, state)
+    logits, pages, ok = decode(model, pages, tags, batch, integrity=integrity, attention=attention)
+    tokens, logprobs = sample(logits, samp)
+    return tokens, logprobs, ok, pages
+
+
 class Programs:
     """Owns both phases and their compiled programs. `compiles` counts traces per program (recompile check)."""
 
@@ -161,19 +181,13 @@ class Programs:
     # ---- traced bodies (the Counter increments only while tracing) ----------------------------------------
     def _prefill_fn(self, state: nnx.State, pages: KVPages, batch: PrefillBatch, samp: SamplingArrays):
         self.compiles["prefill"] += 1
-        model = nnx.merge(self.prefill_phase.graphdef, state)
-        logits, pages = prefill(model, pages, batch)
-        tokens, logprobs = sample(logits, samp)
-        return tokens, logprobs, pages
+        return prefill_step(self.prefill_phase.graphdef, state, pages, batch, samp)
 
     def _decode_fn(self, state: nnx.State, pages: KVPages, tags: jax.Array, batch: DecodeBatch,
                    samp: SamplingArrays):
         self.compiles["decode"] += 1
-        model = nnx.merge(self.decode_phase.graphdef, state)
-        logits, pages, ok = decode(model, pages, tags, batch, integrity=self.cfg.integrity,
-                                   attention=self.cfg.attention)
-        tokens, logprobs = sample(logits, samp)
-        return tokens, logprobs, ok, pages
+        return decode_step(self.decode_phase.graphdef, state, pages, tags, batch, samp,
+                           integrity=self.cfg.integrity, attention=self.cfg.attention)
 
     def _export_fn(self, pages: KVPages, page_ids: jax.Array) -> KVPages:
         self.compiles["handoff"] += 1

@@ -16,10 +16,10 @@ from jaxserve.models import sharded
 from jaxserve.models.transformer import CausalLM
 from jaxserve.sharding import Parallel
 from pallas_kernels.paged_attention import paged_gqa_decode, paged_mla_decode
-from pallas_kernels.paged_attention_tpu import paged_mla_decode_tpu
+from pallas_kernels.paged_attention_tpu import paged_gqa_decode_tpu, paged_mla_decode_tpu
 from pallas_kernels.reference_paged import paged_gqa_reference, paged_mla_reference
 
-# "pallas": the GPU-shaped kernel; "pallas_tpu": the TPU-shaped MLA kernel (GQA falls back to "pallas");
+# "pallas": the GPU-shaped (Triton) kernels; "pallas_tpu": the TPU-shaped (Mosaic) MLA and GQA kernels;
 # *_interpret run the same kernels on CPU.
 AttentionImpl = Literal["pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret", "xla"]
 
@@ -165,6 +165,9 @@ def _gqa_attention(par: Parallel | None, q: jax.Array, kp: jax.Array, vp: jax.Ar
         (kp, vp, ks, vs), (bt, lengths) = pools, tables
         if impl == "xla":
             return paged_gqa_reference(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale)
+        if impl.startswith("pallas_tpu"):
+            return paged_gqa_decode_tpu(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale,
+                                        interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
         return paged_gqa_decode(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale,
                                 interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
 

@@ -1,0 +1,308 @@
+"""`jaxserve plan`: will a model fit, and how many KV tokens, on N devices of a given memory size?
+
+Nothing is allocated: the model is built abstractly (`nnx.eval_shape`) in each phase's weight format, laid out
+by the sharding rules, and the real decode and prefill programs are lowered and compiled for an N-device CPU
+mesh (`--xla_force_host_platform_device_count`). Per device it reports the weight bytes of each phase (from
+each parameter's shard shape), the compiled temporaries (`compiled.memory_analysis()`), the KV pool that is
+left, the tokens that pool holds under TP attention (the MLA latent replicated on every device) and under DP
+attention (split by request), and the collectives of one step (kind, count, bytes) read from the compiled HLO.
+
+The programs compile on the XLA path (a CPU cannot compile Pallas kernels); their temporaries are that path's,
+at the stated batch and context, and the collectives are the same as the kernel path's (the kernels sit inside
+the same shard_maps). The kernels' own lowering for CUDA / TPU at these shapes is checked by
+tests/test_lowering_*.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# model configs as their config.json files give them (MODEL_FORMATS.md): only the keys the models read
+PRESETS: dict[str, dict] = {
+    "kimi-k2.6": {  # the text backbone of moonshotai/Kimi-K2.6 (kimi_k25 text_config), INT4 g32 routed experts
+        "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "first_k_dense_replace": 1,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 384,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.827, "rms_norm_eps": 1e-5, "max_position_embeddings": 262144,
+        "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "rope_theta": 50000.0, "bos_token_id": 163584, "eos_token_id": 163585, "tie_word_embeddings": False,
+    },
+    "glm-5.2": {  # zai-org GLM-5.2: GLM-5.1 geometry, 1M context, IndexShare (21 full / 57 shared indexers)
+        "model_type": "glm_moe_dsa", "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 78, "first_k_dense_replace": 3,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "index_n_heads": 32,
+        "index_head_dim": 128, "index_topk": 2048, "index_topk_freq": 4, "n_routed_experts": 256,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 1048576, "rope_parameters": {"rope_type": "default", "rope_theta": 8e6},
+        "eos_token_id": [154820, 154827, 154829], "tie_word_embeddings": False,
+    },
+    "glm-4.5": {  # zai-org GLM-4.5 (355B): GQA 96 q / 8 kv heads
+        "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 5120, "intermediate_size": 12288,
+        "moe_intermediate_size": 1536, "num_hidden_layers": 92, "first_k_dense_replace": 3,
+        "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+        "use_qk_norm": True, "attention_bias": True, "n_routed_experts": 160, "num_experts_per_tok": 8,
+        "n_shared_experts": 1, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "rope_theta": 1e6, "tie_word_embeddings": False,
+    },
+}
+MEMORY: dict[str, float] = {"h200": 141e9, "tpu-v5p": 95e9, "tpu-v6e": 32e9}
+# what the seeds report for their deployments (FACTS.md), shown beside the plan
+SEED_TOKENS: dict[str, float] = {"kimi-k2.6": 1.37e6, "glm-5.2": 1.18e6}
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What to plan. memory_bytes: one device's memory; reserve_bytes: kept free for the runtime (CUDA context,
+    communication buffers, fragmentation). colocated: prefill and decode share the devices (else the decode
+    pool's devices are planned, as in a disaggregated deployment)."""
+
+    devices: int = 8
+    memory_bytes: float = MEMORY["h200"]
+    decode_weights: str = "int4"
+    prefill_weights: str = "fp8"
+    kv_dtype: str = "fp8"
+    group_size: int = 32
+    attention: str = "tp"  # "tp" | "dp"
+    sharding: str = "tp"  # experts: "tp" (FFN split) | "ep" (whole experts per device)
+    colocated: bool = False
+    page_size: int = 64
+    decode_rows: int = 64
+    decode_context: int = 8192
+    prefill_chunk: int = 512
+    prefill_context: int = 8192
+    reserve_bytes: float = 6e9
+    compile: bool = True
+
+
+@dataclass
+class PhasePlan:
+    fmt: str
+    weight_bytes: int  # per device
+    temp_bytes: int | None = None  # compiled temporaries per device
+    compile_s: float | None = None
+    collectives: list[dict] = field(default_factory=list)
+
+
+def _rules_name(spec: PlanSpec, dp_attention: bool) -> str:
+    return "dp_attention" if dp_attention else ("ep" if spec.sharding == "ep" else "tp")
+
+
+def _abstract(cfg, fmt: str, spec: PlanSpec, par):  # noqa: ANN001, ANN202 - ModelConfig, Parallel
+    """The model in `fmt`, abstract (ShapeDtypeStructs), switched to its per-shard paths on `par`."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.models import CausalLM
+    from jaxserve.models.sharded import shard_model
+    from jaxserve.quant.apply import WeightFormat, quantize_model
+
+    wf = WeightFormat(fmt, spec.group_size)
+    model = nnx.eval_shape(lambda: quantize_model(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), wf))
+    return shard_model(model, par if par.mesh.devices.size > 1 else None)
+
+
+def _per_device_bytes(model, par) -> int:  # noqa: ANN001
+    """Bytes one device holds of `model`'s parameters (each parameter's shard shape)."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    from jaxserve.models.sharded import state_shardings
+
+    _, state = nnx.split(model)
+    total = 0
+    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings(model, par))):
+        total += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+def _with_shardings(tree, shardings):  # noqa: ANN001, ANN202
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN202
+    """Lower and compile one phase's real program on abstract inputs -> (temp bytes, seconds, collectives)."""
+    import functools
+
+    import jax
+    from flax import nnx
+
+    from jaxserve.cache import init_pages
+    from jaxserve.engine.programs import _pool_shardings, decode_step, kv_layout, pool_sharding_1d, prefill_step
+    from jaxserve.engine.scheduler import dummy_decode, dummy_prefill
+    from jaxserve.hlo import collectives, summarize
+    from jaxserve.models.sharded import state_shardings
+
+    graphdef, state = nnx.split(model)
+    state = _with_shardings(state, state_shardings(model, par))
+    rows = par.sharding(("batch",))
+    dp = par.size("pages")
+    ps = spec.page_size
+    kv = spec.kv_dtype if phase == "decode" else "bf16"
+    layout = kv_layout(cfg, ps, kv)
+    ctx = spec.decode_context if phase == "decode" else spec.prefill_context
+    m = -(-ctx // ps)
+    b = spec.decode_rows if phase == "decode" else dp
+    num_pages = dp * (-(-b // dp) * m + 1)  # each page shard: its rows' pages + its null page
+    pages = jax.eval_shape(lambda: init_pages(layout, num_pages))
+    pool_shardings = _pool_shardings(pages, par)
+    pages = _with_shardings(pages, pool_shardings)
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), tree)  # noqa: E731
+    t0 = time.perf_counter()
+    if phase == "decode":
+        batch, samp = dummy_decode(b, m)
+        tags = jax.ShapeDtypeStruct((num_pages,), jax.numpy.uint32, sharding=pool_sharding_1d(par, num_pages))
+        # the pool is donated and comes back in its own layout, so it is updated in place (as in Programs)
+        fn = jax.jit(functools.partial(decode_step, graphdef, integrity=True, attention="xla"), donate_argnums=(1,),
+                     out_shardings=(rows, rows, rows, pool_shardings))
+        lowered = fn.lower(state, pages, tags, abstract(batch), abstract(samp))
+    else:
+        batch, samp = dummy_prefill(b, spec.prefill_chunk, m)
+        fn = jax.jit(functools.partial(prefill_step, graphdef), donate_argnums=(1,),
+                     out_shardings=(rows, rows, pool_shardings))
+        lowered = fn.lower(state, pages, abstract(batch), abstract(samp))
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    return temp, seconds, summarize(collectives(compiled.as_text()))
+
+
+def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bool = True) -> dict:
+    """The plan as a dict (see the module docstring). Needs spec.devices JAX devices (CPU: forced host count)."""
+    import jax
+    from tqdm import tqdm
+
+    from jaxserve.config import from_hf_config
+    from jaxserve.engine.programs import kv_layout
+    from jaxserve.sharding import Parallel, ShardingRules, make_mesh
+
+    raw = PRESETS[cfg_or_preset] if isinstance(cfg_or_preset, str) else cfg_or_preset
+    cfg = from_hf_config(raw)
+    devices = jax.devices()[: spec.devices]
+    if len(devices) < spec.devices:
+        raise RuntimeError(f"plan needs {spec.devices} devices, JAX has {len(devices)}")
+    out: dict = {"model": cfg_or_preset if isinstance(cfg_or_preset, str) else raw.get("model_type"),
+                 "spec": asdict(spec), "modes": {}}
+    steps = [("tp", "decode"), ("tp", "prefill"), ("dp", "decode"), ("dp", "prefill")]
+    bar = tqdm(total=len(steps), desc="plan", disable=not progress)
+    for mode in ("tp", "dp"):
+        dp_attention = mode == "dp"
+        rules = ShardingRules.preset(_rules_name(spec, dp_attention))
+        par = Parallel(make_mesh(devices, dp=spec.devices if dp_attention else 1), rules)
+        phases: dict[str, PhasePlan] = {}
+        for phase, fmt in (("decode", spec.decode_weights), ("prefill", spec.prefill_weights)):
+            model = _abstract(cfg, fmt, spec, par)
+            pp = PhasePlan(fmt, _per_device_bytes(model, par))
+            if spec.compile and mode == spec.attention:
+                pp.temp_bytes, pp.compile_s, pp.collectives = _compile(cfg, model, par, spec, phase)
+            phases[phase] = pp
+            bar.update()
+        # the decode pool's devices hold decode weights (+ the prefill format when colocated and different)
+        resident = phases["decode"].weight_bytes
+        if spec.colocated and spec.prefill_weights != spec.decode_weights:
+            resident += phases["prefill"].weight_bytes
+        temps = [p.temp_bytes for p in phases.values() if p.temp_bytes is not None]
+        temp = max(temps) if spec.colocated and temps else (phases["decode"].temp_bytes or 0)
+        pool = spec.memory_bytes - resident - temp - spec.reserve_bytes
+        layout = kv_layout(cfg, spec.page_size, spec.kv_dtype)
+        per_token = layout.bytes_per_token()
+        if layout.kind == "gqa" and not dp_attention:
+            per_token //= par.size("kv_heads")  # K/V split by kv head: each device holds its heads' share
+        per_device_tokens = max(int(pool // per_token), 0)
+        # TP: every device holds (a kv-head slice of) the same tokens; DP: each device its own requests' tokens
+        total = per_device_tokens * (spec.devices if dp_attention else 1)
+        out["modes"][mode] = {
+            "phases": {k: asdict(v) for k, v in phases.items()},
+            "resident_weight_bytes": resident, "temp_bytes": temp, "kv_pool_bytes": max(int(pool), 0),
+            "kv_bytes_per_token_per_device": per_token, "kv_tokens": total,
+            "kv_tokens_per_device": per_device_tokens,
+        }
+    bar.close()
+    out["seed_tokens"] = SEED_TOKENS.get(cfg_or_preset) if isinstance(cfg_or_preset, str) else None
+    return out
+
+
+def table(p: dict) -> str:
+    """A text table of a plan."""
+    gb = lambda b: f"{b / 1e9:8.2f}" if b is not None else "       -"  # noqa: E731
+    s = p["spec"]
+    lines = [f"{p['model']} on {s['devices']} devices x {s['memory_bytes'] / 1e9:.0f} GB: decode {s['decode_weights']} "
+             f"weights + {s['kv_dtype']} KV, prefill {s['prefill_weights']}; reserve {s['reserve_bytes'] / 1e9:.0f} GB"
+             f"; {'colocated' if s['colocated'] else 'disaggregated (decode devices)'}",
+             f"{'attention':<10}{'decode W GB':>12}{'prefill W GB':>13}{'temp GB':>9}{'KV pool GB':>11}"
+             f"{'B/token':>9}{'KV tokens':>12}"]
+    for mode, r in p["modes"].items():
+        ph = r["phases"]
+        lines.append(f"{mode:<10}{gb(ph['decode']['weight_bytes']):>12}{gb(ph['prefill']['weight_bytes']):>13}"
+                     f"{gb(r['temp_bytes']):>9}{gb(r['kv_pool_bytes']):>11}{r['kv_bytes_per_token_per_device']:>9}"
+                     f"{r['kv_tokens']:>12,}")
+    if p.get("seed_tokens"):
+        lines.append(f"seed deployment: ~{p['seed_tokens']:,.0f} FP8 KV tokens")
+    for mode, r in p["modes"].items():
+        for phase, ph in r["phases"].items():
+            if ph["collectives"]:
+                lines.append(f"{mode} {phase} collectives per step (compiled in {ph['compile_s']:.0f} s):")
+                for c in ph["collectives"]:
+                    lines.append(f"  {c['count']:>4} x {c['kind']:<15} {c['dtype']}{c['shape']} "
+                                 f"({c['bytes'] / 1e6:.2f} MB each)")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a real model's config")
+    p.add_argument("--config", type=Path, help="an HF config.json instead of a preset")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--memory", default="h200", help=f"{', '.join(MEMORY)} or a size in GB")
+    p.add_argument("--decode-weights", default="int4")
+    p.add_argument("--prefill-weights", default="fp8")
+    p.add_argument("--kv-dtype", default="fp8")
+    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--attention", choices=("tp", "dp"), default="tp", help="the mode whose programs compile")
+    p.add_argument("--sharding", choices=("tp", "ep"), default="tp", help="experts: FFN split or whole")
+    p.add_argument("--colocated", action="store_true", help="prefill and decode on the same devices")
+    p.add_argument("--decode-rows", type=int, default=64)
+    p.add_argument("--decode-context", type=int, default=8192)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--reserve-gb", type=float, default=6.0)
+    p.add_argument("--no-compile", action="store_true", help="weights and KV only (seconds)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _spec(args: argparse.Namespace) -> PlanSpec:
+    memory = MEMORY[args.memory] if args.memory in MEMORY else float(args.memory) * 1e9
+    return PlanSpec(devices=args.devices, memory_bytes=memory, decode_weights=args.decode_weights,
+                    prefill_weights=args.prefill_weights, kv_dtype=args.kv_dtype, group_size=args.group_size,
+                    attention=args.attention, sharding=args.sharding, colocated=args.colocated,
+                    decode_rows=args.decode_rows, decode_context=args.decode_context,
+                    prefill_chunk=args.prefill_chunk, reserve_bytes=args.reserve_gb * 1e9,
+                    compile=not args.no_compile)
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+
+    if not args.preset and not args.config:
+        raise SystemExit("jaxserve plan: give --preset or --config")
+    flag = f"--xla_force_host_platform_device_count={args.devices}"
+    if jax.default_backend() == "cpu" and len(jax.devices()) < args.devices:
+        # the CPU backend's device count is fixed when it starts: run again with the forced count
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip(), JAX_PLATFORMS="cpu")
+        return subprocess.call([sys.executable, "-m", "jaxserve.cli", "plan", *sys.argv[2:]], env=env)
+    target = args.preset or json.loads(args.config.read_text())
+    result = plan(target, _spec(args), progress=not args.no_progress)
+    print(json.dumps(result, indent=1) if args.json else table(result))
+    return 0
