@@ -14,10 +14,11 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n, process_id=pid)
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_util import engine, prompts, tiny_model  # noqa: E402
+from engine_util import engine, prompts  # noqa: E402
+from test_engine_sharded import eight_head_model  # noqa: E402
 from jaxserve.engine import SamplingParams  # noqa: E402
 
-e = engine(tiny_model("deepseek_v3"), devices=len(jax.devices()))
+e = engine(eight_head_model("deepseek_v3"), devices=len(jax.devices()))
 out = [o.token_ids for o in e.generate(prompts(3), SamplingParams(max_tokens=6, ignore_eos=True))]
 print("RESULT", json.dumps({"pid": pid, "devices": len(jax.devices()), "local": len(jax.local_devices()),
                             "tokens": out}), flush=True)

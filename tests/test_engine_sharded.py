@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import hf_tiny
-from engine_util import engine, prompts, tiny_model
+from engine_util import engine, prompts, small_config, tiny_model
 from jaxserve.config import from_hf_config
 from jaxserve.engine import SamplingParams
 from jaxserve.models import CausalLM
@@ -106,3 +106,18 @@ def test_two_processes_under_jax_distributed(reference):
     for r in results:
         assert r["devices"] == 2 and r["local"] == 1
         assert r["tokens"] == reference["bf16"]
+
+
+def test_replicas_live_on_disjoint_device_slices(model, reference, tmp_path):
+    from jaxserve.checkpoint import save
+    from jaxserve.engine.router import SessionRouter
+
+    path = save(model, tmp_path / "ckpt")
+    router = SessionRouter.replicas(str(path), small_config(devices=4), 2)
+    try:
+        sets = [set(w.programs.decode_phase.mesh.devices.flat) for w in router.workers]
+        assert len(sets[0]) == len(sets[1]) == 4 and not sets[0] & sets[1]
+        for w in router.workers:
+            assert [o.token_ids for o in w.generate(prompts(3), SP)] == reference["bf16"]
+    finally:
+        router.close()

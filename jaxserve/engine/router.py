@@ -7,6 +7,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
+from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import Request, TokenEvent
 from jaxserve.errors import ConfigError
@@ -24,6 +25,16 @@ class SessionRouter:
         self._owner: dict[str, int] = {}  # request id -> worker, while in flight
         self._max_sessions = max_sessions
         self._lock = threading.Lock()
+
+    @classmethod
+    def replicas(cls, path: str, cfg: EngineConfig, n: int) -> SessionRouter:
+        """n data-parallel replicas of a checkpoint, each an Engine on its own cfg.devices devices (replica i on
+        jax.devices()[i * cfg.devices : (i + 1) * cfg.devices]): n weight copies on n disjoint device slices,
+        so session affinity keeps a session's prefix cache on the replica that holds it."""
+        import dataclasses
+
+        return cls([Engine.from_checkpoint(path, dataclasses.replace(cfg, first_device=i * cfg.devices))
+                    for i in range(n)])
 
     def _load(self, i: int) -> int:
         s = self.workers[i].stats()

@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--integrity", choices=["on", "off"], default="on", help="KV page generation-tag checks")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--workers", type=int, default=1,
-                   help="engine workers; requests with the same x-session-affinity header stick to one")
+                   help="data-parallel replicas, each on its own --devices devices; a x-session-affinity session sticks to one")
     p.add_argument("--max-model-len", type=int, default=2048, help="context window (prompt + completion)")
 
 
@@ -149,12 +149,13 @@ def run(args: argparse.Namespace) -> int:
     max_queue, threads = admission(args)  # before loading: a bad flag fails at once, not after the weights load
     serve_cfg = ServeConfig(args.host, args.port, threads, args.max_body_bytes)
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
-    engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True)
     if args.workers > 1:
         from jaxserve.engine.router import SessionRouter
 
-        engine = SessionRouter([engine] + [Engine(engine.model, engine.cfg, engine.tokenizer)
-                                           for _ in range(args.workers - 1)])
+        # data-parallel replicas, each on its own slice of --devices devices
+        engine = SessionRouter.replicas(checkpoint, engine_config(args), args.workers)
+    else:
+        engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True)
     name = model_name(checkpoint)
     app_cfg = AppConfig(max_inflight=max_queue, max_body_bytes=args.max_body_bytes,
                         default_chat_max_tokens=args.default_max_tokens or DEFAULT_CHAT_MAX_TOKENS)
