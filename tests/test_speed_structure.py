@@ -165,3 +165,40 @@ def test_warmup_compiles_the_grid_without_running_it(models):
     before = dict(counts)
     e.generate(prompts(2, seed=3, lengths=(5, 20)), SamplingParams(max_tokens=6, ignore_eos=True))
     assert dict(e.programs.compiles) == before
+
+
+def test_decode_batch_is_one_packed_upload_equal_to_the_per_row_build():
+    """DecodeRows gathers the batch by numpy indexing; the packed array unpacks on device to exactly the batch
+    the per-row loop built (tokens, positions, slots, tables, lengths, tags, pages, sampling columns)."""
+    from jaxserve.engine.request import Request, SamplingParams
+    from jaxserve.engine.scheduler import DecodeRows, Sequence, _unpack_decode
+
+    ps, rows = 4, DecodeRows(4, 6, 4)
+    seqs = []
+    for i, (npages, length) in enumerate([(2, 5), (3, 11), (1, 4)]):
+        seq = Sequence(Request([1, 2], SamplingParams(temperature=0.5 * i, top_k=i, top_p=0.9, seed=10 + i)), i)
+        seq.decode_pages = [(10 * i + j + 1, 100 + j) for j in range(npages)]
+        seq.decode_len, seq.generated = length, [7 + i]
+        rows.assign(seq)
+        rows.accepted(seq)
+        seqs.append(seq)
+    rows.add_page(seqs[2], 99, 5)
+    seqs[2].decode_pages.append((99, 5))
+    ready = [seqs[1], seqs[2]]  # not in slot order
+    idx = np.array([s.slot for s in ready])
+    batch, (temp, top_k, top_p, seed, step) = _unpack_decode(jnp.asarray(rows.packed(idx, 4, 6)), 6)
+    for i, seq in enumerate(ready):
+        pos = seq.decode_len
+        pages = [p for p, _ in seq.decode_pages]
+        assert int(batch.tokens[i]) == seq.generated[-1] and int(batch.positions[i]) == pos
+        assert int(batch.slots[i]) == pages[pos // ps] * ps + pos % ps and int(batch.lengths[i]) == pos + 1
+        assert list(np.asarray(batch.block_tables[i, :len(pages)])) == pages
+        assert list(np.asarray(batch.expected_tags[i, :len(pages)])) == [t for _, t in seq.decode_pages]
+        assert int(batch.num_pages[i]) == len(pages) and int(step[i]) == 1 and int(seed[i]) == seq.req.params.seed
+        assert float(temp[i]) == seq.req.params.temperature and int(top_k[i]) == seq.req.params.top_k
+        assert float(top_p[i]) == np.float32(0.9)
+    assert batch.expected_tags.dtype == jnp.uint32 and temp.dtype == jnp.float32
+    assert list(np.asarray(batch.slots[2:])) == [-1, -1] and not np.asarray(batch.lengths[2:]).any()  # padding
+    assert list(np.asarray(top_p[2:])) == [1.0, 1.0] and not np.asarray(temp[2:]).any()
+    rows.release(seqs[0])
+    assert seqs[0].slot == -1
