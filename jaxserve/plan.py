@@ -97,18 +97,16 @@ def _rules_name(spec: PlanSpec, dp_attention: bool) -> str:
     return "dp_attention" if dp_attention else ("ep" if spec.sharding == "ep" else "tp")
 
 
-def _abstract(cfg, fmt: str, spec: PlanSpec, par):  # noqa: ANN001, ANN202 - ModelConfig, Parallel
-    """The model in `fmt`, abstract (ShapeDtypeStructs), switched to its per-shard paths on `par`."""
+def _abstract(cfg, fmt: str, spec: PlanSpec):  # noqa: ANN001, ANN202 - ModelConfig
+    """The model in `fmt`, abstract (ShapeDtypeStructs)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from jaxserve.models import CausalLM
-    from jaxserve.models.sharded import shard_model
     from jaxserve.quant.apply import WeightFormat, quantize_model
 
     wf = WeightFormat(fmt, spec.group_size)
-    model = nnx.eval_shape(lambda: quantize_model(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), wf))
-    return shard_model(model, par if par.mesh.devices.size > 1 else None)
+    return nnx.eval_shape(lambda: quantize_model(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), wf))
 
 
 def _per_device_bytes(model, par) -> int:  # noqa: ANN001
@@ -187,6 +185,7 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
 
     from jaxserve.config import from_hf_config
     from jaxserve.engine.programs import kv_layout
+    from jaxserve.models.sharded import shard_model
     from jaxserve.sharding import Parallel, ShardingRules, make_mesh
 
     raw = PRESETS[cfg_or_preset] if isinstance(cfg_or_preset, str) else cfg_or_preset
@@ -197,6 +196,7 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
     out: dict = {"model": cfg_or_preset if isinstance(cfg_or_preset, str) else raw.get("model_type"),
                  "spec": asdict(spec), "modes": {}}
     steps = [("tp", "decode"), ("tp", "prefill"), ("dp", "decode"), ("dp", "prefill")]
+    abstract: dict[str, object] = {}  # one abstract model per format, shared by both modes
     bar = tqdm(total=len(steps), desc="plan", disable=not progress)
     for mode in ("tp", "dp"):
         dp_attention = mode == "dp"
@@ -204,7 +204,10 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
         par = Parallel(make_mesh(devices, dp=spec.devices if dp_attention else 1), rules)
         phases: dict[str, PhasePlan] = {}
         for phase, fmt in (("decode", spec.decode_weights), ("prefill", spec.prefill_weights)):
-            model = _abstract(cfg, fmt, spec, par)
+            if fmt not in abstract:
+                abstract[fmt] = _abstract(cfg, fmt, spec)
+            # the same abstract model, switched to this mode's mesh (one device: no shard_maps)
+            model = shard_model(abstract[fmt], par if par.mesh.devices.size > 1 else None)
             pp = PhasePlan(fmt, _per_device_bytes(model, par))
             if spec.compile and mode == spec.attention:
                 pp.temp_bytes, pp.compile_s, pp.collectives = _compile(cfg, model, par, spec, phase)

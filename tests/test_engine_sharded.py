@@ -67,12 +67,10 @@ def test_expert_parallel_8_devices_equals_single_device(model, reference):
 
 def test_gqa_tensor_parallel_8_devices_equals_single_device():
     m = eight_head_model("glm4_moe")
-    ref = [o.token_ids for o in engine(m).generate(prompts(3), SP)]
     e = engine(m, devices=8, kv_dtype="fp8")
     assert str(e.programs.decode_phase.pages.k.sharding.spec) == "P(None, None, None, 'tp', None)"
     assert [o.token_ids for o in e.generate(prompts(3), SP)] == \
         [o.token_ids for o in engine(m, kv_dtype="fp8").generate(prompts(3), SP)]
-    assert ref  # the bf16 single-device run completed too
 
 
 def test_a_split_that_does_not_divide_is_an_error_naming_it():
