@@ -99,14 +99,44 @@ def test_decode_writes_convert_no_whole_pool(models, arch, kv_dtype):
     assert pool_sized_converts(hlo, NUM_PAGES, lay.num_layers * _layer_elems(lay, NUM_PAGES)) == []
 
 
-@pytest.mark.xfail(strict=True, reason="jaxserve/models/paged.py decode (attention='xla') gathers through "
-                   "KVPages.layer(i), a value view of the layer's whole pool, and XLA:CPU converts it to f32 before "
-                   "the gather; it should read through KVPages.gather_layer (see that docstring)")
 @pytest.mark.parametrize("arch,kv_dtype", [("deepseek_v3", "fp8"), ("glm4_moe", "bf16")])
 def test_decode_reads_convert_no_layer_pool(models, arch, kv_dtype):
+    """The XLA attention gathers pages as bits and views only the gathered block as values: not even one
+    layer's pool is converted (it was, when attention read a value view of the layer)."""
     pr = _programs(models[arch], kv_dtype)
     lay = pr.decode_phase.pages.layout
     assert pool_sized_converts(_decode_hlo(pr), NUM_PAGES, _layer_elems(lay, NUM_PAGES)) == []
+
+
+_RESULT = re.compile(r"= \(?\w+\[([\d,]*)\]")
+
+
+def largest(hlo: str, op: str) -> int:
+    """Elements of the largest result of HLO ops of kind `op` (e.g. "gather")."""
+    sizes = [int(np.prod([int(d) for d in m.group(1).split(",") if d])) for line in hlo.splitlines()
+             if f" {op}(" in line and (m := _RESULT.search(line))]
+    return max(sizes, default=0)
+
+
+@pytest.mark.parametrize("arch,kv_dtype", [("deepseek_v3", "fp8"), ("glm4_moe", "bf16")])
+def test_decode_attention_reads_page_blocks_in_a_loop(models, arch, kv_dtype):
+    """The XLA decode attention is a while loop over page blocks (trip count from the batch's live pages): no
+    gather or convert of the whole padded context [B, M * ps, ...], only of one block (paged_attention_xla)."""
+    from jaxserve.models.paged_attention_xla import block_pages_for
+
+    b, m = 4, 96
+    pr = Programs(models[arch], small_config(kv_dtype=kv_dtype, num_decode_pages=NUM_PAGES,
+                                             num_prefill_pages=NUM_PAGES, max_model_len=400))
+    lay = pr.decode_phase.pages.layout
+    per_token = lay.latent_dim if lay.kind == "mla" else lay.kv_heads * lay.head_dim
+    block = block_pages_for(lay.page_size, m)
+    assert block < m  # the check needs more than one block
+    ph = pr.decode_phase
+    batch, samp = dummy_decode(b, m)
+    hlo = pr._decode.lower(ph.state, ph.pages, jnp.zeros((NUM_PAGES,), jnp.uint32), batch, samp).compile().as_text()
+    assert len(re.findall(r"= \(.*?\) while\(", hlo)) >= lay.num_layers  # one attention loop per layer at least
+    one_block = b * block * lay.page_size * per_token
+    assert 0 < largest(hlo, "gather") <= one_block and largest(hlo, "convert") < b * m * lay.page_size * per_token
 
 
 

@@ -12,15 +12,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.cache import KVPages, check_tags, gather_tokens, mask_outputs, write_tokens
-from jaxserve.models import sharded
+from jaxserve.models import paged_attention_xla, sharded
 from jaxserve.models.transformer import CausalLM
-from jaxserve.sharding import Parallel
+from jaxserve.sharding import POOL_AXES, Parallel
 from pallas_kernels.paged_attention import paged_gqa_decode, paged_mla_decode
 from pallas_kernels.paged_attention_tpu import paged_gqa_decode_tpu, paged_mla_decode_tpu
-from pallas_kernels.reference_paged import paged_gqa_reference, paged_mla_reference
 
 # "pallas": the GPU-shaped (Triton) kernels; "pallas_tpu": the TPU-shaped (Mosaic) MLA and GQA kernels;
-# *_interpret run the same kernels on CPU.
+# *_interpret run the same kernels on CPU; "xla": the length-bounded page-block loop (paged_attention_xla).
 AttentionImpl = Literal["pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret", "xla"]
 
 
@@ -120,30 +119,34 @@ def decode(model: CausalLM, pages: KVPages, pool_tags: jax.Array, batch: DecodeB
             q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, latent[:, 0], slots)
             q = attn.absorb_query(q_nope, q_rope)[:, 0]  # [B, N, r + dr] f32
-            lat, lat_scale = pages.layer(i)
-            o_lat = _mla_attention(model.parallel, q, lat, lat_scale, batch.block_tables, lengths,
-                                   cfg.kv_lora_rank, cfg.softmax_scale, attention)
+            o_lat = _mla_attention(model.parallel, q, pages, i, batch.block_tables, lengths, cfg.kv_lora_rank,
+                                   cfg.softmax_scale, attention)
             o = attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype)
         else:
             q, k, v = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, (k[:, 0], v[:, 0]), slots)
-            kp, vp, ks, vs = pages.layer(i)
-            o = _gqa_attention(model.parallel, q[:, 0], kp, vp, ks, vs, batch.block_tables, lengths,
-                               cfg.softmax_scale, attention)
+            o = _gqa_attention(model.parallel, q[:, 0], pages, i, batch.block_tables, lengths, cfg.softmax_scale,
+                               attention)
             o = mask_outputs(ok, o)[:, None].astype(x.dtype)
         h = h + attn.o(o.reshape(B, 1, -1))
         h = h + layer.mlp(layer.post_norm(h))
     return model.logits(h[:, 0]), pages, ok
 
 
-def _mla_attention(par: Parallel | None, q: jax.Array, lat: jax.Array, scale: jax.Array | None, bt: jax.Array,
+def _mla_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, bt: jax.Array,
                    lengths: jax.Array, rank: int, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
-    """q [B, N, r + dr] f32, lat [P, ps, r + dr], scale [P, ps] | None -> [B, N, r] f32; per shard on a mesh
-    (heads split under TP attention; rows and pages under DP attention)."""
+    """q [B, N, r + dr] f32 over layer `layer` of an MLA pool -> [B, N, r] f32; per shard on a mesh (heads split
+    under TP attention; rows and pages under DP attention). "xla" reads the whole pool's bits (all layers, the
+    layer picked inside its gathers); the kernels read the layer's value view [P, ps, r + dr] and scale [P, ps]."""
+    xla = impl == "xla"
+    pools = (pages.latent, pages.latent_scale) if xla else pages.layer(layer)
+    lay = pages.layout
+
     def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
         (lat, scale), (bt, lengths) = pools, tables
-        if impl == "xla":
-            return paged_mla_reference(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale)
+        if xla:
+            return paged_attention_xla.mla_decode(q, lat, scale, bt, lengths, layer=layer, layout=lay,
+                                                  kv_lora_rank=rank, softmax_scale=softmax_scale)
         if impl.startswith("pallas_tpu"):
             return paged_mla_decode_tpu(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
                                         interpret=impl.endswith("interpret"))
@@ -151,20 +154,27 @@ def _mla_attention(par: Parallel | None, q: jax.Array, lat: jax.Array, scale: ja
                                 interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
 
     if par is None:
-        return kernel(q, (lat, scale), (bt, lengths))
-    return sharded.attention(par, kernel, q, (lat, scale), (bt, lengths),
-                             pool_axes=(("pages", None, None), ("pages", None)), q_axes=("batch", "heads", None))
+        return kernel(q, pools, (bt, lengths))
+    axes = (POOL_AXES["latent"], POOL_AXES["latent_scale"])
+    pool_axes = axes if xla else tuple(a[1:] for a in axes)  # the kernels get one layer: no leading layer axis
+    return sharded.attention(par, kernel, q, pools, (bt, lengths), pool_axes=pool_axes,
+                             q_axes=("batch", "heads", None))
 
 
-def _gqa_attention(par: Parallel | None, q: jax.Array, kp: jax.Array, vp: jax.Array, ks: jax.Array | None,
-                   vs: jax.Array | None, bt: jax.Array, lengths: jax.Array, softmax_scale: float,
-                   impl: AttentionImpl) -> jax.Array:
-    """q [B, Hq, D], k/v pages [P, ps, Hkv, D], scales [P, ps, Hkv] | None -> [B, Hq, D] f32; per shard on a
-    mesh (q heads and kv heads split together under TP)."""
+def _gqa_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, bt: jax.Array,
+                   lengths: jax.Array, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
+    """q [B, Hq, D] over layer `layer` of a GQA pool -> [B, Hq, D] f32; per shard on a mesh (q heads and kv heads
+    split together under TP). "xla" reads the whole pool's bits; the kernels read the layer's value views (k/v
+    pages [P, ps, Hkv, D], scales [P, ps, Hkv] | None)."""
+    xla = impl == "xla"
+    pools = (pages.k, pages.v, pages.k_scale, pages.v_scale) if xla else pages.layer(layer)
+    lay = pages.layout
+
     def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
         (kp, vp, ks, vs), (bt, lengths) = pools, tables
-        if impl == "xla":
-            return paged_gqa_reference(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale)
+        if xla:
+            return paged_attention_xla.gqa_decode(q, kp, vp, ks, vs, bt, lengths, layer=layer, layout=lay,
+                                                  softmax_scale=softmax_scale)
         if impl.startswith("pallas_tpu"):
             return paged_gqa_decode_tpu(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale,
                                         interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
@@ -172,8 +182,8 @@ def _gqa_attention(par: Parallel | None, q: jax.Array, kp: jax.Array, vp: jax.Ar
                                 interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
 
     if par is None:
-        return kernel(q, (kp, vp, ks, vs), (bt, lengths))
-    kv_axes = ("pages", None, "kv_heads", None)
-    scale_axes = ("pages", None, "kv_heads")
-    return sharded.attention(par, kernel, q, (kp, vp, ks, vs), (bt, lengths),
-                             pool_axes=(kv_axes, kv_axes, scale_axes, scale_axes), q_axes=("batch", "heads", None))
+        return kernel(q, pools, (bt, lengths))
+    axes = tuple(POOL_AXES[f] for f in ("k", "v", "k_scale", "v_scale"))
+    pool_axes = axes if xla else tuple(a[1:] for a in axes)
+    return sharded.attention(par, kernel, q, pools, (bt, lengths), pool_axes=pool_axes,
+                             q_axes=("batch", "heads", None))
