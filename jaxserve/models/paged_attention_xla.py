@@ -91,12 +91,13 @@ def mla_decode(q: jax.Array, latent: jax.Array, latent_scale: jax.Array | None, 
             logits = logits * s
         pos = j * t + jnp.arange(t, dtype=jnp.int32)
         valid = (pos[None, :] < lengths[:, None])[:, None, :]
-        return _online_step(carry, logits, valid, s, c[..., :kv_lora_rank], "bnt,btd->bnd")
+        # p @ all latent columns, sliced after the loop: slicing c here would copy the block
+        return _online_step(carry, logits, valid, s, c, "bnt,btd->bnd")
 
     init = (jnp.full((b, n, 1), _NEG, jnp.float32), jnp.zeros((b, n, 1), jnp.float32),
-            jnp.zeros((b, n, kv_lora_rank), jnp.float32))
+            jnp.zeros((b, n, latent.shape[-1]), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, trips, body, init)
-    return _finish(l, acc)
+    return _finish(l, acc[..., :kv_lora_rank])
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "layout", "softmax_scale", "block_pages"))
