@@ -165,12 +165,12 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
         tags = jax.ShapeDtypeStruct((num_pages,), jax.numpy.uint32, sharding=pool_sharding_1d(par, num_pages))
         # the pool is donated and comes back in its own layout, so it is updated in place (as in Programs)
         fn = jax.jit(functools.partial(decode_step, graphdef, integrity=True, attention="xla"), donate_argnums=(1,),
-                     out_shardings=(rows, rows, rows, pool_shardings))
+                     out_shardings=(rows, rows, pool_shardings))
         lowered = fn.lower(state, pages, tags, abstract(batch), abstract(samp))
     else:
         batch, samp = dummy_prefill(b, spec.prefill_chunk, m)
         fn = jax.jit(functools.partial(prefill_step, graphdef), donate_argnums=(1,),
-                     out_shardings=(rows, rows, pool_shardings))
+                     out_shardings=(rows, pool_shardings))
         lowered = fn.lower(state, pages, abstract(batch), abstract(samp))
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0

@@ -47,7 +47,7 @@ def logits_for(seed: int, batch: int, peaked: bool) -> jax.Array:
     return x.astype(jnp.float32)
 
 
-SAMPLE = jax.jit(sample)
+SAMPLE = jax.jit(lambda logits, s: (lambda o: (o.tokens, o.logprobs))(sample(logits, s)))
 REFERENCE = jax.jit(sample_reference)
 
 # (rows of (temperature, top_k, top_p), expected mode)
@@ -110,3 +110,72 @@ def test_greedy_and_top_k_programs_have_no_sort():
     greedy, top_k = _ops("greedy"), _ops("top_k")
     assert " sort(" not in greedy and "TopK" not in greedy and "threefry" not in greedy  # an argmax, no noise
     assert " sort(" not in top_k and 'custom_call_target="TopK"' in top_k
+
+
+# ---- logit adjustments, grammar masks, top logprobs ------------------------------------------------------------
+def adjust_reference(logits: np.ndarray, history: list[list[int]], prompt_len: list[int], rep: list[float],
+                     freq: list[float], pres: list[float], bias: list[dict[int, float]]) -> np.ndarray:
+    """The penalties one row at a time in numpy: HF's repetition penalty, OpenAI's frequency/presence, logit_bias."""
+    out = logits.copy()
+    for i, hist in enumerate(history):
+        for t in set(hist):
+            out[i, t] = out[i, t] / rep[i] if out[i, t] > 0 else out[i, t] * rep[i]
+        gen = hist[prompt_len[i]:]
+        for t in set(gen):
+            out[i, t] -= gen.count(t) * freq[i] + pres[i]
+        for t, b in bias[i].items():
+            out[i, t] += b
+    return out
+
+
+def test_adjust_logits_matches_the_per_row_reference():
+    from jaxserve.engine.sampling import LogitAdjust, adjust_logits
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, V)).astype(np.float32) * 3
+    history = [[5, 9, 9, 12, 5, 5], [1, 2, 3], []]
+    prompt_len = [2, 3, 0]
+    rep, freq, pres = [1.3, 0.7, 1.0], [0.5, -0.4, 0.0], [0.25, 1.0, 0.0]
+    bias = [{7: 5.0, 9: -100.0}, {}, {299: 3.0}]
+    L, K = 8, 2
+    h = np.full((3, L), -1, np.int32)
+    ids, vals = np.full((3, K), -1, np.int32), np.zeros((3, K), np.float32)
+    for i in range(3):
+        h[i, :len(history[i])] = history[i]
+        ids[i, :len(bias[i])] = list(bias[i])
+        vals[i, :len(bias[i])] = list(bias[i].values())
+    a = LogitAdjust(*(jnp.asarray(x) for x in (h, np.array(prompt_len, np.int32), np.array(rep, np.float32),
+                                               np.array(freq, np.float32), np.array(pres, np.float32), ids, vals)))
+    got = np.asarray(jax.jit(adjust_logits)(jnp.asarray(logits), a))
+    want = adjust_reference(logits, history, prompt_len, rep, freq, pres, bias)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "top_k", "full"])
+def test_mask_restricts_every_program_to_allowed_tokens(mode):
+    rows = [(0.0, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9), (0.7, 0, 1.0)]
+    allowed_ids = [[3], [10, 200, 299], [0, 64, 65], list(range(100, 110))]
+    W = (V + 31) // 32
+    mask = np.zeros((4, W), np.uint32)
+    for i, ids in enumerate(allowed_ids):
+        for t in ids:
+            mask[i, t // 32] |= np.uint32(1 << (t % 32))
+    for trial in range(6):
+        base = arrays(rows, seeds=[trial, 2, 3, 4], step=trial, mode=mode)
+        s = SamplingArrays(base.temperature, base.top_k, base.top_p, base.seed, base.step,
+                           mask=jnp.asarray(mask.view(np.int32)), mode=mode)
+        out = jax.jit(sample)(logits_for(trial, 4, peaked=False), s)
+        for i, t in enumerate(np.asarray(out.tokens).tolist()):
+            assert t in allowed_ids[i], (mode, trial, i, t)
+
+
+def test_top_logprobs_are_the_most_likely_tokens_of_the_model():
+    logits = logits_for(3, 4, peaked=True)
+    base = arrays([(0.0, 0, 1.0)] * 4, seeds=[0] * 4, step=0)
+    s = SamplingArrays(base.temperature, base.top_k, base.top_p, base.seed, base.step, mode="greedy", top_n=5)
+    out = jax.jit(sample)(logits, s)
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    want = np.argsort(-lp, axis=-1, kind="stable")[:, :5]
+    np.testing.assert_array_equal(np.asarray(out.top_ids), want)
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(lp, want, axis=-1), rtol=1e-6)
+    assert np.all(np.asarray(out.top_ids)[:, 0] == np.asarray(out.tokens))  # greedy picks the most likely

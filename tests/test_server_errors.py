@@ -69,9 +69,12 @@ COMPLETION_CASES = [
     ("temperature", 3.0), ("top_p", 0), ("top_p", 1.5), ("seed", -1), ("seed", 2**64),
     ("stream", "yes"), ("stop", 5), ("stop", [""]), ("stop", ["a"] * 17), ("prompt", {"a": 1}), ("prompt", [True]),
     ("prompt", [-1]), ("prompt", [4096]), ("prompt", ""), ("prompt", None), ("model", None), ("model", 3),
-    ("logprobs", "x"), ("logprobs", 2), ("n", 2), ("echo", True), ("top_k", -1), ("stream_options", {"x": 1}),
-    ("stream_options", {"include_usage": True}), ("ignore_eos", 1), ("stop_token_ids", [5000]),
-    ("frequency_penalty", 0.5), ("banana", 1), ("prompt", ["a", "b"]),
+    ("logprobs", "x"), ("logprobs", 6), ("n", 0), ("n", 17), ("n", 1.5), ("echo", True), ("top_k", -1),
+    ("stream_options", {"x": 1}), ("stream_options", {"include_usage": True}), ("ignore_eos", 1),
+    ("stop_token_ids", [5000]), ("frequency_penalty", 2.5), ("presence_penalty", "x"), ("presence_penalty", -3),
+    ("repetition_penalty", 0), ("repetition_penalty", 2.5), ("logit_bias", [1]), ("logit_bias", {"4096": 1}),
+    ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"5": "1"}), ("min_tokens", -1),
+    ("min_tokens", 3), ("banana", 1), ("prompt", ["a", "b"]),
 ]
 
 
@@ -90,7 +93,10 @@ CHAT_CASES = [
     ("messages", [{"role": "user", "content": 5}]), ("messages", [{"role": "user", "content": [{"type": "image"}]}]),
     ("messages", [{"role": "user", "content": "x", "extra": 1}]), ("messages", ["x"]),
     ("max_completion_tokens", 0), ("max_completion_tokens", "3"), ("logprobs", 1), ("top_logprobs", 3),
-    ("tools", "x"), ("tool_choice", "required"), ("prompt", "x"),
+    ("top_logprobs", 21), ("tools", "x"), ("tool_choice", "required"), ("prompt", "x"),
+    ("response_format", {"type": "xml"}), ("response_format", "json"), ("response_format", {"type": "json_schema"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}),
 ]
 
 

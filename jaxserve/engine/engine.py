@@ -16,6 +16,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
 from jaxserve.models import CausalLM
 
@@ -33,7 +34,9 @@ class Engine:
             self.programs.warmup()
         self._queues: dict[str, queue.Queue[TokenEvent]] = {}
         self._qlock = threading.Lock()
-        self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer)
+        eos = tuple(dict.fromkeys(tuple(model.cfg.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", ()))))
+        self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, eos) if tokenizer is not None else None
+        self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer, self.grammar)
         self._wake = threading.Event()
         self._step_lock = threading.Lock()  # the scheduler is single-threaded: one step at a time, any caller
         self._stop = threading.Event()
@@ -105,26 +108,82 @@ class Engine:
             raise InvalidRequestError(f"the request needs {need} KV pages of {ps} tokens; the pools hold {capacity}",
                                       value=need, param="max_tokens")
 
-    def submit(self, req: Request) -> Iterator[TokenEvent]:
-        """Queue a request; returns the iterator of its events (tokens, then one finish event)."""
-        self.validate(req)
-        q: queue.Queue[TokenEvent] = queue.Queue()
+    def _matcher(self, req: Request) -> object | None:
+        """The request's grammar matcher (engine.structured), None without structured output."""
+        so = req.params.structured
+        if so is None:
+            return None
+        if self.grammar is None:
+            raise InvalidRequestError("structured output needs the model's tokenizer", value=so.kind, param=so.param)
+        return self.grammar.matcher(so)
+
+    def _register(self, rids: list[str], q: queue.Queue[TokenEvent]) -> None:
         with self._qlock:
-            if len(self._queues) >= self.cfg.max_queue:
+            if len(self._queues) + len(rids) > self.cfg.max_queue:
                 raise QueueFullError(f"{len(self._queues)} requests in flight (max_queue {self.cfg.max_queue})",
                                      value=len(self._queues), param="max_queue")
-            if req.request_id in self._queues:
-                raise InvalidRequestError("a request with this id is in flight", value=req.request_id,
-                                          param="request_id")
-            self._queues[req.request_id] = q
+            for rid in rids:
+                if rid in self._queues or rids.count(rid) > 1:
+                    raise InvalidRequestError("a request with this id is in flight", value=rid, param="request_id")
+            for rid in rids:
+                self._queues[rid] = q
+
+    def _enqueue(self, req: Request, matcher: object | None) -> None:
         decoder = None
         if self.tokenizer is not None:
             from jaxserve.tokenizer import StreamDecoder
 
             decoder = StreamDecoder(self.tokenizer)
-        self.scheduler.submit(req, decoder)
+        self.scheduler.submit(req, decoder, matcher)
         self._wake.set()
+
+    def submit(self, req: Request) -> Iterator[TokenEvent]:
+        """Queue a request; returns the iterator of its events (tokens, then one finish event)."""
+        self.validate(req)
+        matcher = self._matcher(req)
+        q: queue.Queue[TokenEvent] = queue.Queue()
+        self._register([req.request_id], q)
+        self._enqueue(req, matcher)
         return self._events(req.request_id, q)
+
+    def submit_group(self, reqs: Sequence[Request]) -> Iterator[tuple[int, TokenEvent]]:
+        """Queue several requests for one prompt (OpenAI `n`): the first alone, the others once its prefill is done
+        (its first event), so they find its prompt pages in the prefix cache and compute only the last partial
+        page. Returns one iterator of (index in reqs, event), in arrival order, until every request has finished;
+        closing it early aborts the unfinished ones."""
+        for r in reqs:
+            self.validate(r)
+        matchers = [self._matcher(r) for r in reqs]
+        q: queue.Queue[TokenEvent] = queue.Queue()
+        self._register([r.request_id for r in reqs], q)
+        self._enqueue(reqs[0], matchers[0])
+        return self._group_events(reqs, matchers, q)
+
+    def _group_events(self, reqs: Sequence[Request], matchers: list[object | None], q: queue.Queue[TokenEvent]
+                      ) -> Iterator[tuple[int, TokenEvent]]:
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        waiting = list(zip(reqs[1:], matchers[1:]))
+        done: set[str] = set()
+        try:
+            while len(done) < len(reqs):
+                if self._thread is None:
+                    while q.empty():
+                        self.step()
+                ev = q.get()
+                if waiting:
+                    for r, m in waiting:
+                        self._enqueue(r, m)
+                    waiting = []
+                if ev.finish_reason is not None:
+                    done.add(ev.request_id)
+                yield index[ev.request_id], ev
+        finally:
+            with self._qlock:
+                unfinished = [r.request_id for r in reqs if r.request_id in self._queues]
+                for rid in unfinished:
+                    self._queues.pop(rid, None)
+            for rid in unfinished:
+                self.abort(rid)
 
     def _events(self, rid: str, q: queue.Queue[TokenEvent]) -> Iterator[TokenEvent]:
         try:

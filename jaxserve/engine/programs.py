@@ -23,7 +23,7 @@ from tqdm import tqdm
 from jaxserve.cache import KVLayout, KVPages, init_pages, insert_pages, pages_to_fp8
 from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.sampling import SamplingArrays, sample
+from jaxserve.engine.sampling import Sampled, SamplingArrays, sample
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
@@ -106,23 +106,21 @@ def _take_pages(src: KVPages, page_ids: jax.Array) -> KVPages:
 
 
 def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: PrefillBatch,
-                 samp: SamplingArrays) -> tuple[jax.Array, jax.Array, KVPages]:
+                 samp: SamplingArrays) -> tuple[Sampled, KVPages]:
     """The prefill program's body: one chunk per row written and attended, first tokens sampled.
-    -> (tokens [B] int32, logprobs [B] f32, pages)."""
+    -> (Sampled: tokens [B] int32, logprobs [B] f32, top alternatives; pages)."""
     model = nnx.merge(graphdef, state)
     logits, pages = prefill(model, pages, batch)
-    tokens, logprobs = sample(logits, samp)
-    return tokens, logprobs, pages
+    return sample(logits, samp), pages
 
 
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, tags: jax.Array, batch: DecodeBatch,
                 samp: SamplingArrays, *, integrity: bool, attention: str
-                ) -> tuple[jax.Array, jax.Array, jax.Array, KVPages]:
-    """The decode program's body: tag check, one token per row. -> (tokens, logprobs, ok [B] bool, pages)."""
+                ) -> tuple[Sampled, jax.Array, KVPages]:
+    """The decode program's body: tag check, one token per row. -> (Sampled, ok [B] bool, pages)."""
     model = nnx.merge(graphdef, state)
     logits, pages, ok = decode(model, pages, tags, batch, integrity=integrity, attention=attention)
-    tokens, logprobs = sample(logits, samp)
-    return tokens, logprobs, ok, pages
+    return sample(logits, samp), ok, pages
 
 
 class Programs:
@@ -159,10 +157,10 @@ class Programs:
         # attention) or replicated, so nothing is placed on a default device and resharded per call
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
                                 in_shardings=(ph.state_sharding, ph.pages_sharding, rows_p, rows_p),
-                                out_shardings=(rows_p, rows_p, ph.pages_sharding))
+                                out_shardings=(rows_p, ph.pages_sharding))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
                                in_shardings=(dh.state_sharding, dh.pages_sharding, dh.tags_sharding, rows_d, rows_d),
-                               out_shardings=(rows_d, rows_d, rows_d, dh.pages_sharding))
+                               out_shardings=(rows_d, rows_d, dh.pages_sharding))
         self._export = jax.jit(self._export_fn)
         self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=dh.pages_sharding)
 
@@ -194,16 +192,18 @@ class Programs:
         return pages_to_fp8(pages, page_ids) if self.cfg.kv_dtype == "fp8" else _take_pages(pages, page_ids)
 
     # ---- host entry points -----------------------------------------------------------------------------------
-    def run_prefill(self, batch: PrefillBatch, samp: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
+    def run_prefill(self, batch: PrefillBatch, samp: SamplingArrays) -> Sampled:
+        """-> Sampled with numpy fields."""
         ph = self.prefill_phase
-        tokens, logprobs, ph.pages = self._prefill(ph.state, ph.pages, batch, samp)
-        return np.asarray(tokens), np.asarray(logprobs)
+        sampled, ph.pages = self._prefill(ph.state, ph.pages, batch, samp)
+        return jax.tree.map(np.asarray, sampled)
 
     def run_decode(self, tags: jax.Array, batch: DecodeBatch, samp: SamplingArrays
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   ) -> tuple[Sampled, np.ndarray]:
+        """-> (Sampled with numpy fields, ok [B] bool)."""
         ph = self.decode_phase
-        tokens, logprobs, ok, ph.pages = self._decode(ph.state, ph.pages, tags, batch, samp)
-        return np.asarray(tokens), np.asarray(logprobs), np.asarray(ok)
+        sampled, ok, ph.pages = self._decode(ph.state, ph.pages, tags, batch, samp)
+        return jax.tree.map(np.asarray, sampled), np.asarray(ok)
 
     def handoff(self, src_pages: list[int], dst_pages: list[int]) -> None:
         """Copy prefill pages to decode pages (FP8 conversion when the decode pool is FP8). Padded to a power of

@@ -5,14 +5,23 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
+from jaxserve.engine.structured import StructuredOutput
 from jaxserve.errors import InvalidRequestError, JaxserveError
 
 _ids = itertools.count()
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
+
+    Penalties (neutral values: 0, 0, 1): presence_penalty / frequency_penalty in [-2, 2] lower the logits of tokens
+    already generated (once / per occurrence); repetition_penalty in (0, 2] divides positive and multiplies negative
+    logits of tokens in the prompt or output. logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
+    top_logprobs: alternatives (0..20) returned with each token. min_tokens: end tokens (eos, stop_token_ids) are
+    banned until this many tokens exist. structured: a grammar the output must match (engine.structured).
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -23,6 +32,19 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int = 0
+    min_tokens: int = 0
+    structured: StructuredOutput | None = None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True if any penalty or bias applies (the batch then runs the adjusting program)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -43,6 +65,18 @@ class SamplingParams:
             ("stop_token_ids", all(is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids),
              f"token ids in [0, {vocab_size})"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("presence_penalty", is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "a number in [-2, 2]"),
+            ("frequency_penalty", is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "a number in [-2, 2]"),
+            ("repetition_penalty", is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+             "a number in (0, 2]"),
+            ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
+                is_int(t) and 0 <= t < vocab_size and is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+             f"at most {MAX_LOGIT_BIAS} (token id in [0, {vocab_size}), bias in [-100, 100]) pairs"),
+            ("top_logprobs", is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20, "an integer in [0, 20]"),
+            ("min_tokens", is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             "an integer in [0, max_tokens]"),
         ]
         for name, ok, want in checks:
             if not ok:
@@ -80,6 +114,7 @@ class TokenEvent:
     text: str = ""
     finish_reason: str | None = None
     error: JaxserveError | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

@@ -12,6 +12,17 @@ Every path draws the same token as sorting the whole vocabulary would: the Gumbe
 with partitionable threefry (JAX's default) the first K noise values of a V-long draw equal a K-long draw, so
 the top-k path needs only K of them. Rounding can differ in the last ulp of a probability (a shorter sum), which
 only matters where a cumulative probability equals top_p to float precision.
+
+Logit adjustments run before any of the three programs, only in batches that need them (static structure: a batch
+whose rows use none of them compiles and runs the programs above unchanged):
+  * `SamplingArrays.adjust` (a `LogitAdjust`): repetition penalty (prompt and output tokens; positive logits are
+    divided by it, negative ones multiplied, as HF transformers and vLLM do), frequency and presence penalties
+    (output tokens only, OpenAI's definition: `logit - count * frequency - (count > 0) * presence`), then a sparse
+    additive bias (OpenAI `logit_bias`; the host also bans end tokens this way while `min_tokens` is not reached).
+  * `SamplingArrays.mask` [B, ceil(V / 32)] int32: a grammar's allowed-token bitmask (bit t % 32 of word t // 32),
+    all ones for unconstrained rows; disallowed tokens get -inf.
+Returned logprobs are the model's own (before adjustments), as OpenAI and vLLM report them; `top_n` > 0 (static)
+also returns the top_n most likely tokens per row and their logprobs.
 """
 from __future__ import annotations
 
@@ -30,6 +41,24 @@ TOP_K_BOUND = 64
 NUCLEUS_MARGIN = 1e-4
 
 SamplingMode = Literal["greedy", "top_k", "full"]
+# OpenAI's bound on top_logprobs; a batch that wants any computes this many (one compile, sliced on the host)
+TOP_LOGPROBS_MAX = 20
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LogitAdjust:
+    """Penalties and biases of a batch. history [B, L] int32: each row's prompt then generated tokens, -1 padding;
+    prompt_len [B] int32 (history[:, :prompt_len] is the prompt); repetition/frequency/presence [B] f32 (1, 0, 0 are
+    neutral); bias_ids [B, K] int32 (-1 padding) with bias [B, K] f32 added to those tokens' logits."""
+
+    history: jax.Array
+    prompt_len: jax.Array
+    repetition: jax.Array
+    frequency: jax.Array
+    presence: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -38,14 +67,31 @@ class SamplingArrays:
     """Per-row sampling parameters. temperature [B] f32 (0 = greedy); top_k [B] int32 (0 = off); top_p [B] f32;
     seed [B] uint32; step [B] int32 (tokens generated so far: the key is fold_in(key(seed), step), so a seed gives
     the same tokens whatever else shares the batch). mode (static): which sampling program runs, see the module
-    docstring; `sampling_mode` picks it from the rows' parameters."""
+    docstring; `sampling_mode` picks it from the rows' parameters. adjust / mask: None unless some row of the
+    batch needs them (see the module docstring). top_n (static): top alternatives to return (0 or
+    TOP_LOGPROBS_MAX)."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     seed: jax.Array
     step: jax.Array
+    adjust: LogitAdjust | None = None
+    mask: jax.Array | None = None
     mode: SamplingMode = field(default="full", metadata=dict(static=True))
+    top_n: int = field(default=0, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Sampled:
+    """What a program's sampling returns: tokens [B] int32, logprobs [B] f32 (the chosen tokens' model logprobs),
+    top_ids [B, top_n] int32 and top_logprobs [B, top_n] f32 (most likely first)."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
 
 
 def sampling_mode(rows: Iterable[tuple[float, int, float]]) -> SamplingMode:
@@ -58,9 +104,17 @@ def sampling_mode(rows: Iterable[tuple[float, int, float]]) -> SamplingMode:
     return "full"
 
 
-def sample(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
-    """logits [B, V] f32 -> (tokens [B] int32, logprobs [B] f32 of the chosen token under the model)."""
+def sample(logits: jax.Array, s: SamplingArrays) -> Sampled:
+    """logits [B, V] f32 -> Sampled (tokens [B] int32, the model's logprobs of them, top_n alternatives)."""
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    if s.top_n:
+        top_lp, top_ids = jax.lax.top_k(logprobs_all, s.top_n)
+    else:
+        top_lp, top_ids = jnp.zeros((logits.shape[0], 0), jnp.float32), jnp.zeros((logits.shape[0], 0), jnp.int32)
+    if s.adjust is not None:
+        logits = adjust_logits(logits, s.adjust)
+    if s.mask is not None:
+        logits = jnp.where(allowed(s.mask, logits.shape[-1]), logits, -jnp.inf)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if s.mode != "greedy":
         scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
@@ -72,7 +126,34 @@ def sample(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
             sampled = jax.lax.cond(jnp.all(_fits_top_k(scaled, s, k)), lambda: _sample_top_k(scaled, s, keys, k),
                                    lambda: _sample_sorted(scaled, s, keys))
         tokens = jnp.where(s.temperature > 0, sampled, tokens)
-    return tokens, jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+
+
+def adjust_logits(logits: jax.Array, a: LogitAdjust) -> jax.Array:
+    """logits [B, V] f32 -> [B, V] f32 with penalties and biases applied (see LogitAdjust)."""
+    B, V = logits.shape
+    L = a.history.shape[1]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, L))
+    valid = a.history >= 0
+    ids = jnp.where(valid, a.history, V)  # padding lands in an extra column that is dropped
+    is_out = valid & (jnp.arange(L)[None, :] >= a.prompt_len[:, None])
+    seen = jnp.zeros((B, V + 1), jnp.bool_).at[rows, ids].set(True)[:, :V]
+    counts = jnp.zeros((B, V + 1), jnp.float32).at[rows, ids].add(is_out.astype(jnp.float32))[:, :V]
+    r = a.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    logits = logits - counts * a.frequency[:, None] - (counts > 0) * a.presence[:, None]
+    K = a.bias_ids.shape[1]
+    brows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, K))
+    bias = jnp.zeros((B, V + 1), jnp.float32).at[brows, jnp.where(a.bias_ids >= 0, a.bias_ids, V)].add(a.bias)
+    return logits + bias[:, :V]
+
+
+def allowed(mask: jax.Array, vocab: int) -> jax.Array:
+    """Bitmask [B, W] int32 -> [B, vocab] bool (token t is allowed iff bit t % 32 of word t // 32 is set)."""
+    t = jnp.arange(vocab)
+    words = mask[:, t // 32]
+    return ((words >> (t % 32)) & 1).astype(jnp.bool_)
 
 
 def _fits_top_k(scaled: jax.Array, s: SamplingArrays, k: int) -> jax.Array:

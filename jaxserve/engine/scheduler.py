@@ -23,7 +23,8 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.programs import Programs
 from jaxserve.engine.request import Request, Status, TokenEvent
-from jaxserve.engine.sampling import SamplingArrays, sampling_mode
+from jaxserve.engine.sampling import TOP_LOGPROBS_MAX, LogitAdjust, Sampled, SamplingArrays, sampling_mode
+from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.errors import JaxserveError, KVIntegrityError, OutOfPagesError
 from jaxserve.models.paged import DecodeBatch, PrefillBatch
 
@@ -49,8 +50,15 @@ class Sequence:
     text: str = ""
     decoder: object = None  # tokenizer.StreamDecoder, when the engine has a tokenizer
     preemptions: int = 0
-    pending: tuple[int, float] | None = None  # first token sampled by prefill, emitted after the hand-off
+    pending: tuple[int, float, tuple] | None = None  # first token sampled by prefill, emitted after the hand-off
     slot: int = -1  # row of DecodeRows while decoding
+    matcher: object = None  # llguidance.LLMatcher of a structured-output request (engine.structured)
+
+    @property
+    def special(self) -> bool:
+        """Needs more than the plain sampling programs: penalties/biases, a grammar or top logprobs."""
+        p = self.req.params
+        return p.adjusts_logits or self.matcher is not None or p.top_logprobs > 0
 
     @property
     def tokens(self) -> list[int]:
@@ -82,7 +90,65 @@ def dummy_decode(b: int, m: int) -> tuple[DecodeBatch, SamplingArrays]:
                         z((b,), jnp.int32), z((b, m), jnp.uint32), z((b,), jnp.int32)), _samp_arrays([None] * b))
 
 
-def _samp_arrays(seqs: list[Sequence | None]) -> SamplingArrays:
+@dataclass(frozen=True)
+class _Extras:
+    """The optional parts of a batch's SamplingArrays (None / 0 when no row needs them)."""
+
+    adjust: LogitAdjust | None = None
+    mask: jax.Array | None = None
+    top_n: int = 0
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _extras(seqs: list[Sequence | None], vocab: int, eos: set[int], grammar: GrammarCompiler | None) -> _Extras:
+    """Penalty/bias arrays, grammar bitmasks and the top-logprobs width for a batch's rows (None = padding).
+    Widths are padded to powers of two so the adjusting program compiles per bucket, not per request."""
+    live = [s for s in seqs if s is not None]
+    if not any(s.special for s in live):
+        return _Extras()
+    B = len(seqs)
+    adjust = None
+    bias_of = {}
+    for i, s in enumerate(seqs):
+        if s is None or not s.req.params.adjusts_logits:
+            continue
+        p = s.req.params
+        pairs = list(p.logit_bias)
+        if len(s.generated) < p.min_tokens and s.matcher is None:  # a grammar decides its own end
+            pairs += [(t, -np.inf) for t in sorted(eos | set(p.stop_token_ids))]
+        bias_of[i] = pairs
+    if bias_of:
+        L = _pow2(max(len(seqs[i].tokens) for i in bias_of))
+        K = _pow2(max(max((len(v) for v in bias_of.values()), default=1), 1))
+        history = np.full((B, L), -1, np.int32)
+        prompt_len = np.zeros(B, np.int32)
+        rep, freq, pres = np.ones(B, np.float32), np.zeros(B, np.float32), np.zeros(B, np.float32)
+        bias_ids, bias = np.full((B, K), -1, np.int32), np.zeros((B, K), np.float32)
+        for i, pairs in bias_of.items():
+            s, p = seqs[i], seqs[i].req.params
+            toks = s.tokens
+            history[i, :len(toks)] = toks
+            prompt_len[i] = len(s.req.prompt)
+            rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+            if pairs:
+                bias_ids[i, :len(pairs)] = [t for t, _ in pairs]
+                bias[i, :len(pairs)] = [b for _, b in pairs]
+        adjust = LogitAdjust(*(jnp.asarray(a) for a in (history, prompt_len, rep, freq, pres, bias_ids, bias)))
+    mask = None
+    if grammar is not None and any(s.matcher is not None for s in live):
+        m = np.full((B, grammar.words), -1, np.int32)
+        for i, s in enumerate(seqs):
+            if s is not None and s.matcher is not None:
+                m[i] = grammar.bitmask(s.matcher)
+        mask = jnp.asarray(m)
+    top_n = min(TOP_LOGPROBS_MAX, vocab) if any(s.req.params.top_logprobs for s in live) else 0
+    return _Extras(adjust, mask, top_n)
+
+
+def _samp_arrays(seqs: list[Sequence | None], extras: _Extras = _Extras()) -> SamplingArrays:
     def col(f, dtype):  # noqa: ANN001
         return jnp.asarray(np.array([f(s) if s is not None else 0 for s in seqs], dtype))
 
@@ -95,7 +161,10 @@ def _samp_arrays(seqs: list[Sequence | None]) -> SamplingArrays:
         seed=col(lambda s: s.req.params.seed if s.req.params.seed is not None else hash(s.req.request_id) % 2**32,
                  np.uint32),
         step=col(lambda s: len(s.generated), np.int32),
+        adjust=extras.adjust,
+        mask=extras.mask,
         mode=mode,
+        top_n=extras.top_n,
     )
 
 
@@ -140,6 +209,7 @@ class DecodeRows:
         self.top_p = np.ones(rows, np.float32)
         self.top_k = np.zeros(rows, np.int32)
         self.seed = np.zeros(rows, np.uint32)
+        self.special = np.zeros(rows, np.bool_)  # the row needs _extras (penalties, grammar, top logprobs)
         self._free = list(range(rows - 1, -1, -1))
 
     def assign(self, seq: Sequence) -> None:
@@ -156,6 +226,7 @@ class DecodeRows:
         self.length[slot] = seq.decode_len
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = p.temperature, p.top_k, p.top_p
         self.seed[slot] = p.seed if p.seed is not None else hash(seq.req.request_id) % 2**32
+        self.special[slot] = seq.special
 
     def accepted(self, seq: Sequence) -> None:
         """Mirror a token accepted outside a decode step (the prefill's first token)."""
@@ -202,12 +273,13 @@ class DecodeRows:
 
 class Scheduler:
     def __init__(self, programs: Programs, model_cfg: ModelConfig, cfg: EngineConfig, emit: Emit,
-                 tokenizer: object | None = None) -> None:
+                 tokenizer: object | None = None, grammar: GrammarCompiler | None = None) -> None:
         self.programs = programs
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.emit = emit
         self.tokenizer = tokenizer
+        self.grammar = grammar
         self.prefill_alloc = PageAllocator(cfg.num_prefill_pages)
         self.decode_alloc = PageAllocator(cfg.num_decode_pages)
         self.device_tags = self.decode_alloc.device_tags()
@@ -225,10 +297,11 @@ class Scheduler:
             self.eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
 
     # ---- cross-thread entry points ------------------------------------------------------------------------
-    def submit(self, req: Request, decoder: object | None = None) -> None:
-        """Queue a validated request; `decoder` streams its text (a tokenizer.StreamDecoder) when given."""
+    def submit(self, req: Request, decoder: object | None = None, matcher: object | None = None) -> None:
+        """Queue a validated request; `decoder` streams its text (a tokenizer.StreamDecoder) when given; `matcher`
+        constrains it to a grammar (engine.structured)."""
         with self._lock:
-            self._inbox.append(Sequence(req, order=-1, decoder=decoder))
+            self._inbox.append(Sequence(req, order=-1, decoder=decoder, matcher=matcher))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -340,20 +413,23 @@ class Scheduler:
                 tables[i, :used] = pages[:used]
                 ctx[i], chunk[i] = start + n, n
             batch = PrefillBatch(*(jnp.asarray(a) for a in (tokens, positions, slots, tables, ctx, chunk)))
-            sampled, logprobs = self.programs.run_prefill(batch, _samp_arrays([r[0] for r in rows] +
-                                                                             [None] * (B - len(rows))))
+            seqs = [r[0] for r in rows] + [None] * (B - len(rows))
+            out = self.programs.run_prefill(batch, _samp_arrays(seqs, self._extras(seqs)))
             for i, (seq, start, n) in enumerate(rows):
                 seq.computed = start + n
                 if seq.computed == seq.target:
-                    self._complete_prefill(seq, int(sampled[i]), float(logprobs[i]))
+                    self._complete_prefill(seq, int(out.tokens[i]), float(out.logprobs[i]), _top(out, i, seq))
         for seq in [s for s in self.running if s.status is Status.PREFILLING and s.computed == s.target
                     and not s.decode_pages]:
             self._handoff(seq)  # retried each step while the decode pool is full
 
-    def _complete_prefill(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _extras(self, seqs: list[Sequence | None]) -> _Extras:
+        return _extras(seqs, self.model_cfg.vocab_size, self.eos, self.grammar)
+
+    def _complete_prefill(self, seq: Sequence, token: int, logprob: float, top: tuple = ()) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.insert(seq.tokens[: seq.target], seq.prefill_pages)
-        seq.pending = (token, logprob)
+        seq.pending = (token, logprob, top)
         self._handoff(seq)
 
     def _handoff(self, seq: Sequence) -> None:
@@ -367,9 +443,9 @@ class Scheduler:
         seq.decode_len = seq.target
         seq.status = Status.DECODING
         self.rows.assign(seq)
-        token, logprob = seq.pending
+        token, logprob, top = seq.pending
         seq.pending = None
-        self._accept(seq, token, logprob)
+        self._accept(seq, token, logprob, top)
         self.rows.accepted(seq)
 
     # ---- decode -------------------------------------------------------------------------------------------
@@ -390,13 +466,17 @@ class Scheduler:
         batch, cols = _unpack_decode(jnp.asarray(packed), M)  # one upload for the whole batch
         mode = sampling_mode(zip(self.rows.temperature[idx].tolist(), self.rows.top_k[idx].tolist(),
                                  self.rows.top_p[idx].tolist()))
-        sampled, logprobs, ok = self.programs.run_decode(self.device_tags, batch, SamplingArrays(*cols, mode=mode))
+        extras = self._extras(ready + [None] * (B - n)) if self.rows.special[idx].any() else _Extras()
+        samp = SamplingArrays(*cols, adjust=extras.adjust, mask=extras.mask, mode=mode, top_n=extras.top_n)
+        out, ok = self.programs.run_decode(self.device_tags, batch, samp)
+        sampled, logprobs = out.tokens, out.logprobs
         good = ok[:n].astype(bool)
         rows = self.rows
         rows.length[idx[good]] += 1
         rows.last[idx] = sampled[:n]
         rows.step[idx] += 1
-        for seq, tok, lp, fine in zip(ready, sampled[:n].tolist(), logprobs[:n].tolist(), good.tolist()):
+        for i, (seq, tok, lp, fine) in enumerate(zip(ready, sampled[:n].tolist(), logprobs[:n].tolist(),
+                                                     good.tolist())):
             if not fine:
                 self.stats.tag_mismatches += 1
                 err = KVIntegrityError(f"KV page tags of request {seq.req.request_id!r} no longer match the pool; "
@@ -404,7 +484,7 @@ class Scheduler:
                 self._finish(seq, "error", err)
                 continue
             seq.decode_len += 1
-            self._accept(seq, tok, lp)
+            self._accept(seq, tok, lp, _top(out, i, seq) if extras.top_n else ())
 
     def _grow(self, seq: Sequence) -> bool:
         """One more decode page for seq; preempts the youngest decoding sequences if the pool is full."""
@@ -434,7 +514,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- tokens, stops, ends ------------------------------------------------------------------------------
-    def _accept(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _accept(self, seq: Sequence, token: int, logprob: float, top: tuple = ()) -> None:
         p = seq.req.params
         seq.generated.append(token)
         seq.logprobs.append(logprob)
@@ -442,6 +522,9 @@ class Scheduler:
         reason = None
         if not p.ignore_eos and token in self.eos or token in p.stop_token_ids:
             reason = "stop"
+        # the grammar is complete and allows nothing more: this token's text is kept, then the request stops
+        done = seq.matcher is not None and reason is None and seq.matcher.consume_token(token) \
+            and seq.matcher.is_stopped()
         delta = ""
         if seq.decoder is not None and reason is None:
             seq.text += seq.decoder.push(token)
@@ -449,9 +532,13 @@ class Scheduler:
             if cut is not None:
                 seq.text = seq.text[:cut]
                 reason = "stop"
+            if done and reason is None:
+                reason = "stop"
             hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
             end = max(seq.text_sent, len(seq.text) - hold)
             delta, seq.text_sent = seq.text[seq.text_sent:end], end
+        if done and reason is None:
+            reason = "stop"
         if reason is None and len(seq.generated) >= p.max_tokens:
             reason = "length"
         if reason is None and seq.decode_len + 1 >= self.cfg.max_model_len:
@@ -461,7 +548,7 @@ class Scheduler:
         if reason is not None and seq.decoder is not None:
             delta += seq.text[seq.text_sent:]
             seq.text_sent = len(seq.text)
-        self.emit(TokenEvent(seq.req.request_id, token_id=token, logprob=logprob, text=delta))
+        self.emit(TokenEvent(seq.req.request_id, token_id=token, logprob=logprob, text=delta, top_logprobs=top))
         if reason is not None:
             self._finish(seq, reason)
 
@@ -485,6 +572,12 @@ class Scheduler:
         self.emit(TokenEvent(seq.req.request_id, finish_reason=reason, error=error,
                              prompt_tokens=len(seq.req.prompt), cached_tokens=seq.cached_tokens,
                              completion_tokens=len(seq.generated)))
+
+
+def _top(out: Sampled, i: int, seq: Sequence) -> tuple[tuple[int, float], ...]:
+    """Row i's requested top alternatives: ((token id, logprob), ...), most likely first."""
+    k = seq.req.params.top_logprobs
+    return tuple(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

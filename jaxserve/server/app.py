@@ -24,13 +24,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from jaxserve.engine import Engine, Request, SamplingParams, TokenEvent
+from jaxserve.engine.structured import StructuredOutput, json_schema_output
 from jaxserve.errors import (InvalidRequestError, JaxserveError, NotFoundError, QueueFullError,
                              UnsupportedMediaTypeError, http_status)
 from jaxserve.server.metrics import ServerMetrics
@@ -47,6 +48,8 @@ DEFAULT_CHAT_MAX_TOKENS = 1024  # chat's default, bounded so a request without m
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function (and participant) names
 DISCONNECT_POLL_S = 0.05
 MAX_DEPTH = 64  # JSON nesting; deeper bodies would overflow the recursive walks (here, the template's tojson)
+MAX_N = 16  # choices per request: each is a sequence in the engine
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -269,7 +272,8 @@ def _is_token(t: Any, vocab: int) -> bool:
 
 COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                            "stream_options", "n", "user", "presence_penalty", "frequency_penalty",
-                           "top_k", "ignore_eos", "stop_token_ids"})
+                           "top_k", "ignore_eos", "stop_token_ids", "logit_bias", "repetition_penalty",
+                           "min_tokens"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                "tool_choice", "parallel_tool_calls", "response_format"}
@@ -286,6 +290,20 @@ class Generation:
     stream: bool
     include_usage: bool
     logprobs: bool
+    n: int = 1
+    tools: Any = None  # toolcalls.ToolSetup of a chat whose output is parsed for tool calls
+
+    def tool_parser(self) -> Any:
+        """A fresh per-choice tool-call parser, None when the output is plain text."""
+        return None if self.tools is None else self.tools.parser()
+
+    def requests(self, rid: str, session: str | None) -> list[Request]:
+        """The engine requests of the n choices (choice i samples with seed + i when a seed is given)."""
+        if self.n == 1:
+            return [Request(self.prompt, self.params, request_id=rid, session_id=session)]
+        p = self.params
+        return [Request(self.prompt, p if p.seed is None else replace(p, seed=(p.seed + i) % 2**32),
+                        request_id=f"{rid}-{i}", session_id=session) for i in range(self.n)]
 
 
 def _stream_options(body: Body, stream: bool) -> bool:
@@ -299,11 +317,9 @@ def _stream_options(body: Body, stream: bool) -> bool:
 
 
 def _common_params(body: Body, prompt: list[int], max_tokens: int | None, default_max: int, max_len: int,
-                   vocab: int, logprobs: bool, prompt_param: str) -> SamplingParams:
+                   vocab: int, logprobs: bool, prompt_param: str, top_logprobs: int = 0,
+                   structured: StructuredOutput | None = None) -> SamplingParams:
     """Sampling parameters shared by both endpoints, with the context-window check OpenAI applies."""
-    body.only("n", (1,), "only n=1 is supported")
-    body.only("presence_penalty", (0, 0.0), "penalties are not supported (only 0)")
-    body.only("frequency_penalty", (0, 0.0), "penalties are not supported (only 0)")
     room = max_len - len(prompt)
     if room < 1:
         n = f"more than {max_len}" if len(prompt) > max_len else str(len(prompt))  # encoding stopped past it
@@ -325,7 +341,37 @@ def _common_params(body: Body, prompt: list[int], max_tokens: int | None, defaul
         stop_token_ids=body.token_ids("stop_token_ids", vocab),
         ignore_eos=body.boolean("ignore_eos", False),
         logprobs=logprobs,
+        presence_penalty=body.number("presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=body.number("frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=body.number("repetition_penalty", 0.0, 2.0, 1.0, open_lo=True),
+        logit_bias=_logit_bias(body, vocab),
+        min_tokens=body.integer("min_tokens", 0, max_tokens, 0),
+        top_logprobs=top_logprobs,
+        structured=structured,
     )
+
+
+def _logit_bias(body: Body, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object from token ids (as strings) to a bias in [-100, 100]."""
+    raw = body.raw.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise _bad("logit_bias", f"must be an object mapping token ids to numbers, got {_kind(raw)}", _kind(raw))
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", len(raw))
+    out = []
+    for k, v in raw.items():
+        if not (k.isascii() and k.isdigit() and len(k) < 12 and int(k) < vocab):
+            raise _bad("logit_bias", f"keys must be token ids in [0, {vocab}), got {k[:20]!r}", k[:20])
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise _bad(f"logit_bias.{k}", "must be a number in [-100, 100]", None)
+        out.append((int(k), float(v)))
+    return tuple(out)
+
+
+def _n(body: Body) -> int:
+    return body.integer("n", 1, MAX_N, 1)
 
 
 def _max_tokens(body: Body, max_len: int, *names: str) -> int | None:
@@ -394,13 +440,10 @@ def parse_completion(raw: Any, engine: Engine, model_name: str, cfg: AppConfig =
     if not prompt:
         raise _bad("prompt", "is empty")
     logprobs = body.integer("logprobs", 0, 5)
-    if logprobs:
-        raise UnsupportedParameterError("'logprobs': top alternatives are not computed; logprobs=0 returns the "
-                                        "sampled tokens' logprobs", value=logprobs, param="logprobs")
     stream = body.boolean("stream", False)
     params = _common_params(body, prompt, _max_tokens(body, max_len, "max_tokens"), DEFAULT_COMPLETION_MAX_TOKENS,
-                            max_len, vocab, logprobs is not None, "prompt")
-    return Generation(prompt, params, stream, _stream_options(body, stream), logprobs is not None)
+                            max_len, vocab, logprobs is not None, "prompt", top_logprobs=logprobs or 0)
+    return Generation(prompt, params, stream, _stream_options(body, stream), logprobs is not None, _n(body))
 
 
 def _message_text(msg: Body, i: int) -> str | None:
@@ -469,7 +512,6 @@ def parse_chat(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppCo
     _check_model(body, model_name)
     body.string("user")
     body.only("tool_choice", ("auto", "none"), "only 'auto' and 'none' are supported")
-    body.only("response_format", ({"type": "text"},), "only {\"type\": \"text\"} is supported")
     body.boolean("parallel_tool_calls", True)
     vocab, max_len = engine.model_cfg.vocab_size, engine.cfg.max_model_len
     msgs = body.raw.get("messages")
@@ -498,15 +540,44 @@ def parse_chat(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppCo
     rendered = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
     _check_chars(tok, _text_chars(rendered) + _text_chars(tools), max_len, "messages")
     prompt = tok.encode_chat(messages, add_generation_prompt=True, tools=tools, limit=max_len)
-    top = body.integer("top_logprobs", 0, 20)
-    if top:
-        raise UnsupportedParameterError("'top_logprobs': top alternatives are not computed; logprobs=true "
-                                        "returns the sampled tokens' logprobs", value=top, param="top_logprobs")
     logprobs = body.boolean("logprobs", False)
+    top = body.integer("top_logprobs", 0, 20, 0)
+    if top and not logprobs:
+        raise _bad("top_logprobs", "needs 'logprobs': true", top)
     stream = body.boolean("stream", False)
     mt = _max_tokens(body, max_len, "max_completion_tokens", "max_tokens")
-    params = _common_params(body, prompt, mt, cfg.default_chat_max_tokens, max_len, vocab, logprobs, "messages")
-    return Generation(prompt, params, stream, _stream_options(body, stream), logprobs)
+    params = _common_params(body, prompt, mt, cfg.default_chat_max_tokens, max_len, vocab, logprobs, "messages",
+                            top_logprobs=top, structured=_response_format(body))
+    return Generation(prompt, params, stream, _stream_options(body, stream), logprobs, _n(body))
+
+
+def _response_format(body: Body) -> StructuredOutput | None:
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}} (enforced by constrained decoding either way)."""
+    raw = body.raw.get("response_format")
+    if raw is None:
+        return None
+    rb = Body(raw, frozenset({"type", "json_schema"}), "response_format")
+    kind = rb.string("type", required=True)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object", param="response_format")
+    if kind != "json_schema":
+        raise _bad("response_format.type", "must be 'text', 'json_object' or 'json_schema'", kind[:40])
+    sb = Body(rb.raw.get("json_schema"), frozenset({"name", "schema", "strict", "description"}),
+              "response_format.json_schema")
+    name = sb.string("name", required=True)
+    if not TOOL_NAME.fullmatch(name):
+        raise _bad(sb.name("name"), "must be 1-64 characters of a-z, A-Z, 0-9, '_' and '-'", name[:64])
+    sb.string("description")
+    sb.boolean("strict", False)
+    schema = sb.raw.get("schema")
+    if schema is None:
+        schema = {}  # OpenAI: an absent schema accepts any JSON
+    if not isinstance(schema, dict):
+        raise _bad(sb.name("schema"), f"must be a JSON Schema object, got {_kind(schema)}", _kind(schema))
+    return json_schema_output(schema, "response_format.json_schema.schema")
 
 
 # ---- responses ------------------------------------------------------------------------------------------------
@@ -525,10 +596,33 @@ COMPLETION = Shape("/v1/completions", "cmpl", "text_completion", "text_completio
 CHAT = Shape("/v1/chat/completions", "chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
 
 
-def _usage(end: TokenEvent) -> dict[str, Any]:
-    return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
-            "total_tokens": end.prompt_tokens + end.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": end.cached_tokens}}
+def _usage(ends: list[TokenEvent]) -> dict[str, Any]:
+    """Usage of a request's choices: the prompt counts once (its first choice's), completions add up."""
+    first = ends[0]
+    completion = sum(e.completion_tokens for e in ends)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+@dataclass
+class Choice:
+    """One choice's answer as it accumulates. parser: the tool-call parser of a chat with tools, else None."""
+
+    parser: Any = None
+    text: list[str] = field(default_factory=list)
+    lps: list[dict[str, Any]] = field(default_factory=list)
+    offset: int = 0
+    end: TokenEvent | None = None
+
+
+def _indexed(events: Iterator[TokenEvent]) -> Iterator[tuple[int, TokenEvent]]:
+    """One request's events as choice 0's."""
+    try:
+        for ev in events:
+            yield 0, ev
+    finally:
+        events.close()
 
 
 def _sse(obj: Any) -> str:
@@ -569,13 +663,18 @@ class DisconnectWatcher:
         self._abort = abort
         self._poll_s = poll_s
         self._watched: dict[str, Callable[[], bool]] = {}
+        self._aborts: dict[str, Callable[[str], None]] = {}
         self._gone: set[str] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def watch(self, rid: str, disconnected: Callable[[], bool]) -> None:
+    def watch(self, rid: str, disconnected: Callable[[], bool],
+              abort: Callable[[str], None] | None = None) -> None:
+        """Watch `rid`; `abort` (default: the engine's abort of rid) ends it when its client goes away."""
         with self._lock:
             self._watched[rid] = disconnected
+            if abort is not None:
+                self._aborts[rid] = abort
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="jaxserve-disconnects", daemon=True)
                 self._thread.start()
@@ -584,6 +683,7 @@ class DisconnectWatcher:
         """Stop watching; True if the request was aborted because its client disconnected."""
         with self._lock:
             self._watched.pop(rid, None)
+            self._aborts.pop(rid, None)
             if rid in self._gone:
                 self._gone.discard(rid)
                 return True
@@ -599,7 +699,9 @@ class DisconnectWatcher:
                         if rid not in self._gone and disconnected()]
                 self._gone.update(gone)
             for rid in gone:
-                self._abort(rid)
+                with self._lock:
+                    abort = self._aborts.get(rid, self._abort)
+                abort(rid)
             time.sleep(self._poll_s)
 
 
@@ -631,9 +733,16 @@ def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) ->
     def logprob_entry(shape: Shape, ev: TokenEvent, offset: int) -> dict[str, Any]:
         if shape.chat:
             return {"token": token_str(ev.token_id), "logprob": ev.logprob, "bytes": token_bytes(ev.token_id),
-                    "top_logprobs": []}
-        return {"tokens": [token_str(ev.token_id)], "token_logprobs": [ev.logprob], "top_logprobs": None,
+                    "top_logprobs": [{"token": token_str(t), "logprob": lp, "bytes": token_bytes(t)}
+                                     for t, lp in ev.top_logprobs]}
+        top = {token_str(t): lp for t, lp in ev.top_logprobs} if ev.top_logprobs else None
+        return {"tokens": [token_str(ev.token_id)], "token_logprobs": [ev.logprob], "top_logprobs": [top],
                 "text_offset": [offset]}
+
+    def completion_logprobs(entries: list[dict[str, Any]], top: bool) -> dict[str, Any]:
+        return {"tokens": [e["tokens"][0] for e in entries], "token_logprobs": [e["token_logprobs"][0] for e in entries],
+                "top_logprobs": [e["top_logprobs"][0] for e in entries] if top else None,
+                "text_offset": [e["text_offset"][0] for e in entries]}
 
     def parse_json() -> Any:
         if not _is_json(request.mimetype or None, request.mimetype_params):
@@ -649,64 +758,79 @@ def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) ->
         _check_text(raw)
         return raw
 
-    def submit(gen: Generation, shape: Shape) -> tuple[str, Iterator[TokenEvent]]:
+    def submit(gen: Generation, shape: Shape) -> tuple[str, list[str], Iterator[tuple[int, TokenEvent]]]:
+        """-> (response id, engine request ids, events as (choice index, event))."""
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        session = request.headers.get("x-session-affinity")
-        req = Request(gen.prompt, gen.params, request_id=rid, session_id=session)
-        return rid, engine.submit(req)  # raises InvalidRequestError (400) or QueueFullError (429)
+        reqs = gen.requests(rid, request.headers.get("x-session-affinity"))
+        # raises InvalidRequestError (400) or QueueFullError (429)
+        if len(reqs) == 1:
+            one = engine.submit(reqs[0])
+            return rid, [rid], _indexed(one)
+        return rid, [r.request_id for r in reqs], engine.submit_group(reqs)
 
-    def complete(gen: Generation, shape: Shape, rid: str, events: Iterator[TokenEvent], t0: float) -> Response:
+    def abort_all(ids: list[str]) -> Callable[[str], None]:
+        return lambda _rid: [engine.abort(i) for i in ids]
+
+    def complete(gen: Generation, shape: Shape, rid: str, ids: list[str], events: Iterator[tuple[int, TokenEvent]],
+                 t0: float) -> Response:
         timer = metrics.timer(t0)
-        text: list[str] = []
-        lps: list[dict[str, Any]] = []
-        offset = 0
-        end: TokenEvent | None = None
+        choices = [Choice(gen.tool_parser()) for _ in range(gen.n)]
         disconnected = request.environ.get("waitress.client_disconnected")  # needs channel_request_lookahead > 0
         if disconnected is not None:
-            watcher.watch(rid, disconnected)
+            watcher.watch(rid, disconnected, abort_all(ids))
         try:
-            for ev in events:
+            for i, ev in events:
+                c = choices[i]
                 if ev.token_id is not None:
                     timer.token()
                     if gen.logprobs:
-                        lps.append(logprob_entry(shape, ev, offset))
-                    text.append(ev.text)
-                    offset += len(ev.text)
+                        c.lps.append(logprob_entry(shape, ev, c.offset))
+                    c.text.append(ev.text)
+                    c.offset += len(ev.text)
                 else:
-                    end = ev
+                    c.end = ev
         finally:
             gone = watcher.unwatch(rid)
-            events.close()  # the iterator aborts the request if it did not finish (never leak pages)
-        assert end is not None  # the engine always ends a stream with one finish event
-        metrics.finished(shape.endpoint, end)
-        if gone and end.finish_reason == "abort":
+            events.close()  # the iterator aborts the requests that did not finish (never leak pages)
+        ends = [c.end for c in choices]
+        assert all(e is not None for e in ends)  # the engine always ends a stream with one finish event
+        for e in ends:
+            metrics.finished(shape.endpoint, e)
+        if gone and any(e.finish_reason == "abort" for e in ends):
             metrics.disconnect(shape.endpoint)
             return Response(status=499)  # nginx's "client closed request": nobody reads it; /metrics does
-        err = _end_error(end)
-        if err is not None:
-            return error_response(err)
-        out = "".join(text)
-        if shape.chat:
-            lp = {"content": lps} if gen.logprobs else None
-            choice = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": lp,
-                      "finish_reason": end.finish_reason}
-        else:
-            lp = None
-            if gen.logprobs:
-                lp = {"tokens": [e["tokens"][0] for e in lps], "token_logprobs": [e["token_logprobs"][0] for e in lps],
-                      "top_logprobs": None, "text_offset": [e["text_offset"][0] for e in lps]}
-            choice = {"index": 0, "text": out, "logprobs": lp, "finish_reason": end.finish_reason}
+        for e in ends:
+            err = _end_error(e)
+            if err is not None:
+                return error_response(err)
+        out_choices = []
+        for i, c in enumerate(choices):
+            out = "".join(c.text)
+            if shape.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": out}
+                finish = c.end.finish_reason
+                if c.parser is not None:
+                    parsed = c.parser.parse_all(out)  # raises ToolCallParseError (500, reported, never text)
+                    message["content"] = parsed.content or None if parsed.calls else parsed.content
+                    if parsed.calls:
+                        message["tool_calls"] = [call.openai() for call in parsed.calls]
+                        finish = "tool_calls" if finish == "stop" else finish
+                lp = {"content": c.lps} if gen.logprobs else None
+                out_choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
+            else:
+                lp = completion_logprobs(c.lps, gen.params.top_logprobs > 0) if gen.logprobs else None
+                out_choices.append({"index": i, "text": out, "logprobs": lp, "finish_reason": c.end.finish_reason})
         body = {"id": rid, "object": shape.object_name, "created": int(time.time()), "model": model_name,
-                "choices": [choice], "usage": _usage(end), "system_fingerprint": None}
+                "choices": out_choices, "usage": _usage(ends), "system_fingerprint": None}
         return Response(json.dumps(body), mimetype="application/json")
 
-    def stream(gen: Generation, shape: Shape, rid: str, events: Iterator[TokenEvent], t0: float,
+    def stream(gen: Generation, shape: Shape, rid: str, events: Iterator[tuple[int, TokenEvent]], t0: float,
                ended: threading.Event) -> Iterator[str]:
         timer = metrics.timer(t0)
         stamp = int(time.time())
 
-        def chunk(delta: dict[str, Any] | str, finish: str | None, lp: Any = None) -> str:
-            c: dict[str, Any] = {"index": 0, "logprobs": lp, "finish_reason": finish}
+        def chunk(i: int, delta: dict[str, Any] | str, finish: str | None, lp: Any = None) -> str:
+            c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": finish}
             if shape.chat:
                 c["delta"] = delta
             else:
@@ -717,53 +841,82 @@ def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) ->
                 obj["usage"] = None  # OpenAI: null on every chunk but the last
             return _sse(obj)
 
+        choices = [Choice(gen.tool_parser()) for _ in range(gen.n)]
         finished = False
         try:
             if shape.chat:
-                yield chunk({"role": "assistant", "content": ""}, None)
-            offset = 0
-            for ev in events:
+                for i in range(gen.n):
+                    yield chunk(i, {"role": "assistant", "content": ""}, None)
+            for i, ev in events:
+                c = choices[i]
                 if ev.token_id is not None:
                     timer.token()
                     lp = None
                     if gen.logprobs:
-                        lp = logprob_entry(shape, ev, offset)
+                        lp = logprob_entry(shape, ev, c.offset)
                         lp = {"content": [lp]} if shape.chat else lp
-                    offset += len(ev.text)
-                    if ev.text or lp is not None:
-                        yield chunk({"content": ev.text} if shape.chat else ev.text, None, lp)
+                    c.offset += len(ev.text)
+                    if c.parser is not None:
+                        text, calls = c.parser.push(ev.text)
+                        if text or calls or lp is not None:
+                            delta: dict[str, Any] = {"content": text}
+                            if calls:
+                                delta["tool_calls"] = calls
+                            yield chunk(i, delta, None, lp)
+                    elif ev.text or lp is not None:
+                        yield chunk(i, {"content": ev.text} if shape.chat else ev.text, None, lp)
                     continue
-                finished = True
-                ended.set()
+                c.end = ev
                 metrics.finished(shape.endpoint, ev)
                 err = _end_error(ev)
                 if err is not None:
+                    finished = True
+                    ended.set()
                     yield _sse(error_body(err))  # the status line is long gone: the error travels in-band
-                else:
-                    yield chunk({} if shape.chat else "", ev.finish_reason)
+                    break
+                finish = ev.finish_reason
+                if c.parser is not None:
+                    text, calls = c.parser.finish()  # raises ToolCallParseError: reported in-band below
+                    if text or calls:
+                        delta = {"content": text}
+                        if calls:
+                            delta["tool_calls"] = calls
+                        yield chunk(i, delta, None)
+                    if c.parser.calls and finish == "stop":
+                        finish = "tool_calls"
+                yield chunk(i, {} if shape.chat else "", finish)
+                if all(x.end is not None for x in choices):
+                    finished = True
+                    ended.set()
                     if gen.include_usage:
                         yield _sse({"id": rid, "object": shape.chunk_object, "created": stamp, "model": model_name,
-                                    "choices": [], "usage": _usage(ev), "system_fingerprint": None})
+                                    "choices": [], "usage": _usage([x.end for x in choices]),
+                                    "system_fingerprint": None})
+            yield "data: [DONE]\n\n"
+        except JaxserveError as err:
+            finished = True
+            ended.set()
+            yield _sse(error_body(err))
             yield "data: [DONE]\n\n"
         except GeneratorExit:
             if not finished:
                 metrics.disconnect(shape.endpoint)  # waitress closes the iterator when the client went away
             raise
         finally:
-            events.close()  # aborts the engine request and frees its pages if it is still running
+            events.close()  # aborts the engine requests and frees their pages if they are still running
 
     def generate(parse: Callable[[Any, Engine, str, AppConfig], Generation], shape: Shape) -> Response:
         t0 = time.monotonic()
         gen = parse(parse_json(), engine, model_name, cfg)
         admission.enter()  # after validation: a bad request is a 400 even when the server is full
         try:
-            rid, events = submit(gen, shape)
+            rid, ids, events = submit(gen, shape)
         except BaseException:
             admission.leave()
             raise
         if not gen.stream:
             try:
-                return complete(gen, shape, rid, events, t0)
+                return complete(gen, shape, rid, ids, events, t0)
             finally:
                 admission.leave()
         ended = threading.Event()
@@ -772,7 +925,8 @@ def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) ->
 
         def closed() -> None:
             if not ended.is_set():
-                engine.abort(rid)  # a stream closed before its first chunk never ran the generator's cleanup
+                for i in ids:
+                    engine.abort(i)  # a stream closed before its first chunk never ran the generator's cleanup
             admission.leave()
 
         resp.call_on_close(closed)

@@ -39,10 +39,22 @@ _SAMPLING: dict[str, Any] = {
     "stream": {"type": "boolean", "default": False, "description": "Server-Sent Events ending in `data: [DONE]`"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
                        "additionalProperties": False},
-    "n": {"type": "integer", "enum": [1]},
+    "n": {"type": "integer", "minimum": 1, "maximum": 16, "default": 1,
+          "description": "choices; the first is prefilled alone, the others reuse its prompt pages (prefix cache); "
+                         "with a seed, choice i samples with seed + i"},
     "user": {"type": "string"},
-    "presence_penalty": {"type": "number", "enum": [0]},
-    "frequency_penalty": {"type": "number", "enum": [0]},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0,
+                         "description": "subtracted once from the logit of every token already generated"},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0,
+                          "description": "subtracted per occurrence from the logit of every generated token"},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2, "default": 1,
+                           "description": "extension: logits of prompt and generated tokens divided (positive) or "
+                                          "multiplied (negative) by it"},
+    "logit_bias": {"type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "token id -> bias added to its logit"},
+    "min_tokens": {"type": "integer", "minimum": 0, "default": 0,
+                   "description": "extension: end-of-sequence and stop_token_ids are banned before this many tokens"},
 }
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
@@ -61,9 +73,9 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
                                      "prompt": {"oneOf": [{"type": "string"},
                                                           {"type": "array", "items": {"type": "integer"}},
                                                           {"type": "array", "maxItems": 1}]},
-                                     "logprobs": {"type": ["integer", "null"], "enum": [0, None], "description":
-                                                  "0: the sampled tokens' logprobs (top alternatives are not "
-                                                  "computed)"},
+                                     "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5,
+                                                  "description": "the sampled tokens' logprobs and this many top "
+                                                                 "alternatives per token"},
                                      "echo": {"type": "boolean", "enum": [False]},
                                      "best_of": {"type": "integer", "enum": [1]}}}
     message = {"type": "object", "required": ["role"], "properties": {
@@ -84,7 +96,16 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
                                                                         "default 1024 (`--default-max-tokens`), "
                                                                         "at most the rest of the context window"},
                                "logprobs": {"type": "boolean"},
-                               "top_logprobs": {"type": "integer", "enum": [0]},
+                               "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20,
+                                                "description": "alternatives per token (needs logprobs: true)"},
+                               "response_format": {"oneOf": [
+                                   {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}},
+                                   {"type": "object", "required": ["type", "json_schema"], "properties": {
+                                       "type": {"const": "json_schema"},
+                                       "json_schema": {"type": "object", "required": ["name"], "properties": {
+                                           "name": {"type": "string"}, "description": {"type": "string"},
+                                           "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}}],
+                                   "description": "enforced by grammar-constrained decoding (llguidance)"},
                                "tools": {"type": "array", "items": tool, "maxItems": 128,
                                          "description": "passed to the chat template"},
                                "tool_choice": {"enum": ["auto", "none"]}}}
