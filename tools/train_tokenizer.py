@@ -34,7 +34,8 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 # Kimi K2 chat format (MODEL_FORMATS.md §1.6): role-name headers, <|im_middle|> before content,
 # a default system turn when none is given, tool declarations first, tool results as system-ish turns.
-# This tokenizer has no tool-call marker tokens, so assistant tool_calls are refused, not silently dropped.
+# Assistant tool calls in Kimi's markup (written as text: this small vocabulary has no tool-call tokens), the
+# call id ("functions.NAME:IDX") naming the result it gets back (jaxserve.server.toolcalls).
 CHAT_TEMPLATE = r"""{%- if tools -%}
 <|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>
 {%- endif -%}
@@ -54,10 +55,17 @@ CHAT_TEMPLATE = r"""{%- if tools -%}
 {%- elif message['role'] == 'user' -%}
 <|im_user|>user<|im_middle|>{{ content }}<|im_end|>
 {%- elif message['role'] == 'assistant' -%}
+<|im_assistant|>assistant<|im_middle|>{{ content }}
 {%- if message.get('tool_calls') -%}
-{{ raise_exception('this chat template has no tool-call tokens; assistant tool_calls are not supported') }}
+<|tool_calls_section_begin|>
+{%- for call in message['tool_calls'] -%}
+<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>
+{%- if call['function']['arguments'] is string -%}{{ call['function']['arguments'] }}{%- else -%}{{ call['function']['arguments'] | tojson }}{%- endif -%}
+<|tool_call_end|>
+{%- endfor -%}
+<|tool_calls_section_end|>
 {%- endif -%}
-<|im_assistant|>assistant<|im_middle|>{{ content }}<|im_end|>
+<|im_end|>
 {%- elif message['role'] == 'tool' -%}
 <|im_system|>{{ message.get('name') or 'tool' }}<|im_middle|>{{ '## Return of ' ~ message.get('tool_call_id', '') ~ '\n' }}{{ content }}<|im_end|>
 {%- else -%}

@@ -35,6 +35,9 @@ from jaxserve.engine.structured import StructuredOutput, json_schema_output
 from jaxserve.errors import (InvalidRequestError, JaxserveError, NotFoundError, QueueFullError,
                              UnsupportedMediaTypeError, http_status)
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.toolcalls import (GLM_CALL_BEGIN, GLM_CALL_END, GLM_KEY_BEGIN, GLM_KEY_END, GLM_VALUE_BEGIN,
+                                       GLM_VALUE_END, KIMI_ARGS_BEGIN, KIMI_CALL_BEGIN, KIMI_CALL_END,
+                                       KIMI_SECTION_BEGIN, KIMI_SECTION_END, ToolSetup, family_of)
 from jaxserve.server.openapi import openapi_spec
 
 log = logging.getLogger("jaxserve.server")
@@ -291,7 +294,7 @@ class Generation:
     include_usage: bool
     logprobs: bool
     n: int = 1
-    tools: Any = None  # toolcalls.ToolSetup of a chat whose output is parsed for tool calls
+    tools: ToolSetup | None = None  # a chat whose output is parsed for tool calls
 
     def tool_parser(self) -> Any:
         """A fresh per-choice tool-call parser, None when the output is plain text."""
@@ -511,8 +514,6 @@ def parse_chat(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppCo
     body = Body(raw, CHAT_FIELDS)
     _check_model(body, model_name)
     body.string("user")
-    body.only("tool_choice", ("auto", "none"), "only 'auto' and 'none' are supported")
-    body.boolean("parallel_tool_calls", True)
     vocab, max_len = engine.model_cfg.vocab_size, engine.cfg.max_model_len
     msgs = body.raw.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -536,6 +537,7 @@ def parse_chat(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppCo
         messages.append(out)
     tools = _tools(body.raw.get("tools"))
     tok = _tokenizer(engine, "messages")
+    setup = _tool_setup(body, tools, tok, engine.model_cfg.model_type)
     # what the template renders at least once (earlier turns' reasoning may be dropped, so it is not counted)
     rendered = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
     _check_chars(tok, _text_chars(rendered) + _text_chars(tools), max_len, "messages")
@@ -546,9 +548,46 @@ def parse_chat(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppCo
         raise _bad("top_logprobs", "needs 'logprobs': true", top)
     stream = body.boolean("stream", False)
     mt = _max_tokens(body, max_len, "max_completion_tokens", "max_tokens")
+    structured = _response_format(body)
+    if setup is not None and setup.choice not in ("auto", "none"):
+        if structured is not None:
+            raise _bad("response_format", "cannot be combined with a 'required' or named tool_choice")
+        structured = setup.grammar()  # the output must be the markup of a call
     params = _common_params(body, prompt, mt, cfg.default_chat_max_tokens, max_len, vocab, logprobs, "messages",
-                            top_logprobs=top, structured=_response_format(body))
-    return Generation(prompt, params, stream, _stream_options(body, stream), logprobs, _n(body))
+                            top_logprobs=top, structured=structured)
+    parsed = setup if setup is not None and setup.choice != "none" else None
+    return Generation(prompt, params, stream, _stream_options(body, stream), logprobs, _n(body), parsed)
+
+
+def _tool_setup(body: Body, tools: list[dict[str, Any]] | None, tok: Any, model_type: str) -> ToolSetup | None:
+    """tool_choice ("none", "auto", "required" or {"type": "function", "function": {"name"}}) and
+    parallel_tool_calls over the validated tools -> how the output is read (None: plain text)."""
+    raw = body.raw.get("tool_choice")
+    parallel = body.boolean("parallel_tool_calls", True)
+    if raw is None:
+        choice = "auto"
+    elif isinstance(raw, str):
+        if raw not in ("none", "auto", "required"):
+            raise _bad("tool_choice", "must be 'none', 'auto', 'required' or a function object", raw[:40])
+        choice = raw
+    else:
+        cb = Body(raw, frozenset({"type", "function"}), "tool_choice")
+        if cb.string("type", required=True) != "function":
+            raise _bad("tool_choice.type", "must be 'function'")
+        choice = _name(Body(cb.raw.get("function"), frozenset({"name"}), "tool_choice.function"), "name",
+                       required=True)
+    if not tools:
+        if choice not in ("auto", "none"):
+            raise _bad("tool_choice", "needs 'tools'")
+        return None
+    names = {t["function"]["name"] for t in tools}
+    if choice not in ("none", "auto", "required") and choice not in names:
+        raise _bad("tool_choice.function.name", f"'{choice}' is not one of the request's tools", choice)
+    family = family_of(tok.chat_template, model_type)
+    markers = (KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_ARGS_BEGIN, KIMI_CALL_END,
+               GLM_CALL_BEGIN, GLM_CALL_END, GLM_KEY_BEGIN, GLM_KEY_END, GLM_VALUE_BEGIN, GLM_VALUE_END)
+    special = {m: i for m in markers if (i := tok.token_to_id(m)) is not None and i in tok.special_token_ids}
+    return ToolSetup(family, tuple(tools), choice, parallel, special)
 
 
 def _response_format(body: Body) -> StructuredOutput | None:

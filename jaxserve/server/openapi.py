@@ -21,7 +21,8 @@ def _errors(*codes: str) -> dict[str, Any]:
             "413": "body over the server's limit (4 MiB by default), refused from Content-Length before it is read",
             "415": "the body is not declared `Content-Type: application/json` (UTF-8)",
             "429": "the server's admission limit is reached; retry after the `Retry-After` seconds",
-            "500": "the engine failed the request (e.g. `kv_integrity_error`: a KV page tag mismatch, failed closed)"}
+            "500": "the engine failed the request (e.g. `kv_integrity_error`: a KV page tag mismatch, failed closed; "
+                   "`invalid_tool_call`: the model wrote tool-call markup that does not parse)"}
     return {c: _json(_ref("Error"), text[c]) for c in codes}
 
 
@@ -63,7 +64,7 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "
     "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {
         "type": "integer", "description": "prompt tokens served from the prefix cache (whole KV pages)"}}}}}
 
-_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None]}
 
 
 def openapi_spec(model_name: str) -> dict[str, Any]:
@@ -107,8 +108,19 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
                                            "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}}],
                                    "description": "enforced by grammar-constrained decoding (llguidance)"},
                                "tools": {"type": "array", "items": tool, "maxItems": 128,
-                                         "description": "passed to the chat template"},
-                               "tool_choice": {"enum": ["auto", "none"]}}}
+                                         "description": "passed to the chat template; calls come back as "
+                                                        "`message.tool_calls` / `delta.tool_calls` with "
+                                                        "finish_reason `tool_calls`"},
+                               "tool_choice": {"oneOf": [
+                                   {"enum": ["auto", "none", "required"]},
+                                   {"type": "object", "required": ["type", "function"], "properties": {
+                                       "type": {"const": "function"},
+                                       "function": {"type": "object", "required": ["name"],
+                                                    "properties": {"name": {"type": "string"}}}}}],
+                                   "description": "auto: the output is parsed for the model's tool-call markup "
+                                                  "(Kimi K2 or GLM); required / named: the markup is enforced "
+                                                  "by constrained decoding"},
+                               "parallel_tool_calls": {"type": "boolean", "default": True}}}
     completion = {"type": "object", "properties": {
         "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
         "model": {"type": "string"}, "usage": _USAGE,
@@ -124,7 +136,14 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
         "choices": {"type": "array", "items": {"type": "object", "properties": {
             "index": {"type": "integer"}, "finish_reason": _FINISH,
             "message": {"type": "object", "properties": {"role": {"const": "assistant"},
-                                                         "content": {"type": "string"}}},
+                                                         "content": {"type": ["string", "null"]},
+                                                         "tool_calls": {"type": "array", "items": {
+                                                             "type": "object", "properties": {
+                                                                 "id": {"type": "string"},
+                                                                 "type": {"const": "function"},
+                                                                 "function": {"type": "object", "properties": {
+                                                                     "name": {"type": "string"},
+                                                                     "arguments": {"type": "string"}}}}}}}},
             "logprobs": {"type": ["object", "null"], "properties": {"content": {"type": "array", "items": {
                 "type": "object", "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
                                                  "bytes": {"type": ["array", "null"]}}}}}}}}}}}
