@@ -12,6 +12,11 @@ Contract (every function):
                   GQA [B, T, Hq, D], Hq a multiple of Hkv; any float dtype, computed in f32.
     pages         MLA [num_pages, page_size, latent_dim]; GQA k_pages / v_pages [num_pages, page_size, Hkv, D];
                   bf16 | f32 | float8_e4m3fn (one layer). The chunk's own KV must already be written.
+                  The blockwise forms also take pools stored as bit patterns (uint16 for bf16, uint8 for fp8)
+                  with `value_dtype` naming the values: only the gathered rows are bitcast (XLA:CPU cannot
+                  gather bf16 / fp8 without converting the whole operand to f32 first), and pools of all layers
+                  ([L, num_pages, ...], scales likewise) with a static `layer` picked inside each gather (no
+                  layer slice of the pool is materialized).
     scales        fp8 only (x ~= q8 * scale), f32: MLA [num_pages, page_size]; GQA [num_pages, page_size, Hkv].
     block_tables  [B, M] int32, page ids covering prior context + this chunk; padding entries 0 (a valid page).
     positions     [B, T] int32, absolute position of each query token.
@@ -36,6 +41,34 @@ def _dequant(x: jax.Array, scale: jax.Array | None) -> jax.Array:
     """x [..., D] any float, scale [...] | None -> [..., D] f32."""
     x = x.astype(jnp.float32)
     return x if scale is None else x * scale.astype(jnp.float32)[..., None]
+
+
+def _values(x: jax.Array, value_dtype: jnp.dtype | None) -> jax.Array:
+    """Gathered rows: bit patterns viewed as `value_dtype` (a bitcast), or values passed through (None)."""
+    return x if value_dtype is None else lax.bitcast_convert_type(x, value_dtype)
+
+
+def _layer_pool(x: jax.Array | None, layer: int | None) -> jax.Array | None:
+    """A pool's one-layer shape (for shape reads only: gathers index the layer themselves)."""
+    return x if x is None or layer is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+
+
+def _take(pool: jax.Array | None, ids: jax.Array, layer: int | None) -> jax.Array | None:
+    """pool [(L,) P, *rest] at page ids [*I] (of layer `layer` when given) -> [*I, *rest]."""
+    if pool is None:
+        return None
+    return pool[ids] if layer is None else pool[layer, ids]
+
+
+def _check_bits(pages: jax.Array, value_dtype: jnp.dtype | None) -> None:
+    if value_dtype is None:
+        if not jnp.issubdtype(pages.dtype, jnp.floating):
+            raise ValueError(f"pages of dtype {pages.dtype} are bit patterns: give value_dtype")
+        return
+    if not jnp.issubdtype(pages.dtype, jnp.unsignedinteger) or \
+            jnp.dtype(pages.dtype).itemsize != jnp.dtype(value_dtype).itemsize:
+        raise ValueError(f"value_dtype {value_dtype} needs pages stored as unsigned bits of its width, "
+                         f"got {pages.dtype}")
 
 
 def _pin(pools, i: jax.Array):
@@ -160,25 +193,30 @@ def _blockwise(qg: jax.Array, load, positions: jax.Array, ctx_lens: jax.Array, n
     return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_pages"))
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_pages", "value_dtype", "layer"))
 def prefill_mla_blockwise(q: jax.Array, pages: jax.Array, block_tables: jax.Array, positions: jax.Array,
                           ctx_lens: jax.Array, scales: jax.Array | None = None, *, kv_lora_rank: int,
-                          softmax_scale: float, block_pages: int | None = None) -> jax.Array:
+                          softmax_scale: float, block_pages: int | None = None,
+                          value_dtype: jnp.dtype | None = None, layer: int | None = None) -> jax.Array:
     """Absorbed MLA prefill, blockwise online softmax (the engine's XLA path).
 
-    Shapes in the module docstring; block_pages: pages per key block (default ~256 tokens).
+    Shapes in the module docstring; block_pages: pages per key block (default ~256 tokens); value_dtype: the
+    value dtype of a pool stored as bits (None: `pages` holds values); layer: pools of all layers, this one read.
     Peak temporaries ~ B * T * N * (block + kv_lora_rank) f32, independent of the context.
     -> [B, T, N, kv_lora_rank] f32.
     """
+    all_layers = pages
+    pages = _layer_pool(pages, layer)
     _check_mla(q, pages, kv_lora_rank)
+    _check_bits(pages, value_dtype)
     page_size = pages.shape[1]
     bp = block_pages or block_pages_for(page_size)
     bt = block_tables.astype(jnp.int32)
 
     def load(cols, i):
         ids = bt[:, cols]  # [B, bp]
-        pool, sc = _pin((pages, scales), i)
-        c = _dequant(pool[ids], None if sc is None else sc[ids])  # [B, bp, ps, Dl]
+        pool, sc = _pin((all_layers, scales), i)
+        c = _dequant(_values(_take(pool, ids, layer), value_dtype), _take(sc, ids, layer))  # [B, bp, ps, Dl]
         c = c.reshape(c.shape[0], bp * page_size, 1, c.shape[-1])
         return c, c[..., :kv_lora_rank]
 
@@ -187,26 +225,31 @@ def prefill_mla_blockwise(q: jax.Array, pages: jax.Array, block_tables: jax.Arra
     return out[:, :, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "block_pages"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "block_pages", "value_dtype", "layer"))
 def prefill_gqa_blockwise(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                           positions: jax.Array, ctx_lens: jax.Array, k_scales: jax.Array | None = None,
                           v_scales: jax.Array | None = None, *, softmax_scale: float,
-                          block_pages: int | None = None) -> jax.Array:
+                          block_pages: int | None = None, value_dtype: jnp.dtype | None = None,
+                          layer: int | None = None) -> jax.Array:
     """GQA prefill, blockwise online softmax (the engine's XLA path).
 
-    Shapes in the module docstring; block_pages: pages per key block (default ~256 tokens).
+    Shapes in the module docstring; block_pages: pages per key block (default ~256 tokens); value_dtype and layer
+    as in `prefill_mla_blockwise`.
     Peak temporaries ~ B * T * Hq * (block + D) f32, independent of the context. -> [B, T, Hq, D] f32.
     """
+    pools = (k_pages, v_pages, k_scales, v_scales)
+    k_pages, v_pages = _layer_pool(k_pages, layer), _layer_pool(v_pages, layer)
     _check_gqa(q, k_pages, v_pages)
+    _check_bits(k_pages, value_dtype)
     _, page_size, hkv, d = k_pages.shape
     bp = block_pages or block_pages_for(page_size)
     bt = block_tables.astype(jnp.int32)
 
     def load(cols, i):
         ids = bt[:, cols]
-        kp, vp, ksc, vsc = _pin((k_pages, v_pages, k_scales, v_scales), i)
-        k = _dequant(kp[ids], None if ksc is None else ksc[ids])  # [B, bp, ps, Hkv, D]
-        v = _dequant(vp[ids], None if vsc is None else vsc[ids])
+        kp, vp, ksc, vsc = _pin(pools, i)
+        k = _dequant(_values(_take(kp, ids, layer), value_dtype), _take(ksc, ids, layer))  # [B, bp, ps, Hkv, D]
+        v = _dequant(_values(_take(vp, ids, layer), value_dtype), _take(vsc, ids, layer))
         shape = (k.shape[0], bp * page_size, hkv, d)
         return k.reshape(shape), v.reshape(shape)
 

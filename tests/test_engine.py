@@ -152,13 +152,24 @@ def test_a_request_larger_than_the_pool_is_refused(model):
 
 
 @pytest.mark.parametrize("attention", ["pallas_interpret", "pallas_tpu_interpret"])
-def test_engine_through_the_pallas_decode_kernels(model, attention):
-    """The decode program with the Pallas attention kernels (interpret mode on CPU) gives the XLA path's tokens."""
+def test_engine_through_the_pallas_attention_kernels(model, attention):
+    """The prefill and decode programs with the Pallas attention kernels (flash prefill over pages, paged decode;
+    interpret mode on CPU) give the XLA paths' tokens."""
     ps = prompts(2, seed=13)
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     ref = [o.token_ids for o in engine(model, kv_dtype="fp8").generate(ps, sp)]
     got = [o.token_ids for o in engine(model, kv_dtype="fp8", attention=attention).generate(ps, sp)]
     assert got == ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["pallas_interpret", "pallas_tpu_interpret"])
+def test_gqa_engine_through_the_pallas_attention_kernels(attention):
+    m = tiny_model("glm4_moe")
+    ps = prompts(2, seed=15)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    ref = [o.token_ids for o in engine(m).generate(ps, sp)]
+    assert [o.token_ids for o in engine(m, attention=attention).generate(ps, sp)] == ref
 
 
 def test_engine_with_the_pallas_int4_and_moe_kernels(model):

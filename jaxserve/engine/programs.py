@@ -106,11 +106,11 @@ def _take_pages(src: KVPages, page_ids: jax.Array) -> KVPages:
 
 
 def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: PrefillBatch,
-                 samp: SamplingArrays) -> tuple[Sampled, KVPages]:
+                 samp: SamplingArrays, *, attention: str = "xla") -> tuple[Sampled, KVPages]:
     """The prefill program's body: one chunk per row written and attended, first tokens sampled.
     -> (Sampled: tokens [B] int32, logprobs [B] f32, top alternatives; pages)."""
     model = nnx.merge(graphdef, state)
-    logits, pages = prefill(model, pages, batch)
+    logits, pages = prefill(model, pages, batch, attention=attention)
     return sample(logits, samp), pages
 
 
@@ -179,7 +179,7 @@ class Programs:
     # ---- traced bodies (the Counter increments only while tracing) ----------------------------------------
     def _prefill_fn(self, state: nnx.State, pages: KVPages, batch: PrefillBatch, samp: SamplingArrays):
         self.compiles["prefill"] += 1
-        return prefill_step(self.prefill_phase.graphdef, state, pages, batch, samp)
+        return prefill_step(self.prefill_phase.graphdef, state, pages, batch, samp, attention=self.cfg.attention)
 
     def _decode_fn(self, state: nnx.State, pages: KVPages, tags: jax.Array, batch: DecodeBatch,
                    samp: SamplingArrays):

@@ -1,5 +1,5 @@
-"""The models over a paged KV cache: chunked prefill (BF16 pages, plain MLA) and decode (absorbed MLA, FP8 or BF16
-pages, integrity check before attention). Pure functions of (model, pages, batch); the engine jits them.
+"""The models over a paged KV cache: chunked prefill (BF16 pages, absorbed MLA, attention block by block over the
+pages) and decode (absorbed MLA, FP8 or BF16 pages, integrity check before attention). Pure functions of (model, pages, batch); the engine jits them.
 
 Shapes: B batch rows, T chunk tokens, M pages per row (block table width), ps page size, L layers.
 """
@@ -17,6 +17,8 @@ from jaxserve.models.transformer import CausalLM
 from jaxserve.sharding import POOL_AXES, Parallel
 from pallas_kernels.paged_attention import paged_gqa_decode, paged_mla_decode
 from pallas_kernels.paged_attention_tpu import paged_gqa_decode_tpu, paged_mla_decode_tpu
+from pallas_kernels.paged_prefill import paged_prefill_gqa, paged_prefill_mla
+from pallas_kernels.reference_prefill import prefill_gqa_blockwise, prefill_mla_blockwise
 
 # "pallas": the GPU-shaped (Triton) kernels; "pallas_tpu": the TPU-shaped (Mosaic) MLA and GQA kernels;
 # *_interpret run the same kernels on CPU; "xla": the length-bounded page-block loop (paged_attention_xla).
@@ -60,12 +62,15 @@ class DecodeBatch:
     num_pages: jax.Array
 
 
-def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits: bool = False
-            ) -> tuple[jax.Array, KVPages]:
+def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits: bool = False,
+            attention: AttentionImpl = "xla") -> tuple[jax.Array, KVPages]:
     """Write the chunk's KV into `pages` and attend over the row's whole context read back from the pool.
 
     Reading the context (this chunk included) from the pool makes the result independent of how a prompt is
     chunked or whether its prefix came from the prefix cache; over an FP8 pool it is exactly what decode reads.
+    Attention reads the pool block by block (online softmax): "xla" the blockwise XLA form, "pallas*" the flash
+    prefill kernels (GPU or TPU tiling); MLA in the absorbed form (MQA over the latent pages, no kv_b expansion
+    of the context). GLM-5 DSA layers keep the dense plain form (gather + [B, N, T, S] softmax).
     -> (logits at each row's last chunk token [B, V] f32, or at every chunk token [B, T, V] with all_logits;
     pages).
     """
@@ -73,24 +78,33 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
     B, T = batch.tokens.shape
     S = batch.block_tables.shape[1] * pages.layout.page_size
     kpos = jnp.arange(S, dtype=jnp.int32)
+    # the dense [B, T, S] mask: only the DSA path uses it (unused, XLA drops it)
     mask = (kpos[None, None, :] <= batch.positions[:, :, None]) & (kpos[None, None, :] < batch.ctx_lens[:, None, None])
+    tables = (batch.block_tables, batch.positions, batch.ctx_lens)
     cos, sin = model.rope(batch.positions)
     flat_slots = batch.slots.reshape(-1)
     h = model.embed_tokens(batch.tokens)
     for i, layer in enumerate(model.layers):
         x = layer.input_norm(h)
         attn = layer.attn
-        if cfg.is_mla:
+        if cfg.is_mla and cfg.has_indexer:
             q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots)
             ctx = gather_tokens(pages, i, batch.block_tables, out_dtype=jnp.float32)
             o = attn.attend_plain(q_nope, q_rope, ctx.astype(x.dtype), mask)
+        elif cfg.is_mla:
+            q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
+            pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots)
+            q = attn.absorb_query(q_nope, q_rope)  # [B, T, N, r + dr] f32
+            o_lat = _mla_prefill_attention(model.parallel, q, pages, i, tables, cfg.kv_lora_rank,
+                                           cfg.softmax_scale, attention)
+            o = attn.absorb_output(o_lat, x.dtype)
         else:
             q, k, v = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, (k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])),
                                  flat_slots)
-            ck, cv = gather_tokens(pages, i, batch.block_tables, out_dtype=jnp.float32)
-            o = attn.attend(q, ck.astype(x.dtype), cv.astype(x.dtype), mask)
+            o = _gqa_prefill_attention(model.parallel, q, pages, i, tables, cfg.softmax_scale, attention)
+            o = o.astype(x.dtype)
         h = h + attn.o(o.reshape(B, T, -1))
         h = h + layer.mlp(layer.post_norm(h))
     if all_logits:
@@ -187,3 +201,56 @@ def _gqa_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: in
     pool_axes = axes if xla else tuple(a[1:] for a in axes)
     return sharded.attention(par, kernel, q, pools, (bt, lengths), pool_axes=pool_axes,
                              q_axes=("batch", "heads", None))
+
+
+def _mla_prefill_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, tables: tuple,
+                           rank: int, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
+    """q [B, T, N, r + dr] f32 (absorbed) over layer `layer` of an MLA pool, tables (block_tables [B, M],
+    positions [B, T], ctx_lens [B]) -> [B, T, N, r] f32; per shard on a mesh (as `_mla_attention`). "xla" reads
+    the whole pool's bits, the layer picked inside its gathers; the kernels read the layer's value views."""
+    xla = impl == "xla"
+    pools = (pages.latent, pages.latent_scale) if xla else pages.layer(layer)
+    value_dtype = jnp.dtype(pages.layout.jnp_dtype)
+
+    def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
+        (lat, scale), (bt, positions, ctx_lens) = pools, tables
+        if xla:
+            return prefill_mla_blockwise(q, lat, bt, positions, ctx_lens, scale, kv_lora_rank=rank,
+                                         softmax_scale=softmax_scale, value_dtype=value_dtype, layer=layer)
+        return paged_prefill_mla(q, lat, bt, positions, ctx_lens, scale, kv_lora_rank=rank,
+                                 softmax_scale=softmax_scale, backend=_kernel_backend(impl),
+                                 interpret=impl.endswith("interpret"))
+
+    if par is None:
+        return kernel(q, pools, tables)
+    axes = (POOL_AXES["latent"], POOL_AXES["latent_scale"])
+    pool_axes = axes if xla else tuple(a[1:] for a in axes)
+    return sharded.attention(par, kernel, q, pools, tables, pool_axes=pool_axes, q_axes=("batch", None, "heads", None))
+
+
+def _gqa_prefill_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, tables: tuple,
+                           softmax_scale: float, impl: AttentionImpl) -> jax.Array:
+    """q [B, T, Hq, D] over layer `layer` of a GQA pool, tables as in `_mla_prefill_attention` -> [B, T, Hq, D]
+    f32; per shard on a mesh (q heads and kv heads split together under TP). Pools as `_mla_prefill_attention`."""
+    xla = impl == "xla"
+    pools = (pages.k, pages.v, pages.k_scale, pages.v_scale) if xla else pages.layer(layer)
+    value_dtype = jnp.dtype(pages.layout.jnp_dtype)
+
+    def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
+        (kp, vp, ks, vs), (bt, positions, ctx_lens) = pools, tables
+        if xla:
+            return prefill_gqa_blockwise(q, kp, vp, bt, positions, ctx_lens, ks, vs, softmax_scale=softmax_scale,
+                                         value_dtype=value_dtype, layer=layer)
+        return paged_prefill_gqa(q, kp, vp, bt, positions, ctx_lens, ks, vs, softmax_scale=softmax_scale,
+                                 backend=_kernel_backend(impl), interpret=impl.endswith("interpret"))
+
+    if par is None:
+        return kernel(q, pools, tables)
+    axes = tuple(POOL_AXES[f] for f in ("k", "v", "k_scale", "v_scale"))
+    pool_axes = axes if xla else tuple(a[1:] for a in axes)
+    return sharded.attention(par, kernel, q, pools, tables, pool_axes=pool_axes, q_axes=("batch", None, "heads", None))
+
+
+def _kernel_backend(impl: AttentionImpl) -> str:
+    """The Pallas tiling an attention impl selects: "tpu" (Mosaic) for pallas_tpu*, else "gpu" (Triton)."""
+    return "tpu" if impl.startswith("pallas_tpu") else "gpu"
