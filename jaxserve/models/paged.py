@@ -1,5 +1,6 @@
 """The models over a paged KV cache: chunked prefill (BF16 pages, absorbed MLA, attention block by block over the
-pages) and decode (absorbed MLA, FP8 or BF16 pages, integrity check before attention). Pure functions of (model, pages, batch); the engine jits them.
+pages) and decode (absorbed MLA, FP8 or BF16 pages, integrity check before attention). Pure functions of
+(model, pages, batch); the engine jits them.
 
 Shapes: B batch rows, T chunk tokens, M pages per row (block table width), ps page size, L layers.
 """
