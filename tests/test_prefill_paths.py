@@ -179,3 +179,33 @@ def test_prefill_of_a_16k_prompt_runs_blockwise(models):
     b = _chunks(model, tokens, [16384], 8192, "bf16", run)
     assert np.isfinite(a).all()
     np.testing.assert_allclose(a[:, -1], b[:, -1], atol=1e-4, rtol=0)
+
+
+def test_blockwise_reads_one_layer_of_a_bit_pattern_pool():
+    """The engine's form of the blockwise call (all layers' bits, the layer picked inside each gather) equals the
+    call on that layer's values, MLA fp8 and GQA bf16; a bits pool without its value dtype is refused."""
+    from pallas_kernels.reference_prefill import prefill_gqa_blockwise, prefill_mla_blockwise
+
+    rng = np.random.default_rng(4)
+    bt = jnp.asarray([[3, 1, 0], [2, 4, 5]], jnp.int32)
+    pos = jnp.asarray([[4, 5, 6], [0, 1, 2]], jnp.int32)
+    ctx = jnp.asarray([7, 9], jnp.int32)
+    vals = jnp.asarray(rng.standard_normal((2, 6, PAGE, 24)), jnp.float8_e4m3fn)  # [L, P, ps, r + dr]
+    scales = jnp.asarray(rng.uniform(0.5, 2.0, (2, 6, PAGE)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 24)), jnp.float32)
+    kw = dict(kv_lora_rank=16, softmax_scale=0.3, block_pages=2)
+    want = prefill_mla_blockwise(q, vals[1], bt, pos, ctx, scales[1], **kw)
+    bits = jax.lax.bitcast_convert_type(vals, jnp.uint8)
+    got = prefill_mla_blockwise(q, bits, bt, pos, ctx, scales, value_dtype=jnp.dtype(jnp.float8_e4m3fn), layer=1,
+                                **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError):
+        prefill_mla_blockwise(q, bits[1], bt, pos, ctx, scales[1], **kw)
+    k = jnp.asarray(rng.standard_normal((3, 6, PAGE, 2, 8)), jnp.bfloat16)  # [L, P, ps, Hkv, D]
+    v = jnp.asarray(rng.standard_normal((3, 6, PAGE, 2, 8)), jnp.bfloat16)
+    qg = jnp.asarray(rng.standard_normal((2, 3, 4, 8)), jnp.float32)
+    want = prefill_gqa_blockwise(qg, k[2], v[2], bt, pos, ctx, softmax_scale=0.3, block_pages=2)
+    kb, vb = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (k, v))
+    got = prefill_gqa_blockwise(qg, kb, vb, bt, pos, ctx, softmax_scale=0.3, block_pages=2,
+                                value_dtype=jnp.dtype(jnp.bfloat16), layer=2)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
