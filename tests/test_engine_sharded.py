@@ -119,3 +119,22 @@ def test_replicas_live_on_disjoint_device_slices(model, reference, tmp_path):
             assert [o.token_ids for o in w.generate(prompts(3), SP)] == reference["bf16"]
     finally:
         router.close()
+
+
+def test_dp_attention_8_ranks_equals_single_device(model, reference):
+    """DP attention: each of 8 ranks holds its own requests' latent pages (the pool's page axis split 8 ways) and
+    batch rows; attention runs per rank on local page ids, experts split over all 8 devices."""
+    e = engine(model, devices=8, sharding="dp_attention", kv_dtype="fp8", num_decode_pages=128,
+               num_prefill_pages=128)
+    pages = e.programs.decode_phase.pages
+    assert str(pages.latent.sharding.spec) == "P(None, 'dp', None, None)"
+    assert e.scheduler.decode_alloc.shards == 8 and e.cfg.row_buckets[0] == 8
+    out = e.generate(prompts(3), SP)
+    assert [o.token_ids for o in out] == reference["fp8"]
+    # the same prompts again: each is placed on the rank whose prefix cache holds it, and reads its cached pages
+    again = e.generate(prompts(3), SP)
+    assert [o.token_ids for o in again] == reference["fp8"]
+    assert sum(o.cached_tokens for o in again) > 0
+    s = e.scheduler
+    assert s.decode_alloc.num_used == 0
+    assert s.prefill_alloc.num_used == sum(len(c) for c in s.prefix_caches)

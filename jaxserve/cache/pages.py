@@ -359,37 +359,57 @@ class PageAllocator:
     Page 0 (NULL_PAGE) is reserved when `reserve_null_page` (default): never handed out, so block tables can pad
     with it. Tags are uint32, bumped on every allocation (skipping 0 on wrap, so a tag never equals its previous
     value and 0 means "never allocated"). Freeing does not change the tag; reallocating does.
+
+    `shards` > 1 splits the page ids into equal contiguous ranges, one per data-parallel attention rank (the pool's
+    page axis is split the same way over the mesh): `allocate(n, shard=r)` takes pages of range r only, and the
+    first page of every range is reserved as that device's null page (global page `r * pages_per_shard`).
     """
 
     num_pages: int
     reserve_null_page: bool = True
+    shards: int = 1
     _tags: np.ndarray = field(init=False, repr=False)
     _refcount: np.ndarray = field(init=False, repr=False)
-    _free: list[int] = field(init=False, repr=False)
+    _free: list[list[int]] = field(init=False, repr=False)  # per shard: a stack, pops lowest ids first
     _dirty: set[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         first = 1 if self.reserve_null_page else 0
-        if self.num_pages <= first:
-            raise ConfigError("PageAllocator needs at least one allocatable page", value=self.num_pages,
+        if self.shards < 1 or self.num_pages % self.shards:
+            raise ConfigError(f"PageAllocator: {self.num_pages} pages do not split into {self.shards} equal shards",
+                              value=self.shards, param="shards")
+        if self.pages_per_shard <= first:
+            raise ConfigError("PageAllocator needs at least one allocatable page per shard", value=self.num_pages,
                               param="num_pages")
         self._tags = np.zeros(self.num_pages, np.uint32)
         self._refcount = np.zeros(self.num_pages, np.int32)
-        self._free = list(range(self.num_pages - 1, first - 1, -1))  # stack; pops lowest ids first
+        ps = self.pages_per_shard
+        self._free = [list(range((s + 1) * ps - 1, s * ps + first - 1, -1)) for s in range(self.shards)]
         self._dirty = set()
 
     @property
+    def pages_per_shard(self) -> int:
+        return self.num_pages // self.shards
+
+    @property
     def capacity(self) -> int:
-        """Allocatable pages (the reserved null page excluded)."""
-        return self.num_pages - (1 if self.reserve_null_page else 0)
+        """Allocatable pages (the reserved null pages excluded)."""
+        return self.num_pages - (self.shards if self.reserve_null_page else 0)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free)
+
+    def num_free_in(self, shard: int) -> int:
+        """Free pages of one shard."""
+        return len(self._free[shard])
+
+    def shard_of(self, page: int) -> int:
+        return int(page) // self.pages_per_shard
 
     @property
     def num_used(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - self.num_free
 
     @property
     def tags(self) -> np.ndarray:
@@ -400,15 +420,19 @@ class PageAllocator:
         self._check_page(page)
         return int(self._refcount[page])
 
-    def allocate(self, n: int) -> list[tuple[int, int]]:
-        """n fresh pages as (page, tag), refcount 1 each. All or nothing: OutOfPagesError allocates nothing."""
+    def allocate(self, n: int, shard: int = 0) -> list[tuple[int, int]]:
+        """n fresh pages of `shard` as (page, tag), refcount 1 each. All or nothing: OutOfPagesError allocates
+        nothing."""
         if n < 0:
             raise PageAllocatorError(f"cannot allocate a negative number of pages ({n})", value=n, param="n")
-        if n > len(self._free):
-            raise OutOfPagesError(f"need {n} pages, {len(self._free)} free", value=n, param="n")
+        if not 0 <= shard < self.shards:
+            raise PageAllocatorError(f"unknown page shard {shard!r} (have {self.shards})", value=shard, param="shard")
+        free = self._free[shard]
+        if n > len(free):
+            raise OutOfPagesError(f"need {n} pages, {len(free)} free", value=n, param="n")
         out = []
         for _ in range(n):
-            page = self._free.pop()
+            page = free.pop()
             tag = int(self._tags[page]) + 1
             tag = 1 if tag > 0xFFFFFFFF else tag  # wrap skips 0
             self._tags[page] = tag
@@ -430,13 +454,13 @@ class PageAllocator:
         self._check_owned(page, tag)
         self._refcount[page] -= 1
         if self._refcount[page] == 0:
-            self._free.append(page)
+            self._free[self.shard_of(page)].append(page)
 
     def _check_page(self, page: int) -> None:
         if not (isinstance(page, (int, np.integer)) and 0 <= page < self.num_pages):
             raise PageAllocatorError(f"unknown page {page!r}", value=page, param="page")
-        if self.reserve_null_page and page == NULL_PAGE:
-            raise PageAllocatorError("page 0 is the reserved null page", value=page, param="page")
+        if self.reserve_null_page and page % self.pages_per_shard == NULL_PAGE:
+            raise PageAllocatorError(f"page {page} is a reserved null page", value=page, param="page")
 
     def _check_owned(self, page: int, tag: int | None) -> None:
         self._check_page(page)

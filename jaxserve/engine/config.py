@@ -82,6 +82,17 @@ class EngineConfig:
         for p in ("min_rows_bucket", "min_pages_bucket", "min_chunk_bucket"):
             if getattr(self, p) < 1:
                 bad(p, "must be >= 1")
+        # DP attention: each rank holds its own rows and page range, so rows and pools split evenly over ranks
+        for p in ("max_batch", "num_decode_pages", "num_prefill_pages"):
+            if getattr(self, p) % self.dp_ranks:
+                bad(p, f"must divide by the {self.dp_ranks} data-parallel attention ranks")
+
+    @property
+    def dp_ranks(self) -> int:
+        """Data-parallel attention ranks per phase: each phase's device count under sharding="dp_attention", else 1."""
+        if self.sharding != "dp_attention":
+            return 1
+        return self.devices // 2 if self.disaggregate else self.devices
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -106,8 +117,10 @@ class EngineConfig:
 
     @property
     def row_buckets(self) -> list[int]:
-        """Batch rows of decode and prefill programs: 1, 2, 4, ... max_batch."""
-        return self.buckets(self.min_rows_bucket, self.max_batch)
+        """Batch rows of decode and prefill programs: 1, 2, 4, ... max_batch (under DP attention, those per rank
+        times the ranks: every rank gets the same number of rows)."""
+        r = self.dp_ranks
+        return [r * b for b in self.buckets(self.min_rows_bucket, self.max_batch // r)]
 
     @property
     def page_buckets(self) -> list[int]:

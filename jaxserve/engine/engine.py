@@ -268,7 +268,7 @@ class Engine:
         return {
             "decode_pages_used": s.decode_alloc.num_used, "decode_pages_free": s.decode_alloc.num_free,
             "prefill_pages_used": s.prefill_alloc.num_used, "prefill_pages_free": s.prefill_alloc.num_free,
-            "prefix_cache_pages": len(s.prefix_cache) if s.prefix_cache else 0,
+            "prefix_cache_pages": sum(len(c) for c in s.prefix_caches),
             "waiting": len(s.waiting) + s.pending(), "running": len(s.running),
             "tag_mismatches": st.tag_mismatches, "preemptions": st.preemptions,
             "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,

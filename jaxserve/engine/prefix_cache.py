@@ -50,6 +50,16 @@ class PrefixCache:
         self.hits += len(found)
         return found
 
+    def match(self, tokens: Sequence[int]) -> int:
+        """How many full pages `lookup` would return, without taking references or touching the LRU order."""
+        usable = (len(tokens) - 1) // self.page_size
+        n = 0
+        for h in page_hashes(tokens, self.page_size)[:usable]:
+            if h not in self.entries:
+                break
+            n += 1
+        return n
+
     def insert(self, tokens: Sequence[int], pages: Sequence[tuple[int, int]]) -> None:
         """Cache the full pages of `tokens`, held in `pages` (the request's own (page, tag) list)."""
         for h, (page, tag) in zip(page_hashes(tokens, self.page_size), pages):

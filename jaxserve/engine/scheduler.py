@@ -53,6 +53,7 @@ class Sequence:
     pending: tuple[int, float, tuple] | None = None  # first token sampled by prefill, emitted after the hand-off
     slot: int = -1  # row of DecodeRows while decoding
     matcher: object = None  # llguidance.LLMatcher of a structured-output request (engine.structured)
+    rank: int = 0  # data-parallel attention rank: its pages and batch rows live on that rank's devices
 
     @property
     def special(self) -> bool:
@@ -280,11 +281,14 @@ class Scheduler:
         self.emit = emit
         self.tokenizer = tokenizer
         self.grammar = grammar
-        self.prefill_alloc = PageAllocator(cfg.num_prefill_pages)
-        self.decode_alloc = PageAllocator(cfg.num_decode_pages)
+        self.ranks = cfg.dp_ranks
+        self.prefill_alloc = PageAllocator(cfg.num_prefill_pages, shards=self.ranks)
+        self.decode_alloc = PageAllocator(cfg.num_decode_pages, shards=self.ranks)
         self.device_tags = self.decode_alloc.device_tags()
         self.rows = DecodeRows(cfg.max_batch, cfg.max_pages_per_seq, cfg.page_size)
-        self.prefix_cache = PrefixCache(self.prefill_alloc, cfg.page_size) if cfg.prefix_cache else None
+        # one prefix cache per DP attention rank: a cached page is only readable on its own rank's devices
+        self.prefix_caches = [PrefixCache(self.prefill_alloc, cfg.page_size) for _ in range(self.ranks)] \
+            if cfg.prefix_cache else []
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # prefilling or decoding, in admission order
         self.stats = Stats()
@@ -342,20 +346,49 @@ class Scheduler:
     def _pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.cfg.page_size)
 
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache (rank 0's under DP attention)."""
+        return self.prefix_caches[0] if self.prefix_caches else None
+
+    def _rank_load(self, rank: int) -> int:
+        return sum(1 for s in self.running if s.rank == rank)
+
+    def _pick_rank(self, tokens: list[int]) -> int | None:
+        """The DP attention rank for a new sequence: among ranks with room for it (decode pages, rows), the one
+        whose prefix cache holds most of its prompt, then the least loaded. None: no rank has room."""
+        need = self._pages_for(len(tokens) + 1)
+        if self.ranks == 1:
+            return 0 if self.decode_alloc.num_free >= need else None
+        per_rank_rows = self.cfg.max_batch // self.ranks
+        best, key = None, None
+        for r in range(self.ranks):
+            load = self._rank_load(r)
+            if self.decode_alloc.num_free_in(r) < need or load >= per_rank_rows:
+                continue
+            hit = self.prefix_caches[r].match(tokens) if self.prefix_caches else 0
+            k = (-hit, load, r)
+            if key is None or k < key:
+                best, key = r, k
+        return best
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_batch:
             seq = self.waiting[0]
             tokens = seq.tokens
-            if self.decode_alloc.num_free < self._pages_for(len(tokens) + 1):
+            rank = self._pick_rank(tokens)
+            if rank is None:
                 return  # FCFS: nobody overtakes a request that waits for decode pages
-            cached = self.prefix_cache.lookup(tokens) if self.prefix_cache else []
+            cache = self.prefix_caches[rank] if self.prefix_caches else None
+            cached = cache.lookup(tokens) if cache else []
             need = self._pages_for(len(tokens)) - len(cached)
-            fresh = self._allocate(self.prefill_alloc, need, evict=True)
+            fresh = self._allocate(self.prefill_alloc, need, evict=True, rank=rank)
             if fresh is None:
                 for page, tag in cached:
                     self.prefill_alloc.free(page, tag)
                 return
             self.waiting.popleft()
+            seq.rank = rank
             seq.prefill_pages = cached + fresh
             seq.target = len(tokens)
             seq.computed = len(cached) * self.cfg.page_size
@@ -366,15 +399,28 @@ class Scheduler:
             seq.status = Status.PREFILLING
             self.running.append(seq)
 
-    def _allocate(self, alloc: PageAllocator, n: int, *, evict: bool) -> list[tuple[int, int]] | None:
+    def _allocate(self, alloc: PageAllocator, n: int, *, evict: bool, rank: int) -> list[tuple[int, int]] | None:
         if n <= 0:
             return []
-        if alloc.num_free < n and evict and self.prefix_cache is not None:
-            self.prefix_cache.evict(n - alloc.num_free)
+        if alloc.num_free_in(rank) < n and evict and self.prefix_caches:
+            self.prefix_caches[rank].evict(n - alloc.num_free_in(rank))
         try:
-            return alloc.allocate(n)
+            return alloc.allocate(n, shard=rank)
         except OutOfPagesError:
             return None
+
+    def _rank_rows(self, ranks: list[int], buckets: list[int]) -> tuple[int, list[int]]:
+        """Batch layout under DP attention: rank r's rows fill rows [r * b, (r + 1) * b) of a B = ranks * b batch
+        (the batch axis is split over the ranks). -> (B, batch row of each item, in order)."""
+        if self.ranks == 1:
+            return self.cfg.pick(buckets, len(ranks)), list(range(len(ranks)))
+        counts = np.bincount(np.asarray(ranks, np.int64), minlength=self.ranks)
+        B = self.cfg.pick(buckets, self.ranks * int(counts.max()))
+        b, used, out = B // self.ranks, [0] * self.ranks, []
+        for r in ranks:
+            out.append(r * b + used[r])
+            used[r] += 1
+        return B, out
 
     # ---- prefill ------------------------------------------------------------------------------------------
     def _prefill_step(self) -> None:
@@ -386,14 +432,15 @@ class Scheduler:
             if seq.status is not Status.PREFILLING or seq.computed >= seq.target or budget <= 0:
                 continue
             n = min(cfg.prefill_chunk, seq.target - seq.computed, budget)
-            slots = cfg.pick(cfg.row_buckets, len(rows) + 1) * cfg.pick(cfg.chunk_buckets, max(widest, n))
+            b, _ = self._rank_rows([s.rank for s, _, _ in rows] + [seq.rank], cfg.row_buckets)
+            slots = b * cfg.pick(cfg.chunk_buckets, max(widest, n))
             if rows and slots > cfg.prefill_slots:
                 break  # padded rows x chunk would exceed the step's token slots (see EngineConfig.prefill_shapes)
             rows.append((seq, seq.computed, n))
             widest = max(widest, n)
             budget -= n
         if rows:
-            B = cfg.pick(cfg.row_buckets, len(rows))
+            B, place = self._rank_rows([s.rank for s, _, _ in rows], cfg.row_buckets)
             T = cfg.pick(cfg.chunk_buckets, widest)
             M = cfg.pick(cfg.prefill_page_buckets, max(self._pages_for(s + n) for _, s, n in rows))
             tokens = np.zeros((B, T), np.int32)
@@ -402,7 +449,7 @@ class Scheduler:
             tables = np.full((B, M), NULL_PAGE, np.int32)
             ctx = np.zeros(B, np.int32)
             chunk = np.zeros(B, np.int32)
-            for i, (seq, start, n) in enumerate(rows):
+            for i, (seq, start, n) in zip(place, rows):
                 toks = seq.tokens
                 pos = np.arange(start, start + n)
                 pages = np.array([p for p, _ in seq.prefill_pages], np.int32)
@@ -413,9 +460,11 @@ class Scheduler:
                 tables[i, :used] = pages[:used]
                 ctx[i], chunk[i] = start + n, n
             batch = PrefillBatch(*(jnp.asarray(a) for a in (tokens, positions, slots, tables, ctx, chunk)))
-            seqs = [r[0] for r in rows] + [None] * (B - len(rows))
-            out = self.programs.run_prefill(batch, _samp_arrays(seqs, self._extras(seqs)))
-            for i, (seq, start, n) in enumerate(rows):
+            by_row: list[Sequence | None] = [None] * B
+            for i, (seq, _, _) in zip(place, rows):
+                by_row[i] = seq
+            out = self.programs.run_prefill(batch, _samp_arrays(by_row, self._extras(by_row)))
+            for i, (seq, start, n) in zip(place, rows):
                 seq.computed = start + n
                 if seq.computed == seq.target:
                     self._complete_prefill(seq, int(out.tokens[i]), float(out.logprobs[i]), _top(out, i, seq))
@@ -427,13 +476,13 @@ class Scheduler:
         return _extras(seqs, self.model_cfg.vocab_size, self.eos, self.grammar)
 
     def _complete_prefill(self, seq: Sequence, token: int, logprob: float, top: tuple = ()) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.insert(seq.tokens[: seq.target], seq.prefill_pages)
+        if self.prefix_caches:
+            self.prefix_caches[seq.rank].insert(seq.tokens[: seq.target], seq.prefill_pages)
         seq.pending = (token, logprob, top)
         self._handoff(seq)
 
     def _handoff(self, seq: Sequence) -> None:
-        pages = self._allocate(self.decode_alloc, len(seq.prefill_pages), evict=False)
+        pages = self._allocate(self.decode_alloc, len(seq.prefill_pages), evict=False, rank=seq.rank)
         if pages is None:
             return
         self.programs.handoff([p for p, _ in seq.prefill_pages], [p for p, _ in pages])
@@ -457,26 +506,37 @@ class Scheduler:
         ready = [s for s in self.running if s.status is Status.DECODING]
         if not ready:
             return
+        if self.ranks > 1:
+            ready.sort(key=lambda s: s.rank)  # each rank's rows are one contiguous block of the batch
         n = len(ready)
-        B = cfg.pick(cfg.row_buckets, n)
+        B, place = self._rank_rows([s.rank for s in ready], cfg.row_buckets)
+        pos = np.asarray(place, np.int64)
         idx = np.fromiter((s.slot for s in ready), np.int64, n)
         M = cfg.pick(cfg.page_buckets, int(self.rows.num_pages[idx].max()))
         self.device_tags = self.decode_alloc.sync_device_tags(self.device_tags)
-        packed = self.rows.packed(idx, B, M)
+        if self.ranks == 1:
+            packed = self.rows.packed(idx, B, M)
+        else:
+            ranks = np.fromiter((s.rank for s in ready), np.int64, n)
+            packed = np.concatenate([self.rows.packed(idx[ranks == r], B // self.ranks, M)
+                                     for r in range(self.ranks)])
         batch, cols = _unpack_decode(jnp.asarray(packed), M)  # one upload for the whole batch
         mode = sampling_mode(zip(self.rows.temperature[idx].tolist(), self.rows.top_k[idx].tolist(),
                                  self.rows.top_p[idx].tolist()))
-        extras = self._extras(ready + [None] * (B - n)) if self.rows.special[idx].any() else _Extras()
+        by_row: list[Sequence | None] = [None] * B
+        for i, seq in zip(place, ready):
+            by_row[i] = seq
+        extras = self._extras(by_row) if self.rows.special[idx].any() else _Extras()
         samp = SamplingArrays(*cols, adjust=extras.adjust, mask=extras.mask, mode=mode, top_n=extras.top_n)
         out, ok = self.programs.run_decode(self.device_tags, batch, samp)
         sampled, logprobs = out.tokens, out.logprobs
-        good = ok[:n].astype(bool)
+        good = ok[pos].astype(bool)
         rows = self.rows
         rows.length[idx[good]] += 1
-        rows.last[idx] = sampled[:n]
+        rows.last[idx] = sampled[pos]
         rows.step[idx] += 1
-        for i, (seq, tok, lp, fine) in enumerate(zip(ready, sampled[:n].tolist(), logprobs[:n].tolist(),
-                                                     good.tolist())):
+        for i, seq, tok, lp, fine in zip(place, ready, sampled[pos].tolist(), logprobs[pos].tolist(),
+                                         good.tolist()):
             if not fine:
                 self.stats.tag_mismatches += 1
                 err = KVIntegrityError(f"KV page tags of request {seq.req.request_id!r} no longer match the pool; "
@@ -489,12 +549,13 @@ class Scheduler:
     def _grow(self, seq: Sequence) -> bool:
         """One more decode page for seq; preempts the youngest decoding sequences if the pool is full."""
         while True:
-            pages = self._allocate(self.decode_alloc, 1, evict=False)
+            pages = self._allocate(self.decode_alloc, 1, evict=False, rank=seq.rank)
             if pages is not None:
                 seq.decode_pages += pages
                 self.rows.add_page(seq, *pages[0])
                 return True
-            victims = [s for s in self.running if s.status is Status.DECODING]
+            # only a sequence on the same rank frees a page this one can use
+            victims = [s for s in self.running if s.status is Status.DECODING and s.rank == seq.rank]
             victim = max(victims, key=lambda s: s.order)
             self._preempt(victim)
             if victim is seq:

@@ -163,9 +163,15 @@ def tied_logits(model: CausalLM, h: jax.Array) -> jax.Array:
 def attention(par: Parallel, kernel: Callable, q: jax.Array, pools: tuple, tables: tuple, *, pool_axes: tuple,
               q_axes: tuple) -> jax.Array:
     """Run a paged attention kernel per shard. q [B, heads, ...] split by (batch, heads); pools (each page array
-    and its scales, or None) split by their logical `pool_axes` (a tuple of axes per pool); tables (block tables
-    [B, M], lengths [B], ...) split by batch. -> kernel output split like q."""
+    and its scales, or None) split by their logical `pool_axes` (a tuple of axes per pool, pages first); tables
+    (the block table [B, M] of global page ids first, then lengths [B], ...) split by batch. -> kernel output
+    split like q.
+
+    When the page axis is split (DP attention), each device holds pages [rank * P_local, (rank + 1) * P_local)
+    and the kernel sees local ids: a block-table entry outside the device's range (padding, or a page of another
+    rank) becomes the device's own null page 0, so a kernel never reads past its shard."""
     b_ax = par.axis("batch")
+    p_ax = par.axis("pages")
     q_spec = P(*(par.axis(a) for a in q_axes))
     present = [i for i, p in enumerate(pools) if p is not None]
     pool_specs = tuple(P(*(par.axis(a) for a in pool_axes[i])) for i in present)
@@ -175,6 +181,12 @@ def attention(par: Parallel, kernel: Callable, q: jax.Array, pools: tuple, table
         full = [None] * len(pools)
         for i, p in zip(present, local_pools):
             full[i] = p
+        if p_ax is not None:
+            n_local = local_pools[0].shape[0]
+            first = jax.lax.axis_index(p_ax) * n_local
+            bt = local_tables[0]
+            bt = jnp.where((bt >= first) & (bt < first + n_local), bt - first, 0)
+            local_tables = (bt, *local_tables[1:])
         return kernel(q, tuple(full), local_tables)
 
     fn = _smap(par, body, (q_spec, pool_specs, table_specs), q_spec)
