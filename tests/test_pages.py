@@ -225,6 +225,37 @@ def test_allocator_errors_carry_values():
         assert e.value.value == bad
 
 
+def test_allocator_shards_keep_each_rank_in_its_range():
+    """DP attention: 3 shards of 4 pages; each shard's first page is its null page, allocations stay in range."""
+    a = PageAllocator(12, shards=3)
+    assert a.capacity == 9 and [a.num_free_in(s) for s in range(3)] == [3, 3, 3]
+    got = {s: [p for p, _ in a.allocate(3, shard=s)] for s in range(3)}
+    assert got == {0: [1, 2, 3], 1: [5, 6, 7], 2: [9, 10, 11]}
+    with pytest.raises(OutOfPagesError):
+        a.allocate(1, shard=1)  # shard 1 is full
+    a.free(6, a.tags[6])
+    assert a.num_free_in(1) == 1 and a.num_free_in(0) == 0 and a.allocate(1, shard=1)[0][0] == 6
+    for null in (0, 4, 8):
+        with pytest.raises(PageAllocatorError, match="reserved null page"):
+            a.free(null, 1)
+    with pytest.raises(PageAllocatorError) as e:
+        a.allocate(1, shard=3)
+    assert e.value.value == 3
+    with pytest.raises(ConfigError):
+        PageAllocator(10, shards=3)
+
+
+def test_engine_config_splits_rows_and_pools_over_dp_ranks():
+    from jaxserve.engine import EngineConfig
+
+    c = EngineConfig(devices=8, sharding="dp_attention", max_batch=32, num_decode_pages=1024, num_prefill_pages=512)
+    assert c.dp_ranks == 8 and c.row_buckets == [8, 16, 32]
+    assert EngineConfig(devices=8, sharding="dp_attention", disaggregate=True, max_batch=32).dp_ranks == 4
+    assert EngineConfig(devices=8).dp_ranks == 1 and EngineConfig(devices=8).row_buckets[0] == 1
+    with pytest.raises(ConfigError, match="max_batch must divide"):
+        EngineConfig(devices=8, sharding="dp_attention", max_batch=12)
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["alloc", "free", "share", "stale", "double", "sync"]),
                          st.integers(0, 1000)), max_size=60)
 
