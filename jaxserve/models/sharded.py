@@ -165,7 +165,7 @@ def attention(par: Parallel, kernel: Callable, q: jax.Array, pools: tuple, table
     """Run a paged attention kernel per shard. q [B, heads, ...] split by (batch, heads); pools (each page array
     and its scales, or None) split by their logical `pool_axes` (a tuple of axes per pool, pages first); tables
     (the block table [B, M] of global page ids first, then lengths [B], ...) split by batch. -> kernel output
-    split like q.
+    split like q. The pools may carry a leading layer axis: the page axis is found by its logical name.
 
     When the page axis is split (DP attention), each device holds pages [rank * P_local, (rank + 1) * P_local)
     and the kernel sees local ids: a block-table entry outside the device's range (padding, or a page of another
@@ -182,7 +182,7 @@ def attention(par: Parallel, kernel: Callable, q: jax.Array, pools: tuple, table
         for i, p in zip(present, local_pools):
             full[i] = p
         if p_ax is not None:
-            n_local = local_pools[0].shape[0]
+            n_local = local_pools[0].shape[pool_axes[present[0]].index("pages")]
             first = jax.lax.axis_index(p_ax) * n_local
             bt = local_tables[0]
             bt = jnp.where((bt >= first) & (bt < first + n_local), bt - first, 0)
