@@ -140,9 +140,11 @@ class Programs:
         self.prefill_parallel = phase_parallel(cfg, p_dev)
         self.decode_parallel = phase_parallel(cfg, d_dev)
         interpret = cfg.attention.endswith("_interpret")
+        backend = "tpu" if cfg.attention.startswith("pallas_tpu") else "gpu"  # the matmul kernels' tiling
 
         def fmt(name: str) -> WeightFormat:
-            return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret)
+            return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret,
+                                backend)
 
         self.prefill_phase = self._phase(_in_format(model, fmt(cfg.prefill_weights)), self.prefill_parallel,
                                          kv_layout(model.cfg, cfg.page_size, "bf16"), cfg.num_prefill_pages)

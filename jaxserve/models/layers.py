@@ -49,6 +49,7 @@ class Linear(nnx.Module):
         self.fmt = "f32" if dtype == jnp.float32 else "bf16"
         self.use_kernel = False  # quantized formats: Pallas kernels (GPU/TPU) instead of the XLA dequant path
         self.interpret = False
+        self.backend = "gpu"  # the kernels' tiling: "gpu" (Triton) or "tpu" (Mosaic)
         self.parallel = None  # a jaxserve.sharding.Parallel once `shard_model` placed the model on a mesh
         self.path = ""  # this module's parameter path (the sharding table's key), set with `parallel`
         self.weight = nnx.Param((jax.random.normal(rngs.params(), (din, dout), jnp.float32) * INIT_STD).astype(dtype))
@@ -69,7 +70,8 @@ class Linear(nnx.Module):
 
     def local(self, x: jax.Array, w: jax.Array, scale: jax.Array | None, bias: jax.Array | None) -> jax.Array:
         """The matmul on given (possibly per-shard) arrays: x [..., din] @ w -> [..., dout] x.dtype."""
-        y = ops.linear(x, w, scale, self.fmt, use_kernel=self.use_kernel, interpret=self.interpret)
+        y = ops.linear(x, w, scale, self.fmt, use_kernel=self.use_kernel, interpret=self.interpret,
+                       backend=self.backend)
         return y if bias is None else y + bias.astype(y.dtype)
 
 
@@ -92,6 +94,7 @@ class Experts(nnx.Module):
         self.fmt = "f32" if dtype == jnp.float32 else "bf16"
         self.use_kernel = False
         self.interpret = False
+        self.backend = "gpu"
 
         def init(shape: tuple[int, ...]) -> nnx.Param:
             return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
@@ -108,7 +111,7 @@ class Experts(nnx.Module):
 
         def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None) -> jax.Array:
             return ops.grouped_linear(x, w[...], None if s is None else s[...], group_sizes, self.fmt,
-                                      use_kernel=self.use_kernel, interpret=self.interpret)
+                                      use_kernel=self.use_kernel, interpret=self.interpret, backend=self.backend)
 
         h = jax.nn.silu(mm(x_sorted, self.gate, self.gate_scale)) * mm(x_sorted, self.up, self.up_scale)
         return mm(h, self.down, self.down_scale)

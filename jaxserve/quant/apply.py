@@ -13,13 +13,15 @@ from jaxserve.quant import formats
 @dataclass(frozen=True)
 class WeightFormat:
     """fmt: "bf16" | "f32" | "fp8" | "int4"; attention: also quantize attention projections;
-    use_kernel/interpret: Pallas kernels for the quantized matmuls (interpret on CPU)."""
+    use_kernel/interpret: Pallas kernels for the quantized matmuls (interpret on CPU); backend: their tiling,
+    "gpu" (Triton) or "tpu" (Mosaic)."""
 
     fmt: str = "bf16"
     group_size: int = 32
     attention: bool = False
     use_kernel: bool = False
     interpret: bool = False
+    backend: str = "gpu"
 
 
 def _path(p: tuple) -> str:
@@ -38,7 +40,7 @@ def quantize_model(model: nnx.Module, wf: WeightFormat) -> nnx.Module:
     for path, module in nnx.iter_graph(out):
         if isinstance(module, Linear):
             name = _path(path)
-            module.use_kernel, module.interpret = wf.use_kernel, wf.interpret
+            module.use_kernel, module.interpret, module.backend = wf.use_kernel, wf.interpret, wf.backend
             if quantized and module.fmt in ("bf16", "f32") and formats.quantizable(name, attention=wf.attention) \
                     and module.weight.shape[0] % (wf.group_size if wf.fmt == "int4" else 1) == 0:
                 w, s = formats.quantize(module.weight[...].astype(jnp.float32), wf.fmt, wf.group_size)
@@ -46,7 +48,7 @@ def quantize_model(model: nnx.Module, wf: WeightFormat) -> nnx.Module:
                 module.scale = nnx.Param(s)
                 module.fmt = wf.fmt
         elif isinstance(module, Experts):
-            module.use_kernel, module.interpret = wf.use_kernel, wf.interpret
+            module.use_kernel, module.interpret, module.backend = wf.use_kernel, wf.interpret, wf.backend
             if quantized and module.fmt in ("bf16", "f32"):
                 for name in ("gate", "up", "down"):
                     w, s = formats.quantize(getattr(module, name)[...].astype(jnp.float32), wf.fmt, wf.group_size)

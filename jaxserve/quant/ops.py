@@ -1,7 +1,7 @@
 """Matmuls over runtime weight formats (see jaxserve.quant.formats): dense `linear` and expert `grouped_linear`.
 
 Dispatch, with the static choice `use_kernel` (Pallas) / `interpret` (run Pallas kernels in interpret mode,
-for CPU tests):
+for CPU tests) / `backend` (the kernels' tiling: "gpu" Triton, "tpu" Mosaic; see the kernel headers):
 
 | fmt        | use_kernel=False (XLA)                          | use_kernel=True (Pallas)                              |
 |------------|-------------------------------------------------|-------------------------------------------------------|
@@ -30,9 +30,9 @@ def _dense_weight(w: jax.Array, scale: jax.Array | None, fmt: str, dtype: jnp.dt
     return w if fmt in ("bf16", "f32") else dequantize(w, scale, fmt).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "use_kernel", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "use_kernel", "interpret", "backend"))
 def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None, fmt: str, *, use_kernel: bool = False,
-           interpret: bool = False) -> jax.Array:
+           interpret: bool = False, backend: str = "gpu") -> jax.Array:
     """x [..., K] bf16/f32 @ W [K, N] in `fmt` -> [..., N] x.dtype (f32 accumulation)."""
     check_fmt(fmt)
     k = x.shape[-1]
@@ -42,20 +42,20 @@ def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None, fmt: str, *, use
                           param="w")
     x2 = x.reshape(-1, k)
     if use_kernel and fmt == "int4":
-        out = int4_matmul(x2, w, scale, interpret=interpret)
+        out = int4_matmul(x2, w, scale, backend=backend, interpret=interpret)
     elif use_kernel and fmt == "fp8" and k % FP8_BLOCK == 0:
         # a dense layer is a grouped matmul with a single group holding every row
         group_sizes = jnp.full((1,), x2.shape[0], jnp.int32)
-        out = moe_gmm(x2, w[None], scale[None], group_sizes, fmt="fp8", interpret=interpret)
+        out = moe_gmm(x2, w[None], scale[None], group_sizes, fmt="fp8", backend=backend, interpret=interpret)
     else:
         wd = _dense_weight(w, scale, fmt, x.dtype)
         out = jnp.matmul(x2, wd, preferred_element_type=jnp.float32)
     return out.astype(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "use_kernel", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "use_kernel", "interpret", "backend"))
 def grouped_linear(x_sorted: jax.Array, w: jax.Array, scale: jax.Array | None, group_sizes: jax.Array, fmt: str,
-                   *, use_kernel: bool = False, interpret: bool = False) -> jax.Array:
+                   *, use_kernel: bool = False, interpret: bool = False, backend: str = "gpu") -> jax.Array:
     """Expert-sorted x [M, K] bf16/f32, expert weights W [E, K, N] in `fmt`, group_sizes [E] int32 -> [M, N].
 
     Row r uses expert g with cumsum(group_sizes)[g-1] <= r < cumsum(group_sizes)[g]; empty groups are allowed;
@@ -68,7 +68,7 @@ def grouped_linear(x_sorted: jax.Array, w: jax.Array, scale: jax.Array | None, g
         raise ConfigError(f"grouped_linear: x {x_sorted.shape}, group_sizes {group_sizes.shape} do not match "
                           f"{fmt} expert weight {w.shape}", value=tuple(w.shape), param="w")
     if use_kernel and (fmt == "int4" or (fmt == "fp8" and k % FP8_BLOCK == 0)):
-        return moe_gmm(x_sorted, w, scale, group_sizes, fmt=fmt, interpret=interpret)
+        return moe_gmm(x_sorted, w, scale, group_sizes, fmt=fmt, backend=backend, interpret=interpret)
     return _grouped_tiles(x_sorted, w, scale, group_sizes, fmt)
 
 
