@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the --quick version of every bench on a GPU machine, in under 8 minutes, then build the report.
+# Run every kernel's micro-benchmark (bench/kernels.py: GB/s vs the chip's peak HBM bandwidth, Triton tilings)
+# and the --quick version of every engine bench on one GPU, in under 10 minutes, then build the report.
 # Output: $OUT/bench/*.json and $OUT/bench/REPORT.md if OUT is set, else bench/results/gpu/.
 # Each bench gets its own time limit so one slow bench cannot eat the others' time; a failure is recorded and
 # the rest still run. Usage: bash bench/gpu.sh   (from anywhere; uses .venv/bin/python if present)
@@ -21,6 +22,7 @@ run() {  # run NAME SECONDS ARGS...: one bench under a hard time limit, its log 
   fi
   tail -n 12 "$DEST/$name.log"
 }
+run kernels 100 --backend gpu
 run kv_capacity 20 --quick
 run roofline 50 --quick
 run kv_dtype_concurrency 90 --quick
