@@ -8,6 +8,14 @@ splits merged by log-sum-exp in XLA. Ragged lengths in one batch; a length of 0 
 
 Grid: MLA (batch, head block, split); GQA (batch, kv head, split), one kv head's query group per program.
 
+FP8 MLA layout: one f32 scale per token over the whole 576-wide row (580 B/token/layer). FlashMLA's layout (512
+FP8 + one scale per 128 columns + the 64 rope columns in BF16, 656 B) was measured against it
+(`python bench/kv_layout_quality.py`, bench/results/kv_layout_quality.json; embedded tiny-kimi, 16 x 256 held-out
+tokens, vs BF16 KV): top-1 0.973 -> 0.993, mean KL 0.0022 -> 0.0003, at 1.13x fewer tokens per byte. The loss
+comes from the rope columns in FP8 (two scales, c_kv and rope, measure the same as one). The default stays
+per-token: the switch changes the pool layout, the hand-off, the XLA decode path and all four attention kernels
+(a rope-in-BF16 row of 512 + 4 + 128 B is the cheapest variant that keeps the gain, not built).
+
 Lowering: every pallas_call passes `pallas.triton.CompilerParams(num_warps, num_stages)`. Without compiler
 params JAX 0.10.2 lowers a GPU pallas_call with Mosaic GPU, which treats the whole-pool BlockSpec as one
 shared-memory block ("Mosaic GPU kernel exceeds available shared memory: smem_bytes=38089736"); with them it is
