@@ -9,6 +9,7 @@ This is pool capacity only: weights, activations and allocator headroom are not 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -34,9 +35,10 @@ MODELS = (
 
 
 def pool_bytes_per_token(layout: KVLayout, num_pages: int) -> float:
-    """Bytes per token measured from the shapes of a real pool of num_pages pages."""
+    """KV bytes per token measured from the shapes of a real pool of num_pages pages (its integrity tags, one
+    uint32 per page, are not per-token KV and are left out)."""
     shapes = jax.eval_shape(lambda: init_pages(layout, num_pages))
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(dataclasses.replace(shapes, tags=None)))
     return total / (num_pages * layout.page_size)
 
 

@@ -211,6 +211,7 @@ POOL_AXES: dict[str, Axes] = {
     "v": (None, "pages", None, "kv_heads", None),
     "k_scale": (None, "pages", None, "kv_heads"),
     "v_scale": (None, "pages", None, "kv_heads"),
+    "tags": ("pages",),  # per-page integrity tags, split like the page axis
 }
 
 

@@ -42,7 +42,7 @@ def test_bytes_per_token_kimi_and_glm():
 def test_pool_nbytes_match_layout():
     for lay in (KVLayout.mla(3, 16, 8, page_size=4, dtype="fp8"), KVLayout.gqa(2, 2, 8, page_size=8)):
         pages = init_pages(lay, 5)
-        assert pages.nbytes() == lay.bytes_per_token() * 5 * lay.page_size
+        assert pages.nbytes() == lay.bytes_per_token() * 5 * lay.page_size + 5 * 4  # + one uint32 tag per page
 
 
 def test_bad_layout_raises_typed_error():
@@ -298,7 +298,7 @@ def test_allocator_invariants(num_pages, ops):
                     a.free(p, int(a.tags[p]))
         elif op == "sync":
             device_tags = a.sync_device_tags(device_tags)
-            np.testing.assert_array_equal(np.asarray(device_tags), a.tags)
+            np.testing.assert_array_equal(np.asarray(device_tags), a.live_tags)
         held = {p for p, _ in owners}
         assert a.num_free + a.num_used == a.capacity
         assert a.num_used == len(held)
@@ -307,7 +307,7 @@ def test_allocator_invariants(num_pages, ops):
     for p, t in owners:
         a.free(p, t)
     assert a.num_free == a.capacity and a.num_used == 0
-    np.testing.assert_array_equal(np.asarray(a.sync_device_tags(device_tags)), a.tags)
+    np.testing.assert_array_equal(np.asarray(a.sync_device_tags(device_tags)), a.live_tags)
 
 
 def test_tag_wrap_skips_zero_and_previous():

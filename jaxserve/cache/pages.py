@@ -17,6 +17,12 @@ cast) so it never produces NaN from finite or infinite inputs; an all-zero row g
 
 Slots: a token's slot is `page * page_size + offset`. Page 0 is reserved by `PageAllocator` as the null page:
 block tables pad with 0 so gathers of padding entries read a valid, never-owned page (masked by lengths).
+
+Tags: `KVPages.tags` [pages] uint32 is the device's witness of each page's generation. The host sets it when a
+page is allocated (its new tag) or freed (0, "no generation"; `PageAllocator.sync_device_tags`); every KV write
+(`write_tokens` with `slot_tags`, `insert_pages`) stamps the writer's tag for the page it writes, in the same
+program as the data. A write through a stale slot therefore leaves a tag its page's owner does not expect, and
+the owner's next read (`integrity.check_tags`) fails closed.
 """
 from __future__ import annotations
 
@@ -109,7 +115,8 @@ class KVLayout:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["latent", "latent_scale", "k", "v", "k_scale", "v_scale"], meta_fields=["layout"])
+                   data_fields=["latent", "latent_scale", "k", "v", "k_scale", "v_scale", "tags"],
+                   meta_fields=["layout"])
 @dataclass(frozen=True)
 class KVPages:
     """Device page pool. Unused fields are None. Values fields hold bit patterns (`layout.storage_dtype`:
@@ -119,6 +126,8 @@ class KVPages:
          latent_scale [layers, pages, page_size] f32 (fp8).
     GQA: k, v [layers, pages, page_size, kv_heads, head_dim] uint16|uint8,
          k_scale, v_scale [layers, pages, page_size, kv_heads] f32 (fp8).
+    tags [pages] uint32: the generation each page was last allocated / written with (0: free); see the module
+    docstring. A hand-off chunk carries the tags of its source pages.
     """
 
     layout: KVLayout
@@ -128,6 +137,7 @@ class KVPages:
     v: jax.Array | None = None
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    tags: jax.Array | None = None
 
     @property
     def num_pages(self) -> int:
@@ -192,16 +202,18 @@ def from_bits(x: jax.Array, layout: KVLayout) -> jax.Array:
 
 
 def init_pages(layout: KVLayout, num_pages: int) -> KVPages:
-    """Zero-filled pool (scales 1) of `num_pages` pages, every layer."""
+    """Zero-filled pool (scales 1, tags 0: nothing allocated) of `num_pages` pages, every layer."""
     lead = (layout.num_layers, num_pages, layout.page_size)
     fp8 = layout.dtype == "fp8"
     dt = layout.storage_dtype  # all-zero bits are +0.0 in both bf16 and e4m3
+    tags = jnp.zeros((num_pages,), jnp.uint32)
     if layout.kind == "mla":
         return KVPages(layout, latent=jnp.zeros((*lead, layout.latent_dim), dt),
-                       latent_scale=jnp.ones(lead, jnp.float32) if fp8 else None)
+                       latent_scale=jnp.ones(lead, jnp.float32) if fp8 else None, tags=tags)
     kv_shape = (*lead, layout.kv_heads, layout.head_dim)
     sc = (lambda: jnp.ones((*lead, layout.kv_heads), jnp.float32)) if fp8 else (lambda: None)
-    return KVPages(layout, k=jnp.zeros(kv_shape, dt), v=jnp.zeros(kv_shape, dt), k_scale=sc(), v_scale=sc())
+    return KVPages(layout, k=jnp.zeros(kv_shape, dt), v=jnp.zeros(kv_shape, dt), k_scale=sc(), v_scale=sc(),
+                   tags=tags)
 
 
 def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -240,31 +252,42 @@ def _store(pool: jax.Array, layer: jax.Array, page: jax.Array, off: jax.Array, v
 
 @jax.jit
 def write_tokens(pages: KVPages, layer: int | jax.Array, rows: jax.Array | tuple[jax.Array, jax.Array],
-                 slot_mapping: jax.Array) -> KVPages:
+                 slot_mapping: jax.Array, slot_tags: jax.Array | None = None) -> KVPages:
     """Scatter N new tokens of one layer into the pool, quantizing if the pool is FP8.
 
     rows: MLA [N, latent_dim] float; GQA (k [N, kv_heads, head_dim], v [N, kv_heads, head_dim]) float.
     slot_mapping: [N] int32, `page * page_size + offset`; -1 (any negative) is padding and writes nothing.
     Slots past the pool are dropped too. Two rows with the same slot: one of them wins (unspecified).
+    slot_tags: [N] uint32, the writer's tag for each slot's page, stamped into `pages.tags` by the same scatter
+    (None: tags unchanged).
     """
     lay = pages.layout
     page, off = _slot_indices(slot_mapping, pages.num_pages, lay.page_size)
+    tags = stamp_tags(pages.tags, page, slot_tags)  # integrity witness: see the module docstring
     fp8 = lay.dtype == "fp8"
     if lay.kind == "mla":
         if fp8:
             q, s = quantize_fp8(rows)
             return KVPages(lay, latent=_store(pages.latent, layer, page, off, q, lay),
-                           latent_scale=_store(pages.latent_scale, layer, page, off, s))
-        return KVPages(lay, latent=_store(pages.latent, layer, page, off, rows, lay))
+                           latent_scale=_store(pages.latent_scale, layer, page, off, s), tags=tags)
+        return KVPages(lay, latent=_store(pages.latent, layer, page, off, rows, lay), tags=tags)
     k_rows, v_rows = rows
     if fp8:
         kq, ks = quantize_fp8(k_rows)
         vq, vs = quantize_fp8(v_rows)
         return KVPages(lay, k=_store(pages.k, layer, page, off, kq, lay), v=_store(pages.v, layer, page, off, vq, lay),
                        k_scale=_store(pages.k_scale, layer, page, off, ks),
-                       v_scale=_store(pages.v_scale, layer, page, off, vs))
+                       v_scale=_store(pages.v_scale, layer, page, off, vs), tags=tags)
     return KVPages(lay, k=_store(pages.k, layer, page, off, k_rows, lay),
-                   v=_store(pages.v, layer, page, off, v_rows, lay))
+                   v=_store(pages.v, layer, page, off, v_rows, lay), tags=tags)
+
+
+def stamp_tags(tags: jax.Array | None, page: jax.Array, page_tags: jax.Array | None) -> jax.Array | None:
+    """tags [P] uint32 with tags[page[i]] = page_tags[i] for each i; page [N] int32 (out of range: dropped, as
+    `_slot_indices` maps padding), page_tags [N] uint32. Either None: tags unchanged."""
+    if tags is None or page_tags is None:
+        return tags
+    return tags.at[page].set(page_tags.astype(tags.dtype), mode="drop")
 
 
 def _gather(pool: jax.Array, scale: jax.Array | None, block_table: jax.Array, max_len: int,
@@ -317,29 +340,43 @@ def pages_to_fp8(src: KVPages, page_ids: jax.Array) -> KVPages:
         raise ConfigError("pages_to_fp8 expects a BF16 pool", value=lay.dtype, param="dtype")
     out = lay.with_dtype("fp8")
     quant = lambda x: quantize_fp8(from_bits(x[:, page_ids], lay))  # noqa: E731
+    tags = None if src.tags is None else src.tags[page_ids]  # the source pages' tags travel with them
     if lay.kind == "mla":
         q, s = quant(src.latent)
-        return KVPages.from_values(out, latent=q, latent_scale=s)
+        return KVPages.from_values(out, latent=q, latent_scale=s, tags=tags)
     (kq, ks), (vq, vs) = quant(src.k), quant(src.v)
-    return KVPages.from_values(out, k=kq, v=vq, k_scale=ks, v_scale=vs)
+    return KVPages.from_values(out, k=kq, v=vq, k_scale=ks, v_scale=vs, tags=tags)
 
 
 @jax.jit
-def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array) -> KVPages:
+def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array, expected_src_tags: jax.Array | None = None,
+                 dst_tags: jax.Array | None = None) -> KVPages:
     """Prefill -> decode hand-off, step 2 (on the decode device): write chunk's n pages at dst_page_ids [n] int32.
 
     Layouts must match (same dtype). A negative dst page id is padding and writes nothing. Bits are copied as
     bits (an integer scatter: no conversion of the pool).
+
+    Integrity (both given, and the pools carry tags): expected_src_tags [n] uint32 are the host's tags of the
+    source pages, compared here, on the decode side, with the tags the chunk carried over (live entries only:
+    dst id >= 0). Match: the pages are written and dst_tags [n] uint32 (their decode-pool tags) stamped. Any
+    mismatch: no page is written and the destination tags are stamped 0, so the owner's first decode check
+    fails closed (no host round trip here).
     """
     if dst.layout != chunk.layout:
         raise ConfigError("insert_pages: chunk layout differs from the pool's", value=(chunk.layout, dst.layout),
                           param="chunk")
     ids = dst_page_ids.astype(jnp.int32)
-    ids = jnp.where(ids < 0, dst.num_pages, ids)  # out of bounds -> dropped
+    live = ids >= 0
+    ids = jnp.where(live, ids, dst.num_pages)  # out of bounds -> dropped
+    tags = dst.tags
+    if tags is not None and chunk.tags is not None and expected_src_tags is not None and dst_tags is not None:
+        ok = jnp.all(~live | (chunk.tags == expected_src_tags.astype(chunk.tags.dtype)))
+        tags = stamp_tags(tags, ids, jnp.where(ok, dst_tags.astype(tags.dtype), 0))
+        ids = jnp.where(ok, ids, dst.num_pages)  # a failed chunk writes no KV
     put = lambda pool, c: None if pool is None else pool.at[:, ids].set(c, mode="drop")  # noqa: E731
     return KVPages(dst.layout, latent=put(dst.latent, chunk.latent), latent_scale=put(dst.latent_scale,
                    chunk.latent_scale), k=put(dst.k, chunk.k), v=put(dst.v, chunk.v),
-                   k_scale=put(dst.k_scale, chunk.k_scale), v_scale=put(dst.v_scale, chunk.v_scale))
+                   k_scale=put(dst.k_scale, chunk.k_scale), v_scale=put(dst.v_scale, chunk.v_scale), tags=tags)
 
 
 def convert_pages_to_fp8(src: KVPages, dst: KVPages, src_page_ids: jax.Array, dst_page_ids: jax.Array) -> KVPages:
@@ -358,7 +395,9 @@ class PageAllocator:
 
     Page 0 (NULL_PAGE) is reserved when `reserve_null_page` (default): never handed out, so block tables can pad
     with it. Tags are uint32, bumped on every allocation (skipping 0 on wrap, so a tag never equals its previous
-    value and 0 means "never allocated"). Freeing does not change the tag; reallocating does.
+    value and 0 means "never allocated"). Freeing does not change the host tag; reallocating does. The device's
+    copy (`live_tags`, sent by `sync_device_tags`) is 0 for a free page, so a reader still holding a freed page
+    fails its check at once, before the page is even reallocated.
 
     `shards` > 1 splits the page ids into equal contiguous ranges, one per data-parallel attention rank (the pool's
     page axis is split the same way over the mesh): `allocate(n, shard=r)` takes pages of range r only, and the
@@ -416,9 +455,19 @@ class PageAllocator:
         """Copy of the host tag array [num_pages] uint32."""
         return self._tags.copy()
 
+    @property
+    def live_tags(self) -> np.ndarray:
+        """What the device tag array should hold [num_pages] uint32: the tag of each allocated page, 0 if free."""
+        return np.where(self._refcount > 0, self._tags, 0).astype(np.uint32)
+
     def refcount(self, page: int) -> int:
         self._check_page(page)
         return int(self._refcount[page])
+
+    def tag(self, page: int) -> int:
+        """The page's current host tag (its last allocation's)."""
+        self._check_page(page)
+        return int(self._tags[page])
 
     def allocate(self, n: int, shard: int = 0) -> list[tuple[int, int]]:
         """n fresh pages of `shard` as (page, tag), refcount 1 each. All or nothing: OutOfPagesError allocates
@@ -455,6 +504,7 @@ class PageAllocator:
         self._refcount[page] -= 1
         if self._refcount[page] == 0:
             self._free[self.shard_of(page)].append(page)
+            self._dirty.add(page)  # the device forgets the generation too
 
     def _check_page(self, page: int) -> None:
         if not (isinstance(page, (int, np.integer)) and 0 <= page < self.num_pages):
@@ -472,18 +522,18 @@ class PageAllocator:
                                      value=tag, param="tag")
 
     def device_tags(self) -> jax.Array:
-        """Full upload of the tag array [num_pages] uint32 (once, at start-up); clears the dirty set."""
+        """Full upload of `live_tags` [num_pages] uint32 (once, at start-up); clears the dirty set."""
         self._dirty.clear()
-        return jnp.asarray(self._tags)
+        return jnp.asarray(self.live_tags)
 
     def take_dirty(self) -> tuple[np.ndarray, np.ndarray]:
-        """(pages [n] int32, tags [n] uint32) changed since the last sync; clears the set."""
+        """(pages [n] int32, live tags [n] uint32: 0 for a freed page) changed since the last sync; clears the set."""
         pages = np.fromiter(sorted(self._dirty), np.int32, len(self._dirty))
         self._dirty.clear()
-        return pages, self._tags[pages]
+        return pages, np.where(self._refcount[pages] > 0, self._tags[pages], 0).astype(np.uint32)
 
     def sync_device_tags(self, device_tags: jax.Array) -> jax.Array:
-        """Scatter only the changed tags into `device_tags` [num_pages] uint32 (donated); returns the new array.
+        """Scatter only the changed live tags into `device_tags` [num_pages] uint32 (donated); returns the new array.
 
         The update is padded to a power-of-two length (pad index out of bounds, dropped) to bound recompiles.
         """
