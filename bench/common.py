@@ -39,17 +39,16 @@ def write_result(result: dict, table_text: str, path: Path) -> int:
 
 @dataclass(frozen=True)
 class DecodeCall:
-    """The arguments of one steady-state decode-program call: Programs.run_decode(tags, batch, samp)."""
+    """The arguments of one steady-state decode-program call: Programs.run_decode(batch, samp) (the pool, with its
+    device tags, is the engine's own)."""
 
-    tags: object
     batch: object
     samp: object
 
 
 def steady_decode(engine: object, prompts: list[list[int]], max_tokens: int) -> DecodeCall:
     """Submit `prompts` to a synchronous engine, step until every one decodes, and capture the arguments of the
-    next decode-program call (to time the program alone). The captured tags stay valid until the engine steps
-    again (a step may donate them)."""
+    next decode-program call (to time the program alone)."""
     from jaxserve.engine import Request, SamplingParams
     from jaxserve.engine.request import Status
 
@@ -61,9 +60,9 @@ def steady_decode(engine: object, prompts: list[list[int]], max_tokens: int) -> 
     captured: list[DecodeCall] = []
     real = engine.programs.run_decode
 
-    def capture(tags, batch, samp):  # noqa: ANN001, ANN202 - the run_decode signature
-        captured.append(DecodeCall(tags, batch, samp))
-        return real(tags, batch, samp)
+    def capture(batch, samp):  # noqa: ANN001, ANN202 - the run_decode signature
+        captured.append(DecodeCall(batch, samp))
+        return real(batch, samp)
 
     engine.programs.run_decode = capture
     try:

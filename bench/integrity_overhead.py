@@ -51,16 +51,17 @@ def time_steps(engine: Engine, call: common.DecodeCall, steps: int) -> float:
     """Seconds for `steps` decode-program calls (synchronized by the host read of the tokens)."""
     t = time.perf_counter()
     for _ in range(steps):
-        engine.programs.run_decode(call.tags, call.batch, call.samp)
+        engine.programs.run_decode(call.batch, call.samp)
     return time.perf_counter() - t
 
 
-def check_only_seconds(call: common.DecodeCall, reps: int) -> float:
-    """Median seconds of the tag check alone (the jitted check_tags) on the captured batch."""
+def check_only_seconds(engine: Engine, call: common.DecodeCall, reps: int) -> float:
+    """Median seconds of the tag check alone (the jitted check_tags against the pool's device tags) on the
+    captured batch."""
     from jaxserve.cache import check_tags
 
     b = call.batch
-    args = (call.tags, b.block_tables, b.expected_tags, b.num_pages)
+    args = (engine.programs.decode_phase.pages.tags, b.block_tables, b.expected_tags, b.num_pages)
     check_tags(*args).block_until_ready()
     times = []
     for _ in range(reps):
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios.append(t_off / t_on)  # tokens/s(on) / tokens/s(off)
         med = statistics.median(ratios)
         step_s = statistics.median(off_t) / steps
-        check_s = check_only_seconds(caps[True], 50)
+        check_s = check_only_seconds(engines[True], caps[True], 50)
         rows.append({"batch": b, "median_ratio": med, "cost_pct": 100 * (1 - med),
                      "check_alone_s": check_s, "decode_step_s": step_s,
                      "check_alone_pct_of_step": 100 * check_s / step_s,

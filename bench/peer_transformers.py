@@ -150,7 +150,7 @@ def engine_step_times(engine: Engine, prompts: np.ndarray, steps: int) -> dict:
     prog = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        engine.programs.run_decode(call.tags, call.batch, call.samp)
+        engine.programs.run_decode(call.batch, call.samp)
         prog.append(time.perf_counter() - t0)
     sched = engine.scheduler
     step = []

@@ -181,10 +181,10 @@ def measured_step(engine: Engine, batch: int, context: int, vocab: int, steps: i
     prompts = [rng.integers(1, vocab, context).tolist() for _ in range(batch)]
     call = common.steady_decode(engine, prompts, 2 * steps * reps + 16)
     prog, whole = [], []
-    for _ in range(reps):  # program first: engine steps may replace (donate) the captured tag array
+    for _ in range(reps):  # program first, on the captured batch
         t = time.perf_counter()
         for _ in range(steps):
-            engine.programs.run_decode(call.tags, call.batch, call.samp)
+            engine.programs.run_decode(call.batch, call.samp)
         prog.append((time.perf_counter() - t) / steps)
     for _ in range(reps):
         t = time.perf_counter()

@@ -139,7 +139,7 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     from flax import nnx
 
     from jaxserve.cache import init_pages
-    from jaxserve.engine.programs import _pool_shardings, decode_step, kv_layout, pool_sharding_1d, prefill_step
+    from jaxserve.engine.programs import _pool_shardings, decode_step, kv_layout, prefill_step
     from jaxserve.engine.scheduler import dummy_decode, dummy_prefill
     from jaxserve.hlo import collectives, summarize
     from jaxserve.models.sharded import state_shardings
@@ -162,15 +162,14 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     t0 = time.perf_counter()
     if phase == "decode":
         batch, samp = dummy_decode(b, m)
-        tags = jax.ShapeDtypeStruct((num_pages,), jax.numpy.uint32, sharding=pool_sharding_1d(par, num_pages))
         # the pool is donated and comes back in its own layout, so it is updated in place (as in Programs)
         fn = jax.jit(functools.partial(decode_step, graphdef, integrity=True, attention="xla"), donate_argnums=(1,),
                      out_shardings=(rows, rows, pool_shardings))
-        lowered = fn.lower(state, pages, tags, abstract(batch), abstract(samp))
+        lowered = fn.lower(state, pages, abstract(batch), abstract(samp))
     else:
         batch, samp = dummy_prefill(b, spec.prefill_chunk, m)
         fn = jax.jit(functools.partial(prefill_step, graphdef), donate_argnums=(1,),
-                     out_shardings=(rows, pool_shardings))
+                     out_shardings=(rows, rows, pool_shardings))
         lowered = fn.lower(state, pages, abstract(batch), abstract(samp))
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0

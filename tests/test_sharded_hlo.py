@@ -19,8 +19,7 @@ def _compiled(e, phase: str) -> str:
     p = e.programs
     if phase == "decode":
         ph = p.decode_phase
-        tags = jnp.zeros((e.cfg.num_decode_pages,), jnp.uint32)
-        return p._decode.lower(ph.state, ph.pages, tags, *dummy_decode(ROWS, PAGES)).compile().as_text()
+        return p._decode.lower(ph.state, ph.pages, *dummy_decode(ROWS, PAGES)).compile().as_text()
     ph = p.prefill_phase
     return p._prefill.lower(ph.state, ph.pages, *dummy_prefill(ROWS, CHUNK, PAGES)).compile().as_text()
 

@@ -78,15 +78,15 @@ def test_prefill_and_handoff_convert_no_pool(models, arch, kv_dtype):
     assert pool_sized_converts(hlo, NUM_PAGES, elems) == []
     chunk = pr._export(ph.pages, page_ids)
     dst = pr.decode_phase.pages
-    hlo = pr._import.lower(dst, chunk, page_ids).compile().as_text()
+    tags = jnp.zeros((8,), jnp.uint32)
+    hlo = pr._import.lower(dst, chunk, page_ids, tags, tags).compile().as_text()
     assert pool_sized_converts(hlo, NUM_PAGES, _layer_elems(dst.layout, NUM_PAGES)) == []
 
 
 def _decode_hlo(pr: Programs) -> str:
     ph = pr.decode_phase
-    tags = jnp.zeros((NUM_PAGES,), jnp.uint32)
     batch, samp = dummy_decode(4, 8)
-    return pr._decode.lower(ph.state, ph.pages, tags, batch, samp).compile().as_text()
+    return pr._decode.lower(ph.state, ph.pages, batch, samp).compile().as_text()
 
 
 @pytest.mark.parametrize("arch,kv_dtype", [("deepseek_v3", "fp8"), ("deepseek_v3", "bf16"), ("glm4_moe", "fp8")])
@@ -152,14 +152,13 @@ def vocab_sorts(hlo: str, vocab: int) -> list[str]:
 def test_greedy_decode_has_no_vocabulary_sort(models):
     pr = _programs(models["deepseek_v3"], "fp8")
     ph = pr.decode_phase
-    tags = jnp.zeros((NUM_PAGES,), jnp.uint32)
     batch, samp = dummy_decode(4, 8)
     assert samp.mode == "greedy"  # an all-greedy (here all-padding) batch picks the greedy program
     vocab = pr.model_cfg.vocab_size
-    assert vocab_sorts(pr._decode.lower(ph.state, ph.pages, tags, batch, samp).compile().as_text(), vocab) == []
+    assert vocab_sorts(pr._decode.lower(ph.state, ph.pages, batch, samp).compile().as_text(), vocab) == []
     for mode, sorts in (("top_k", False), ("full", True)):  # the general program still sorts: the check can fail
         s = dataclasses.replace(samp, temperature=jnp.ones_like(samp.temperature), mode=mode)
-        hlo = pr._decode.lower(ph.state, ph.pages, tags, batch, s).compile().as_text()
+        hlo = pr._decode.lower(ph.state, ph.pages, batch, s).compile().as_text()
         assert bool(vocab_sorts(hlo, vocab)) == sorts, mode
 
 

@@ -2,13 +2,17 @@
 
 prefill: BF16 page pool, prefill weights (FP8 by default), plain MLA, chunked; samples the first token.
 decode:  FP8 (or BF16) page pool, decode weights (INT4 by default), tag check, absorbed MLA attention, sampling.
-handoff: BF16 prefill pages -> decode pool pages (FP8 conversion on the prefill side, then a device transfer).
+handoff: BF16 prefill pages -> decode pool pages (FP8 conversion on the prefill side, then a device transfer);
+         the source pages' device tags travel with them and are verified on the decode side.
+Each pool carries its device tags (`KVPages.tags`); `sync_tags` sends the host allocator's changes before a
+program reads them.
 
 Shapes are bucketed (rows, chunk tokens, pages per row) to powers of two so steady state never recompiles.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
@@ -20,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from jaxserve.cache import KVLayout, KVPages, init_pages, insert_pages, pages_to_fp8
+from jaxserve.cache import KVLayout, KVPages, PageAllocator, init_pages, insert_pages, pages_to_fp8
 from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sampling import Sampled, SamplingArrays, sample
@@ -63,7 +67,6 @@ class Phase:
     pages: KVPages
     pages_sharding: KVPages
     state_sharding: nnx.State
-    tags_sharding: NamedSharding
 
 
 def phase_devices(cfg: EngineConfig) -> tuple[list[jax.Device], list[jax.Device]]:
@@ -92,34 +95,30 @@ def _pool_shardings(shape: KVPages, par: Parallel) -> KVPages:
     return KVPages(shape.layout, **fields)
 
 
-def pool_sharding_1d(par: Parallel, num_pages: int) -> NamedSharding:
-    """The per-page tag array [num_pages]: split like the pool's page axis."""
-    par.check("tags", (num_pages,), ("pages",))
-    return par.sharding(("pages",))
-
-
 def _take_pages(src: KVPages, page_ids: jax.Array) -> KVPages:
     """Same-dtype hand-off: the selected pages of every layer, as a compact pool."""
     take = lambda x: None if x is None else x[:, page_ids]  # noqa: E731
     return KVPages(src.layout, latent=take(src.latent), latent_scale=take(src.latent_scale), k=take(src.k),
-                   v=take(src.v), k_scale=take(src.k_scale), v_scale=take(src.v_scale))
+                   v=take(src.v), k_scale=take(src.k_scale), v_scale=take(src.v_scale),
+                   tags=None if src.tags is None else src.tags[page_ids])
 
 
 def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: PrefillBatch,
-                 samp: SamplingArrays, *, attention: str = "xla") -> tuple[Sampled, KVPages]:
-    """The prefill program's body: one chunk per row written and attended, first tokens sampled.
-    -> (Sampled: tokens [B] int32, logprobs [B] f32, top alternatives; pages)."""
+                 samp: SamplingArrays, *, attention: str = "xla", integrity: bool = True
+                 ) -> tuple[Sampled, jax.Array, KVPages]:
+    """The prefill program's body: tag check, one chunk per row written and attended, first tokens sampled.
+    -> (Sampled: tokens [B] int32, logprobs [B] f32, top alternatives; ok [B] bool; pages)."""
     model = nnx.merge(graphdef, state)
-    logits, pages = prefill(model, pages, batch, attention=attention)
-    return sample(logits, samp), pages
+    logits, pages, ok = prefill(model, pages, batch, attention=attention, integrity=integrity)
+    return sample(logits, samp), ok, pages
 
 
-def decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, tags: jax.Array, batch: DecodeBatch,
+def decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: DecodeBatch,
                 samp: SamplingArrays, *, integrity: bool, attention: str
                 ) -> tuple[Sampled, jax.Array, KVPages]:
     """The decode program's body: tag check, one token per row. -> (Sampled, ok [B] bool, pages)."""
     model = nnx.merge(graphdef, state)
-    logits, pages, ok = decode(model, pages, tags, batch, integrity=integrity, attention=attention)
+    logits, pages, ok = decode(model, pages, batch, integrity=integrity, attention=attention)
     return sample(logits, samp), ok, pages
 
 
@@ -159,9 +158,9 @@ class Programs:
         # attention) or replicated, so nothing is placed on a default device and resharded per call
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
                                 in_shardings=(ph.state_sharding, ph.pages_sharding, rows_p, rows_p),
-                                out_shardings=(rows_p, ph.pages_sharding))
+                                out_shardings=(rows_p, rows_p, ph.pages_sharding))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
-                               in_shardings=(dh.state_sharding, dh.pages_sharding, dh.tags_sharding, rows_d, rows_d),
+                               in_shardings=(dh.state_sharding, dh.pages_sharding, rows_d, rows_d),
                                out_shardings=(rows_d, rows_d, dh.pages_sharding))
         self._export = jax.jit(self._export_fn)
         self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=dh.pages_sharding)
@@ -175,18 +174,17 @@ class Programs:
         shape = jax.eval_shape(lambda: init_pages(layout, num_pages))
         shard = _pool_shardings(shape, par)
         pages = jax.jit(lambda: init_pages(layout, num_pages), out_shardings=shard)()
-        tags = pool_sharding_1d(par, num_pages)
-        return Phase(graphdef, state, par.mesh, pages, shard, state_sharding, tags)
+        return Phase(graphdef, state, par.mesh, pages, shard, state_sharding)
 
     # ---- traced bodies (the Counter increments only while tracing) ----------------------------------------
     def _prefill_fn(self, state: nnx.State, pages: KVPages, batch: PrefillBatch, samp: SamplingArrays):
         self.compiles["prefill"] += 1
-        return prefill_step(self.prefill_phase.graphdef, state, pages, batch, samp, attention=self.cfg.attention)
+        return prefill_step(self.prefill_phase.graphdef, state, pages, batch, samp, attention=self.cfg.attention,
+                            integrity=self.cfg.integrity)
 
-    def _decode_fn(self, state: nnx.State, pages: KVPages, tags: jax.Array, batch: DecodeBatch,
-                   samp: SamplingArrays):
+    def _decode_fn(self, state: nnx.State, pages: KVPages, batch: DecodeBatch, samp: SamplingArrays):
         self.compiles["decode"] += 1
-        return decode_step(self.decode_phase.graphdef, state, pages, tags, batch, samp,
+        return decode_step(self.decode_phase.graphdef, state, pages, batch, samp,
                            integrity=self.cfg.integrity, attention=self.cfg.attention)
 
     def _export_fn(self, pages: KVPages, page_ids: jax.Array) -> KVPages:
@@ -194,32 +192,51 @@ class Programs:
         return pages_to_fp8(pages, page_ids) if self.cfg.kv_dtype == "fp8" else _take_pages(pages, page_ids)
 
     # ---- host entry points -----------------------------------------------------------------------------------
-    def run_prefill(self, batch: PrefillBatch, samp: SamplingArrays) -> Sampled:
-        """-> Sampled with numpy fields."""
+    def run_prefill(self, batch: PrefillBatch, samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:
+        """-> (Sampled with numpy fields, ok [B] bool: the row's pages passed the tag check)."""
         ph = self.prefill_phase
-        sampled, ph.pages = self._prefill(ph.state, ph.pages, batch, samp)
-        return jax.tree.map(np.asarray, sampled)
-
-    def run_decode(self, tags: jax.Array, batch: DecodeBatch, samp: SamplingArrays
-                   ) -> tuple[Sampled, np.ndarray]:
-        """-> (Sampled with numpy fields, ok [B] bool)."""
-        ph = self.decode_phase
-        sampled, ok, ph.pages = self._decode(ph.state, ph.pages, tags, batch, samp)
+        sampled, ok, ph.pages = self._prefill(ph.state, ph.pages, batch, samp)
         return jax.tree.map(np.asarray, sampled), np.asarray(ok)
 
-    def handoff(self, src_pages: list[int], dst_pages: list[int]) -> None:
+    def run_decode(self, batch: DecodeBatch, samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:
+        """-> (Sampled with numpy fields, ok [B] bool)."""
+        ph = self.decode_phase
+        sampled, ok, ph.pages = self._decode(ph.state, ph.pages, batch, samp)
+        return jax.tree.map(np.asarray, sampled), np.asarray(ok)
+
+    def sync_tags(self, prefill_alloc: PageAllocator, decode_alloc: PageAllocator) -> None:
+        """Send each allocator's tag changes since the last call (allocations: the new tag; frees: 0) to its
+        pool's device tags. Nothing is sent (or compiled) when nothing changed."""
+        for phase, alloc in ((self.prefill_phase, prefill_alloc), (self.decode_phase, decode_alloc)):
+            tags = alloc.sync_device_tags(phase.pages.tags)
+            if tags is not phase.pages.tags:
+                phase.pages = dataclasses.replace(phase.pages, tags=tags)
+
+    def device_tags(self, phase: str) -> np.ndarray:
+        """A host copy of one pool's device tags [pages] uint32 ("prefill" | "decode"); for failure handling."""
+        return np.asarray((self.prefill_phase if phase == "prefill" else self.decode_phase).pages.tags)
+
+    def handoff(self, src_pages: list[int], dst_pages: list[int], src_tags: list[int], dst_tags: list[int]
+                ) -> None:
         """Copy prefill pages to decode pages (FP8 conversion when the decode pool is FP8). Padded to a power of
-        two: padding reads the null page and writes nowhere."""
+        two: padding reads the null page and writes nowhere. The source pages' device tags travel with the chunk
+        and are compared with `src_tags` on the decode side (`insert_pages`): on a mismatch nothing is written
+        and the destination pages get tag 0, so the owner fails its first decode check. Call `sync_tags` first."""
         n = self.cfg.pick(self.cfg.prefill_page_buckets, len(src_pages))
         src = np.zeros(n, np.int32)
         dst = np.full(n, -1, np.int32)
+        s_tags = np.zeros(n, np.uint32)
+        d_tags = np.zeros(n, np.uint32)
         src[: len(src_pages)] = src_pages
         dst[: len(dst_pages)] = dst_pages
+        s_tags[: len(src_tags)] = src_tags
+        d_tags[: len(dst_tags)] = dst_tags
         chunk = self._export(self.prefill_phase.pages, jnp.asarray(src))
         # disaggregated: the compact chunk crosses from the prefill devices to the decode devices
         mesh = self.decode_phase.mesh
         chunk = jax.device_put(chunk, jax.tree.map(lambda x: _on_mesh(x, mesh), chunk))
-        self.decode_phase.pages = self._import(self.decode_phase.pages, chunk, jnp.asarray(dst))
+        self.decode_phase.pages = self._import(self.decode_phase.pages, chunk, jnp.asarray(dst), jnp.asarray(s_tags),
+                                               jnp.asarray(d_tags))
 
     def warmup(self, progress: bool = True, *, background: bool = False) -> threading.Thread | None:
         """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages,
@@ -246,10 +263,9 @@ class Programs:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         p_ph, d_ph = self.prefill_phase, self.decode_phase
         p_pages, d_pages = spec(p_ph.pages), spec(d_ph.pages)
-        tags = jnp.zeros((c.num_decode_pages,), jnp.uint32)
         for kind, b, m, t in tqdm(combos, desc="warm-up compiles", disable=not progress):
             if kind == "decode":
-                self._decode.lower(d_ph.state, d_pages, tags, *dummy_decode(b, m)).compile()
+                self._decode.lower(d_ph.state, d_pages, *dummy_decode(b, m)).compile()
             elif kind == "prefill":
                 self._prefill.lower(p_ph.state, p_pages, *dummy_prefill(b, t, m)).compile()
             else:
@@ -258,7 +274,8 @@ class Programs:
                 out = lowered.compile().output_shardings
                 chunk = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(
                     d_ph.mesh, sh.spec if isinstance(sh, NamedSharding) else P())), lowered.out_info, out)
-                self._import.lower(d_pages, chunk, ids).compile()
+                tags = jnp.zeros((m,), jnp.uint32)
+                self._import.lower(d_pages, chunk, ids, tags, tags).compile()
         return None
 
 def _in_format(model: CausalLM, wf: WeightFormat) -> CausalLM:

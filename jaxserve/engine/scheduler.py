@@ -4,6 +4,10 @@ prefills to the decode pool, preemption by recompute when decode pages run out, 
 Every path that ends a sequence (finish, abort, integrity failure, preemption) returns its pages to the pools.
 The scheduler is single-threaded: only the engine loop calls `step()`; other threads talk to it through `submit`
 and `abort`, which only touch a locked inbox.
+
+Failures are contained per request: a KV tag mismatch (prefill, hand-off or decode) or an allocator error in one
+request's bookkeeping ends that request with its error (`_fail`), drops prefix-cache entries whose pages no longer
+hold their tag on the device, and the step goes on for everyone else.
 """
 from __future__ import annotations
 
@@ -20,12 +24,12 @@ import numpy as np
 from jaxserve.cache import NULL_PAGE, PageAllocator
 from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.prefix_cache import PrefixCache
+from jaxserve.engine.prefix_cache import PrefixCache, engine_salt
 from jaxserve.engine.programs import Programs
-from jaxserve.engine.request import Request, Status, TokenEvent
+from jaxserve.engine.request import Request, Status, TokenEvent, request_seed
 from jaxserve.engine.sampling import TOP_LOGPROBS_MAX, LogitAdjust, Sampled, SamplingArrays, sampling_mode
 from jaxserve.engine.structured import GrammarCompiler
-from jaxserve.errors import JaxserveError, KVIntegrityError, OutOfPagesError
+from jaxserve.errors import JaxserveError, KVIntegrityError, OutOfPagesError, PageAllocatorError
 from jaxserve.models.paged import DecodeBatch, PrefillBatch
 
 Emit = Callable[[TokenEvent], None]
@@ -82,7 +86,8 @@ def dummy_prefill(b: int, t: int, m: int) -> tuple[PrefillBatch, SamplingArrays]
     """An all-padding prefill batch of bucket shape (b rows, t tokens, m pages): for warm-up compiles."""
     z = jnp.zeros
     return (PrefillBatch(z((b, t), jnp.int32), z((b, t), jnp.int32), jnp.full((b, t), -1, jnp.int32),
-                         z((b, m), jnp.int32), z((b,), jnp.int32), z((b,), jnp.int32)), _samp_arrays([None] * b))
+                         z((b, m), jnp.int32), z((b,), jnp.int32), z((b,), jnp.int32), z((b, m), jnp.uint32),
+                         z((b,), jnp.int32)), _samp_arrays([None] * b))
 
 
 def dummy_decode(b: int, m: int) -> tuple[DecodeBatch, SamplingArrays]:
@@ -159,8 +164,7 @@ def _samp_arrays(seqs: list[Sequence | None], extras: _Extras = _Extras()) -> Sa
         temperature=col(lambda s: s.req.params.temperature, np.float32),
         top_k=col(lambda s: s.req.params.top_k, np.int32),
         top_p=jnp.asarray(np.array([s.req.params.top_p if s is not None else 1.0 for s in seqs], np.float32)),
-        seed=col(lambda s: s.req.params.seed if s.req.params.seed is not None else hash(s.req.request_id) % 2**32,
-                 np.uint32),
+        seed=col(lambda s: request_seed(s.req), np.uint32),
         step=col(lambda s: len(s.generated), np.int32),
         adjust=extras.adjust,
         mask=extras.mask,
@@ -226,7 +230,7 @@ class DecodeRows:
         self.num_pages[slot] = n
         self.length[slot] = seq.decode_len
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = p.temperature, p.top_k, p.top_p
-        self.seed[slot] = p.seed if p.seed is not None else hash(seq.req.request_id) % 2**32
+        self.seed[slot] = request_seed(seq.req)
         self.special[slot] = seq.special
 
     def accepted(self, seq: Sequence) -> None:
@@ -284,10 +288,10 @@ class Scheduler:
         self.ranks = cfg.dp_ranks
         self.prefill_alloc = PageAllocator(cfg.num_prefill_pages, shards=self.ranks)
         self.decode_alloc = PageAllocator(cfg.num_decode_pages, shards=self.ranks)
-        self.device_tags = self.decode_alloc.device_tags()
         self.rows = DecodeRows(cfg.max_batch, cfg.max_pages_per_seq, cfg.page_size)
         # one prefix cache per DP attention rank: a cached page is only readable on its own rank's devices
-        self.prefix_caches = [PrefixCache(self.prefill_alloc, cfg.page_size) for _ in range(self.ranks)] \
+        salt = engine_salt(model_cfg, cfg.prefill_weights, "bf16", cfg.dtype)  # the prefill pool is BF16
+        self.prefix_caches = [PrefixCache(self.prefill_alloc, cfg.page_size, salt) for _ in range(self.ranks)] \
             if cfg.prefix_cache else []
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # prefilling or decoding, in admission order
@@ -354,7 +358,7 @@ class Scheduler:
     def _rank_load(self, rank: int) -> int:
         return sum(1 for s in self.running if s.rank == rank)
 
-    def _pick_rank(self, tokens: list[int]) -> int | None:
+    def _pick_rank(self, tokens: list[int], cache_salt: str | None = None) -> int | None:
         """The DP attention rank for a new sequence: among ranks with room for it (decode pages, rows), the one
         whose prefix cache holds most of its prompt, then the least loaded. None: no rank has room."""
         need = self._pages_for(len(tokens) + 1)
@@ -366,7 +370,7 @@ class Scheduler:
             load = self._rank_load(r)
             if self.decode_alloc.num_free_in(r) < need or load >= per_rank_rows:
                 continue
-            hit = self.prefix_caches[r].match(tokens) if self.prefix_caches else 0
+            hit = self.prefix_caches[r].match(tokens, cache_salt) if self.prefix_caches else 0
             k = (-hit, load, r)
             if key is None or k < key:
                 best, key = r, k
@@ -375,29 +379,38 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_batch:
             seq = self.waiting[0]
-            tokens = seq.tokens
-            rank = self._pick_rank(tokens)
-            if rank is None:
-                return  # FCFS: nobody overtakes a request that waits for decode pages
-            cache = self.prefix_caches[rank] if self.prefix_caches else None
-            cached = cache.lookup(tokens) if cache else []
-            need = self._pages_for(len(tokens)) - len(cached)
-            fresh = self._allocate(self.prefill_alloc, need, evict=True, rank=rank)
-            if fresh is None:
-                for page, tag in cached:
-                    self.prefill_alloc.free(page, tag)
-                return
-            self.waiting.popleft()
-            seq.rank = rank
-            seq.prefill_pages = cached + fresh
-            seq.target = len(tokens)
-            seq.computed = len(cached) * self.cfg.page_size
-            if not seq.generated:
-                seq.cached_tokens = seq.computed
-                self.stats.prompt_tokens += len(tokens)
-                self.stats.cached_tokens += seq.computed
-            seq.status = Status.PREFILLING
-            self.running.append(seq)
+            try:
+                if not self._admit_one(seq):
+                    return
+            except (PageAllocatorError, KVIntegrityError) as err:  # this request's bookkeeping only
+                self._fail(seq, err)
+
+    def _admit_one(self, seq: Sequence) -> bool:
+        """Give the first waiting sequence a rank and its prefill pages (prefix-cache hits first). -> False if it
+        must wait."""
+        tokens = seq.tokens
+        rank = self._pick_rank(tokens, seq.req.cache_salt)
+        if rank is None:
+            return False  # FCFS: nobody overtakes a request that waits for decode pages
+        cache = self.prefix_caches[rank] if self.prefix_caches else None
+        cached = cache.lookup(tokens, seq.req.cache_salt) if cache else []
+        need = self._pages_for(len(tokens)) - len(cached)
+        fresh = self._allocate(self.prefill_alloc, need, evict=True, rank=rank)
+        if fresh is None:
+            self._release(self.prefill_alloc, cached)
+            return False
+        self.waiting.popleft()
+        seq.rank = rank
+        seq.prefill_pages = cached + fresh
+        seq.target = len(tokens)
+        seq.computed = len(cached) * self.cfg.page_size
+        if not seq.generated:
+            seq.cached_tokens = seq.computed
+            self.stats.prompt_tokens += len(tokens)
+            self.stats.cached_tokens += seq.computed
+        seq.status = Status.PREFILLING
+        self.running.append(seq)
+        return True
 
     def _allocate(self, alloc: PageAllocator, n: int, *, evict: bool, rank: int) -> list[tuple[int, int]] | None:
         if n <= 0:
@@ -447,8 +460,10 @@ class Scheduler:
             positions = np.zeros((B, T), np.int32)
             slots = np.full((B, T), -1, np.int32)
             tables = np.full((B, M), NULL_PAGE, np.int32)
+            tags = np.zeros((B, M), np.uint32)
             ctx = np.zeros(B, np.int32)
             chunk = np.zeros(B, np.int32)
+            used_pages = np.zeros(B, np.int32)
             for i, (seq, start, n) in zip(place, rows):
                 toks = seq.tokens
                 pos = np.arange(start, start + n)
@@ -458,26 +473,33 @@ class Scheduler:
                 slots[i, :n] = pages[pos // ps] * ps + pos % ps
                 used = self._pages_for(start + n)
                 tables[i, :used] = pages[:used]
-                ctx[i], chunk[i] = start + n, n
-            batch = PrefillBatch(*(jnp.asarray(a) for a in (tokens, positions, slots, tables, ctx, chunk)))
+                tags[i, :used] = [t for _, t in seq.prefill_pages[:used]]
+                ctx[i], chunk[i], used_pages[i] = start + n, n, used
+            batch = PrefillBatch(*(jnp.asarray(a) for a in (tokens, positions, slots, tables, ctx, chunk, tags,
+                                                            used_pages)))
             by_row: list[Sequence | None] = [None] * B
             for i, (seq, _, _) in zip(place, rows):
                 by_row[i] = seq
-            out = self.programs.run_prefill(batch, _samp_arrays(by_row, self._extras(by_row)))
+            self.programs.sync_tags(self.prefill_alloc, self.decode_alloc)
+            out, ok = self.programs.run_prefill(batch, _samp_arrays(by_row, self._extras(by_row)))
             for i, (seq, start, n) in zip(place, rows):
+                if not ok[i]:  # its context (prefix-cache pages included) no longer holds its tags: it read nothing
+                    self._fail(seq, self._integrity_error(seq, "prefill"))
+                    continue
                 seq.computed = start + n
                 if seq.computed == seq.target:
-                    self._complete_prefill(seq, int(out.tokens[i]), float(out.logprobs[i]), _top(out, i, seq))
+                    self._guarded(seq, self._complete_prefill, seq, int(out.tokens[i]), float(out.logprobs[i]),
+                                  _top(out, i, seq))
         for seq in [s for s in self.running if s.status is Status.PREFILLING and s.computed == s.target
                     and not s.decode_pages]:
-            self._handoff(seq)  # retried each step while the decode pool is full
+            self._guarded(seq, self._handoff, seq)  # retried each step while the decode pool is full
 
     def _extras(self, seqs: list[Sequence | None]) -> _Extras:
         return _extras(seqs, self.model_cfg.vocab_size, self.eos, self.grammar)
 
     def _complete_prefill(self, seq: Sequence, token: int, logprob: float, top: tuple = ()) -> None:
         if self.prefix_caches:
-            self.prefix_caches[seq.rank].insert(seq.tokens[: seq.target], seq.prefill_pages)
+            self.prefix_caches[seq.rank].insert(seq.tokens[: seq.target], seq.prefill_pages, seq.req.cache_salt)
         seq.pending = (token, logprob, top)
         self._handoff(seq)
 
@@ -485,7 +507,10 @@ class Scheduler:
         pages = self._allocate(self.decode_alloc, len(seq.prefill_pages), evict=False, rank=seq.rank)
         if pages is None:
             return
-        self.programs.handoff([p for p, _ in seq.prefill_pages], [p for p, _ in pages])
+        # tags first: the import verifies the source tags and stamps the new pages' (0 if the check fails)
+        self.programs.sync_tags(self.prefill_alloc, self.decode_alloc)
+        self.programs.handoff([p for p, _ in seq.prefill_pages], [p for p, _ in pages],
+                              [t for _, t in seq.prefill_pages], [t for _, t in pages])
         self._release(self.prefill_alloc, seq.prefill_pages)
         seq.prefill_pages = []
         seq.decode_pages = pages
@@ -502,7 +527,7 @@ class Scheduler:
         cfg, ps = self.cfg, self.cfg.page_size
         for seq in [s for s in self.running if s.status is Status.DECODING]:
             if seq.status is Status.DECODING and seq.decode_len == len(seq.decode_pages) * ps:
-                self._grow(seq)  # may preempt the youngest rows, this one included
+                self._guarded(seq, self._grow, seq)  # may preempt the youngest rows, this one included
         ready = [s for s in self.running if s.status is Status.DECODING]
         if not ready:
             return
@@ -513,7 +538,7 @@ class Scheduler:
         pos = np.asarray(place, np.int64)
         idx = np.fromiter((s.slot for s in ready), np.int64, n)
         M = cfg.pick(cfg.page_buckets, int(self.rows.num_pages[idx].max()))
-        self.device_tags = self.decode_alloc.sync_device_tags(self.device_tags)
+        self.programs.sync_tags(self.prefill_alloc, self.decode_alloc)
         if self.ranks == 1:
             packed = self.rows.packed(idx, B, M)
         else:
@@ -528,7 +553,7 @@ class Scheduler:
             by_row[i] = seq
         extras = self._extras(by_row) if self.rows.special[idx].any() else _Extras()
         samp = SamplingArrays(*cols, adjust=extras.adjust, mask=extras.mask, mode=mode, top_n=extras.top_n)
-        out, ok = self.programs.run_decode(self.device_tags, batch, samp)
+        out, ok = self.programs.run_decode(batch, samp)
         sampled, logprobs = out.tokens, out.logprobs
         good = ok[pos].astype(bool)
         rows = self.rows
@@ -538,10 +563,7 @@ class Scheduler:
         for i, seq, tok, lp, fine in zip(place, ready, sampled[pos].tolist(), logprobs[pos].tolist(),
                                          good.tolist()):
             if not fine:
-                self.stats.tag_mismatches += 1
-                err = KVIntegrityError(f"KV page tags of request {seq.req.request_id!r} no longer match the pool; "
-                                       "aborted (fail closed)", value=seq.req.request_id, param="request_id")
-                self._finish(seq, "error", err)
+                self._fail(seq, self._integrity_error(seq, "decode"))
                 continue
             seq.decode_len += 1
             self._accept(seq, tok, lp, _top(out, i, seq) if extras.top_n else ())
@@ -613,10 +635,33 @@ class Scheduler:
         if reason is not None:
             self._finish(seq, reason)
 
+    # ---- failures -----------------------------------------------------------------------------------------
+    def _integrity_error(self, seq: Sequence, where: str) -> KVIntegrityError:
+        return KVIntegrityError(f"KV page tags of request {seq.req.request_id!r} no longer match the device's at "
+                                f"{where}; aborted (fail closed)", value=seq.req.request_id, param="request_id")
+
+    def _guarded(self, seq: Sequence, fn: Callable[..., object], *args: object) -> None:
+        """Run one request's bookkeeping step; an allocator or integrity error ends that request only."""
+        try:
+            fn(*args)
+        except (PageAllocatorError, KVIntegrityError) as err:
+            self._fail(seq, err)
+
+    def _fail(self, seq: Sequence, err: JaxserveError) -> None:
+        """End seq with `err` (its pages return); after a tag mismatch, drop the prefix-cache entries whose pages
+        no longer carry their tag on the device (an overwritten page must not be served to the next request)."""
+        if isinstance(err, KVIntegrityError):
+            self.stats.tag_mismatches += 1
+            if self.prefix_caches:
+                device = self.programs.device_tags("prefill")
+                for cache in self.prefix_caches:
+                    cache.drop_mismatched(device)
+        if seq.status is not Status.FINISHED:
+            self._finish(seq, "error", err)
+
     def _release(self, alloc: PageAllocator, pages: list[tuple[int, int]]) -> None:
-        tags = alloc.tags
         for page, tag in pages:
-            if int(tags[page]) == tag and alloc.refcount(page) > 0:  # a stale page belongs to someone else now
+            if alloc.tag(page) == tag and alloc.refcount(page) > 0:  # a stale page belongs to someone else now
                 alloc.free(page, tag)
 
     def _finish(self, seq: Sequence, reason: str, error: JaxserveError | None = None) -> None:

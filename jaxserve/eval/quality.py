@@ -76,7 +76,7 @@ def _window_logprobs(model: CausalLM, tokens: jax.Array, kv_dtype: str, page_siz
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     slots = jnp.take_along_axis(bt, pos // page_size, axis=1) * page_size + pos % page_size
     full = jnp.full((B,), T, jnp.int32)
-    logits, _ = prefill(model, pages, PrefillBatch(tokens, pos, slots, bt, full, full), all_logits=True)
+    logits, _, _ = prefill(model, pages, PrefillBatch(tokens, pos, slots, bt, full, full), all_logits=True)
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 

@@ -6,13 +6,13 @@ Shapes: B batch rows, T chunk tokens, M pages per row (block table width), ps pa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from jaxserve.cache import KVPages, check_tags, gather_tokens, mask_outputs, write_tokens
+from jaxserve.cache import KVPages, check_tags, gather_tokens, guard_tables, mask_outputs, page_tags_at, write_tokens
 from jaxserve.models import paged_attention_xla, sharded
 from jaxserve.models.transformer import CausalLM
 from jaxserve.sharding import POOL_AXES, Parallel
@@ -33,7 +33,9 @@ class PrefillBatch:
 
     tokens [B, T] int32; positions [B, T] int32 (absolute); slots [B, T] int32 (pool slot of each chunk token, -1
     for padding); block_tables [B, M] int32 (the row's pages covering prior context + this chunk);
-    ctx_lens [B] int32 (prior tokens + chunk tokens); chunk_lens [B] int32.
+    ctx_lens [B] int32 (prior tokens + chunk tokens); chunk_lens [B] int32; expected_tags [B, M] uint32 (the
+    host's tags of the block table's pages; None: unchecked, e.g. a private pool); num_pages [B] int32 (live
+    entries of the block table).
     """
 
     tokens: jax.Array
@@ -42,6 +44,8 @@ class PrefillBatch:
     block_tables: jax.Array
     ctx_lens: jax.Array
     chunk_lens: jax.Array
+    expected_tags: jax.Array | None = None
+    num_pages: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +68,7 @@ class DecodeBatch:
 
 
 def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits: bool = False,
-            attention: AttentionImpl = "xla") -> tuple[jax.Array, KVPages]:
+            attention: AttentionImpl = "xla", integrity: bool = True) -> tuple[jax.Array, KVPages, jax.Array]:
     """Write the chunk's KV into `pages` and attend over the row's whole context read back from the pool.
 
     Reading the context (this chunk included) from the pool makes the result independent of how a prompt is
@@ -72,11 +76,20 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
     Attention reads the pool block by block (online softmax): "xla" the blockwise XLA form, "pallas*" the flash
     prefill kernels (GPU or TPU tiling); MLA in the absorbed form (MQA over the latent pages, no kv_b expansion
     of the context). GLM-5 DSA layers keep the dense plain form (gather + [B, N, T, S] softmax).
+    With `batch.expected_tags`, the tag check runs first over every page the chunk reads (prefix-cache pages
+    included): a failed row reads only the null page, writes nothing and gets zero logits.
     -> (logits at each row's last chunk token [B, V] f32, or at every chunk token [B, T, V] with all_logits;
-    pages).
+    pages; ok [B] bool).
     """
     cfg = model.cfg
     B, T = batch.tokens.shape
+    checked = integrity and batch.expected_tags is not None
+    ok = (check_tags(pages.tags, batch.block_tables, batch.expected_tags, batch.num_pages) if checked
+          else jnp.ones((B,), jnp.bool_))
+    batch = replace(batch, slots=jnp.where(ok[:, None], batch.slots, -1),
+                    block_tables=guard_tables(ok, batch.block_tables))
+    slot_tags = (page_tags_at(batch.expected_tags, batch.positions, pages.layout.page_size).reshape(-1) if checked
+                 else None)
     S = batch.block_tables.shape[1] * pages.layout.page_size
     kpos = jnp.arange(S, dtype=jnp.int32)
     # the dense [B, T, S] mask: only the DSA path uses it (unused, XLA drops it)
@@ -90,12 +103,12 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
         attn = layer.attn
         if cfg.is_mla and cfg.has_indexer:
             q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
-            pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots)
+            pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
             ctx = gather_tokens(pages, i, batch.block_tables, out_dtype=jnp.float32)
             o = attn.attend_plain(q_nope, q_rope, ctx.astype(x.dtype), mask)
         elif cfg.is_mla:
             q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
-            pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots)
+            pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
             q = attn.absorb_query(q_nope, q_rope)  # [B, T, N, r + dr] f32
             o_lat = _mla_prefill_attention(model.parallel, q, pages, i, tables, cfg.kv_lora_rank,
                                            cfg.softmax_scale, attention)
@@ -103,26 +116,30 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
         else:
             q, k, v = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, (k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])),
-                                 flat_slots)
+                                 flat_slots, slot_tags)
             o = _gqa_prefill_attention(model.parallel, q, pages, i, tables, cfg.softmax_scale, attention)
             o = o.astype(x.dtype)
         h = h + attn.o(o.reshape(B, T, -1))
         h = h + layer.mlp(layer.post_norm(h))
     if all_logits:
-        return model.logits(h), pages
+        return mask_outputs(ok, model.logits(h)), pages, ok
     last = jnp.clip(batch.chunk_lens - 1, 0, T - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-    return model.logits(h_last), pages
+    return mask_outputs(ok, model.logits(h_last)), pages, ok
 
 
-def decode(model: CausalLM, pages: KVPages, pool_tags: jax.Array, batch: DecodeBatch, *, integrity: bool,
+def decode(model: CausalLM, pages: KVPages, batch: DecodeBatch, *, integrity: bool,
            attention: AttentionImpl) -> tuple[jax.Array, KVPages, jax.Array]:
-    """One decode step. The tag check runs first: a failed row writes nothing, reads nothing it should not trust
-    (its attention output is masked to zero) and is reported. -> (logits [B, V] f32, pages, ok [B] bool)."""
+    """One decode step. The tag check (against `pages.tags`, the device's witness) runs first: a failed row writes
+    nothing, its block table is the null page before any gather or kernel sees it, its attention output is masked
+    to zero, and it is reported. Each write stamps the row's tag of the page it writes.
+    -> (logits [B, V] f32, pages, ok [B] bool)."""
     cfg = model.cfg
-    ok = check_tags(pool_tags, batch.block_tables, batch.expected_tags, batch.num_pages, enabled=integrity)
-    slots = jnp.where(ok, batch.slots, -1)
-    lengths = jnp.where(ok, batch.lengths, 0)
+    ok = check_tags(pages.tags, batch.block_tables, batch.expected_tags, batch.num_pages, enabled=integrity)
+    batch = replace(batch, slots=jnp.where(ok, batch.slots, -1), lengths=jnp.where(ok, batch.lengths, 0),
+                    block_tables=guard_tables(ok, batch.block_tables))
+    slot_tags = page_tags_at(batch.expected_tags, batch.positions, pages.layout.page_size) if integrity else None
+    slots, lengths = batch.slots, batch.lengths
     positions = batch.positions[:, None]
     cos, sin = model.rope(positions)
     h = model.embed_tokens(batch.tokens[:, None])  # [B, 1, H]
@@ -132,14 +149,14 @@ def decode(model: CausalLM, pages: KVPages, pool_tags: jax.Array, batch: DecodeB
         attn = layer.attn
         if cfg.is_mla:
             q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
-            pages = write_tokens(pages, i, latent[:, 0], slots)
+            pages = write_tokens(pages, i, latent[:, 0], slots, slot_tags)
             q = attn.absorb_query(q_nope, q_rope)[:, 0]  # [B, N, r + dr] f32
             o_lat = _mla_attention(model.parallel, q, pages, i, batch.block_tables, lengths, cfg.kv_lora_rank,
                                    cfg.softmax_scale, attention)
             o = attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype)
         else:
             q, k, v = attn.project(x, cos, sin)
-            pages = write_tokens(pages, i, (k[:, 0], v[:, 0]), slots)
+            pages = write_tokens(pages, i, (k[:, 0], v[:, 0]), slots, slot_tags)
             o = _gqa_attention(model.parallel, q[:, 0], pages, i, batch.block_tables, lengths, cfg.softmax_scale,
                                attention)
             o = mask_outputs(ok, o)[:, None].astype(x.dtype)
