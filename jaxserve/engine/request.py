@@ -1,6 +1,7 @@
 """Requests, sampling parameters and the events a request's stream yields."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
@@ -92,12 +93,23 @@ class Status(Enum):
 
 @dataclass
 class Request:
-    """One generation request. `prompt` is token ids; `session_id` routes to a decode worker (affinity)."""
+    """One generation request. `prompt` is token ids; `session_id` routes to a decode worker (affinity);
+    `cache_salt` (optional, non-empty) keeps its prefix-cache pages apart from requests with another salt."""
 
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     session_id: str | None = None
+    cache_salt: str | None = None
+
+
+def request_seed(req: Request) -> int:
+    """The request's sampling seed (uint32): its own `params.seed`, else derived from its request id by SHA-256,
+    the same in every process (Python's `hash` of a str changes with PYTHONHASHSEED)."""
+    if req.params.seed is not None:
+        return int(req.params.seed)
+    digest = hashlib.sha256(req.request_id.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 @dataclass(frozen=True)

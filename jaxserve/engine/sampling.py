@@ -23,6 +23,19 @@ whose rows use none of them compiles and runs the programs above unchanged):
     all ones for unconstrained rows; disallowed tokens get -inf.
 Returned logprobs are the model's own (before adjustments), as OpenAI and vLLM report them; `top_n` > 0 (static)
 also returns the top_n most likely tokens per row and their logprobs.
+
+Seeds and batches. A row's key is fold_in(key(seed), tokens generated so far); the seed is the request's own or
+one derived from its request id by SHA-256 (`request.request_seed`, the same in every process). What is
+guaranteed: for fixed program shapes, a row's logits and token do not depend on the other rows (every op is
+row-wise; the MoE's sort and scatter add each token's experts in expert order). What is not: the shapes
+themselves follow the batch - decode rows (1, 2, 4, ...) and block-table width follow how many requests and how
+long a context share the step, prefill chunks follow the step's token budget - and a different shape is a
+different program: other GEMM blocking (a 1-row decode is a matrix-vector product), another MoE algorithm
+(gathered experts below `n * k <= experts`, grouped matmul above), a longer attention reduction. Those move the
+last bits of the logits, bf16 activations make that an ulp of bf16, and at temperature > 0 over a flat
+distribution a sampled token flips within a few tokens (on the random tiny model, at the second token). Pinning
+every bucket to one shape (`batch_invariant_buckets`) makes a seeded request's tokens independent of its batch,
+at the price of running the largest program every step (tests/test_seeds.py checks exactly this).
 """
 from __future__ import annotations
 
@@ -32,6 +45,8 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.engine.config import EngineConfig
 
 # Candidates the top-k path keeps per row: requests with top_k in [1, 64] (or a nucleus within the top 64) never
 # sort the vocabulary; 64 costs one lax.top_k over the vocabulary and 64 random draws per row.
@@ -92,6 +107,14 @@ class Sampled:
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+
+
+def batch_invariant_buckets(cfg: EngineConfig) -> dict[str, int]:
+    """EngineConfig overrides that give every program one shape (rows = max_batch, block table = the longest
+    sequence, chunk = prefill_chunk), so a seeded request samples the same tokens whatever shares its batch
+    (see the module docstring). Use: `EngineConfig(**base, **batch_invariant_buckets(EngineConfig(**base)))`."""
+    return {"min_rows_bucket": cfg.max_batch, "min_pages_bucket": cfg.max_pages_per_seq,
+            "min_chunk_bucket": cfg.prefill_chunk}
 
 
 def sampling_mode(rows: Iterable[tuple[float, int, float]]) -> SamplingMode:

@@ -276,7 +276,7 @@ def _is_token(t: Any, vocab: int) -> bool:
 COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                            "stream_options", "n", "user", "presence_penalty", "frequency_penalty",
                            "top_k", "ignore_eos", "stop_token_ids", "logit_bias", "repetition_penalty",
-                           "min_tokens"})
+                           "min_tokens", "cache_salt"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                "tool_choice", "parallel_tool_calls", "response_format"}
@@ -295,6 +295,7 @@ class Generation:
     logprobs: bool
     n: int = 1
     tools: ToolSetup | None = None  # a chat whose output is parsed for tool calls
+    cache_salt: str | None = None  # prefix-cache pages are shared only within one salt
 
     def tool_parser(self) -> Any:
         """A fresh per-choice tool-call parser, None when the output is plain text."""
@@ -303,10 +304,25 @@ class Generation:
     def requests(self, rid: str, session: str | None) -> list[Request]:
         """The engine requests of the n choices (choice i samples with seed + i when a seed is given)."""
         if self.n == 1:
-            return [Request(self.prompt, self.params, request_id=rid, session_id=session)]
+            return [Request(self.prompt, self.params, request_id=rid, session_id=session,
+                            cache_salt=self.cache_salt)]
         p = self.params
         return [Request(self.prompt, p if p.seed is None else replace(p, seed=(p.seed + i) % 2**32),
-                        request_id=f"{rid}-{i}", session_id=session) for i in range(self.n)]
+                        request_id=f"{rid}-{i}", session_id=session, cache_salt=self.cache_salt)
+                for i in range(self.n)]
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def _cache_salt(body: Body) -> str | None:
+    """vLLM's `cache_salt`: a non-empty string; prefix-cache pages are shared only among requests with the same
+    salt (or none)."""
+    salt = body.string("cache_salt")
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise _bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+                   len(salt))
+    return salt
 
 
 def _stream_options(body: Body, stream: bool) -> bool:
@@ -446,7 +462,8 @@ def parse_completion(raw: Any, engine: Engine, model_name: str, cfg: AppConfig =
     stream = body.boolean("stream", False)
     params = _common_params(body, prompt, _max_tokens(body, max_len, "max_tokens"), DEFAULT_COMPLETION_MAX_TOKENS,
                             max_len, vocab, logprobs is not None, "prompt", top_logprobs=logprobs or 0)
-    return Generation(prompt, params, stream, _stream_options(body, stream), logprobs is not None, _n(body))
+    return Generation(prompt, params, stream, _stream_options(body, stream), logprobs is not None, _n(body),
+                      cache_salt=_cache_salt(body))
 
 
 def _message_text(msg: Body, i: int) -> str | None:
@@ -556,7 +573,8 @@ def parse_chat(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppCo
     params = _common_params(body, prompt, mt, cfg.default_chat_max_tokens, max_len, vocab, logprobs, "messages",
                             top_logprobs=top, structured=structured)
     parsed = setup if setup is not None and setup.choice != "none" else None
-    return Generation(prompt, params, stream, _stream_options(body, stream), logprobs, _n(body), parsed)
+    return Generation(prompt, params, stream, _stream_options(body, stream), logprobs, _n(body), parsed,
+                      cache_salt=_cache_salt(body))
 
 
 def _tool_setup(body: Body, tools: list[dict[str, Any]] | None, tok: Any, model_type: str) -> ToolSetup | None:

@@ -56,6 +56,9 @@ _SAMPLING: dict[str, Any] = {
                    "description": "token id -> bias added to its logit"},
     "min_tokens": {"type": "integer", "minimum": 0, "default": 0,
                    "description": "extension: end-of-sequence and stop_token_ids are banned before this many tokens"},
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024, "description":
+                   "as vLLM: prefix-cache pages are shared only among requests with the same salt (or none); use a "
+                   "secret, unguessable value per tenant"},
 }
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
