@@ -2,10 +2,11 @@
 
 Usage: python bench/integrity_overhead.py [--quick | --smoke] [--checkpoint DIR] --json OUT.json
 
-Two engines share one model and differ only in EngineConfig.integrity. For each batch size, both are brought to the
-same steady decode state (the same prompts prefilled), then timed rounds alternate on, off, on, off, ...; each
-round runs `steps` decode-program calls on the same batch (the real jitted decode program, host scheduling
-excluded). Reported: median over rounds of tokens/s(on) / tokens/s(off) and cost = 1 - ratio. Goal: <= 0.5%.
+Two engines share one model and differ only in EngineConfig.integrity (on: the tag check against the pool's
+device tags, the failed-row null-page guard, and the tag stamp in every KV write). For each batch size, both are
+brought to the same steady decode state (the same prompts prefilled), then timed rounds alternate on, off, on,
+off, ...; each round runs `steps` decode-program calls on the same batch (the real jitted decode program, host
+scheduling excluded). Reported: median over rounds of tokens/s(on) / tokens/s(off) and cost = 1 - ratio. Goal: <= 0.5%.
 Also the check alone (jitted check_tags on the same batch) as a share of one decode step: on a noisy shared CPU
 the end-to-end ratio's spread can exceed the effect, and this bounds it from below the noise.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_prefill_pages=512, max_batch=max(batches), max_model_len=512, prefix_cache=False,
                 use_kernels=on_gpu, attention="pallas" if on_gpu else "xla")
     rows = []
+    load_before = os.getloadavg()  # the host is shared: its load is part of the figure
     for b in tqdm(batches, desc="integrity overhead"):
         engines = {flag: Engine(model, EngineConfig(integrity=flag, **base), start=False) for flag in (True, False)}
         rng = np.random.default_rng(0)
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             e.close()
     result = {"model": name, "backend": jax.default_backend(), "device": str(jax.devices()[0]),
               "machine": common.machine(), "kv_dtype": "fp8", "decode_weights": "int4",
+              "load_avg_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())},
               "median_ratio": statistics.median(r["median_ratio"] for r in rows),
               "cost_pct": statistics.median(r["cost_pct"] for r in rows), "goal_cost_pct": 0.5, "rows": rows}
     print(f"{'batch':>5} {'tok/s on':>10} {'tok/s off':>10} {'ratio':>7} {'cost %':>7} {'min..max':>14} "

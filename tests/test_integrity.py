@@ -366,8 +366,9 @@ def test_stale_write_after_preemption_fails_the_pages_new_owner(model):
 
 
 # ---- a failed row reads nothing, on every attention path ------------------------------------------------------
-KERNELS = ("paged_mla_reference", "paged_mla_decode", "paged_mla_decode_tpu", "paged_gqa_reference",
-           "paged_gqa_decode", "paged_gqa_decode_tpu")
+# (module attribute of jaxserve.models.paged, index of the block-table argument; lengths follow it)
+KERNELS = (("paged_mla_decode", 2), ("paged_mla_decode_tpu", 2), ("paged_gqa_decode", 3),
+           ("paged_gqa_decode_tpu", 3), ("paged_attention_xla.mla_decode", 3), ("paged_attention_xla.gqa_decode", 5))
 
 
 def _two_row_pool(model, kv_dtype: str, victim_tag: int):
@@ -420,8 +421,9 @@ def test_failed_row_reaches_no_kernel_with_its_pages(monkeypatch, arch, impl):
             return real(*args, **kwargs)
         return wrapped
 
-    for name in KERNELS:
-        monkeypatch.setattr(paged, name, spy(getattr(paged, name), 3 if "gqa" in name else 2))
+    for name, at in KERNELS:
+        owner, attr = (paged.paged_attention_xla, name.split(".")[1]) if "." in name else (paged, name)
+        monkeypatch.setattr(owner, attr, spy(getattr(owner, attr), at))
     kv = "fp8"
     pages, batch = _two_row_pool(model, kv, victim_tag=9)
     before = pages
