@@ -54,8 +54,7 @@ def test_every_pallas_call_of_both_programs_uses_one_backend(model, attention, b
         assert mods and all(m.backend == backend and m.use_kernel for m in mods)
     ph, dh = pr.prefill_phase, pr.decode_phase
     prefill = pr._prefill.trace(ph.state, ph.pages, *dummy_prefill(2, 16, 8)).jaxpr.jaxpr
-    tags = jnp.zeros((cfg.num_decode_pages,), jnp.uint32)
-    decode = pr._decode.trace(dh.state, dh.pages, tags, *dummy_decode(2, 8)).jaxpr.jaxpr
+    decode = pr._decode.trace(dh.state, dh.pages, *dummy_decode(2, 8)).jaxpr.jaxpr
     for jaxpr in (prefill, decode):
         calls = _pallas_calls(jaxpr)
         names = {str(c["name"] or "") + str(c["grid_mapping"].grid) for c in calls}

@@ -64,7 +64,7 @@ _dense_jit = nnx.jit(_dense_prefill)
 
 @functools.partial(nnx.jit, static_argnames=("attention",))
 def _paged_prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, attention: str):
-    return prefill(model, pages, batch, all_logits=True, attention=attention)
+    return prefill(model, pages, batch, all_logits=True, attention=attention)[:2]  # (logits, pages); ok unused
 
 
 def _chunks(model: CausalLM, tokens: np.ndarray, lens: list[int], chunk: int, kv_dtype: str, run) -> np.ndarray:
