@@ -16,7 +16,10 @@ the first near-tie, after which the rest differs by construction).
 Every timing is reported as median and min..max with the host's load average beside it (the host is shared).
 Lower bound: the minimal jitted dense-KV decode step of the same f32 model (`bench.common.minimal_decode_step`)
 at each concurrency, against the engine's steady-state decode step (one `Engine.step()` with every row decoding,
-host work included) and its decode program alone: "engine step / minimal step".
+host work included) and its decode program alone: "engine step / minimal step", at each concurrency and at
+step_batches (1, 8, 32). Context: the decode program and one layer's attention at contexts (1030, 2000) tokens,
+batch 1 and 16, and in the 2000-token bucket with the rows' lengths cut to 1030 (attention loops over live pages).
+The HF side's threads: `--torch-threads` (recorded); on a loaded shared host 1 thread ran 25x faster than 2.
 Not run here: llama.cpp (building llama-cpp-python takes the shared CPU for ~8 minutes); it is the issue's
 strongest CPU peer and remains to be added.
 """
@@ -54,10 +57,14 @@ class BenchSpec:
     seed: int = 0
     configs: tuple[str, ...] = ("f32", "serving")
     step_reps: int = 12  # timed steady-state engine steps / decode-program calls per config and concurrency
+    step_batches: tuple[int, ...] = (1, 8, 32)  # engine step / minimal step at these batch sizes
+    contexts: tuple[int, ...] = (1030, 2000)  # decode program at these context lengths (serving config) ...
+    context_batches: tuple[int, ...] = (1, 16)  # ... and these batch sizes
 
 
 QUICK = BenchSpec(prompt_len=32, new_tokens=16, reps=2)
-SMOKE = BenchSpec(concurrency=(1, 2), prompt_len=8, new_tokens=4, reps=1, configs=("f32",), step_reps=2)
+SMOKE = BenchSpec(concurrency=(1, 2), prompt_len=8, new_tokens=4, reps=1, configs=("f32",), step_reps=2,
+                  step_batches=(1, 2), contexts=(20, 40), context_batches=(2,))
 
 
 def machine() -> dict:
@@ -106,8 +113,8 @@ def hf_model(model: CausalLM, out: Path):  # noqa: ANN201 - a transformers PreTr
 
 
 def engine_config(kind: str, spec: BenchSpec) -> EngineConfig:
-    rows = max(spec.concurrency)
-    pages = rows * (-(-(spec.prompt_len + spec.new_tokens + 1) // 16)) + 8
+    rows = max(spec.concurrency + spec.step_batches)
+    pages = rows * (-(-(spec.prompt_len + spec.new_tokens + spec.step_reps + 9) // 16)) + 8
     on_gpu = jax.default_backend() != "cpu"
     fmt = dict(prefill_weights="f32", decode_weights="f32", kv_dtype="bf16", dtype="float32") if kind == "f32" \
         else dict(prefill_weights="fp8", decode_weights="int4", kv_dtype="fp8")
@@ -142,8 +149,6 @@ def run_js(engine: Engine, prompts: np.ndarray, new_tokens: int) -> tuple[float,
 def engine_step_times(engine: Engine, prompts: np.ndarray, steps: int) -> dict:
     """Steady-state decode: every row of `prompts` decoding; spread of `Engine.step()` seconds (host work
     included) and of the decode program alone (`Programs.run_decode` on the captured arguments)."""
-    import os
-
     from jaxserve.engine.request import Status
 
     call = common.steady_decode(engine, prompts.tolist(), max_tokens=steps + 8)
@@ -166,6 +171,76 @@ def engine_step_times(engine: Engine, prompts: np.ndarray, steps: int) -> dict:
         engine.step()
     return {"engine_step_s": common.spread(step), "decode_program_s": common.spread(prog),
             "loadavg": os.getloadavg()[0]}
+
+
+def context_times(model: CausalLM, kind: str, spec: BenchSpec) -> list[dict]:
+    """The decode program at each context of spec.contexts, for each batch of spec.context_batches: every row
+    that long, in the context's own page bucket, and the longest context's bucket with the rows' lengths cut to
+    each shorter context (what the length-bounded attention saves within one compiled program). The rows read
+    pages of a fresh pool (the program's cost does not depend on what they hold), so no prefill is needed."""
+    from jaxserve.engine.scheduler import dummy_decode
+    from jaxserve.models.paged import DecodeBatch
+    from jaxserve.models.paged_attention_xla import mla_decode
+
+    top = max(spec.contexts)
+    window = top + 16
+    per_row = -(-window // 16)
+    out = []
+    for b in spec.context_batches:
+        cfg = replace(engine_config(kind, spec), max_batch=b, max_model_len=window,
+                      num_decode_pages=b * per_row + 9, num_prefill_pages=16)
+        engine = Engine(model, cfg, start=False)
+
+        def batch(n: int, m: int) -> tuple[DecodeBatch, object]:
+            pages = 1 + np.arange(b * m, dtype=np.int32).reshape(b, m)  # distinct pages per row, null page unused
+            pos = np.full(b, n - 1, np.int32)
+            slots = pages[:, (n - 1) // 16] * 16 + (n - 1) % 16
+            arrs = (np.zeros(b, np.int32), pos, slots, pages, pos + 1, np.zeros((b, m), np.uint32),
+                    np.full(b, -(-n // 16), np.int32))
+            return DecodeBatch(*(jnp.asarray(a) for a in arrs)), dummy_decode(b, m)[1]
+
+        def program(db: DecodeBatch, samp: object) -> dict:
+            # fresh pool: every page's device tag is 0, as the rows expect; compile (first use of the bucket) and check
+            _, ok = engine.programs.run_decode(db, samp)
+            if not ok.all():
+                raise RuntimeError("context bench: a row failed the tag check")
+            ts = []
+            for _ in range(spec.step_reps):
+                t0 = time.perf_counter()
+                engine.programs.run_decode(db, samp)
+                ts.append(time.perf_counter() - t0)
+            return common.spread(ts)
+
+        def attention(db: DecodeBatch) -> dict:
+            """One layer's decode attention alone (models/paged_attention_xla.py), on the same pool and rows."""
+            mc, pages = model.cfg, engine.programs.decode_phase.pages
+            q = jnp.ones((b, mc.num_heads, mc.kv_lora_rank + mc.qk_rope_head_dim), jnp.float32)
+            fn = jax.jit(lambda q, lat, sc, bt, n: mla_decode(q, lat, sc, bt, n, layer=0, layout=pages.layout,
+                                                              kv_lora_rank=mc.kv_lora_rank, softmax_scale=0.1))
+            args = (q, pages.latent, pages.latent_scale, db.block_tables, db.lengths)
+            fn(*args).block_until_ready()
+            ts = []
+            for _ in range(spec.step_reps):
+                t0 = time.perf_counter()
+                fn(*args).block_until_ready()
+                ts.append(time.perf_counter() - t0)
+            return common.spread(ts)
+
+        top_m = cfg.pick(cfg.page_buckets, -(-top // 16))
+        for n in spec.contexts:
+            m = cfg.pick(cfg.page_buckets, -(-n // 16))
+            db, samp = batch(n, m)
+            row = {"batch": b, "context": n, "pages_bucket": m, "decode_program_s": program(db, samp),
+                   "attention_layer_s": attention(db)}
+            if n < top:
+                db, samp = batch(top, top_m)
+                db = replace(db, lengths=jnp.full((b,), n, jnp.int32))
+                row["same_bucket_as_longest_s"] = program(db, samp)
+                row["attention_layer_same_bucket_s"] = attention(db)
+            row["loadavg"] = os.getloadavg()[0]
+            out.append(row)
+        engine.close()
+    return out
 
 
 def agreement(ref: np.ndarray, got: np.ndarray) -> dict:
@@ -215,12 +290,26 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
                                                   for s in engines},
                      "decode_program_over_minimal": {s: steps[s]["decode_program_s"]["median"] / minimal["median"]
                                                      for s in engines}})
+    context = spec.prompt_len + spec.new_tokens + 1
+    step_rows = []
+    for b in tqdm(spec.step_batches, desc="step batches", disable=not progress):
+        prompts = rng.integers(1, m32.cfg.vocab_size, size=(b, spec.prompt_len))
+        minimal = common.time_minimal_step(m32, b, context)
+        steps = {s: engine_step_times(engines[s], prompts, spec.step_reps) for s in engines}
+        step_rows.append({"batch": b, "minimal_step_s": minimal, "engine_steps": steps,
+                          "engine_step_over_minimal": {s: steps[s]["engine_step_s"]["median"] / minimal["median"]
+                                                       for s in engines},
+                          "decode_program_over_minimal": {s: steps[s]["decode_program_s"]["median"]
+                                                          / minimal["median"] for s in engines}})
+    kind = "serving" if "serving" in engines else spec.configs[0]
+    ctx_rows = context_times(m16 if kind == "serving" else m32, kind, spec)
     return {"bench": "peer_transformers", "model": name, "machine": machine(), "spec": asdict(spec),
             "cpu_figures": jax.default_backend() == "cpu", "torch_threads": torch.get_num_threads(),
             "configs": {"hf": "transformers generate(), f32, eager attention, greedy",
                         "f32": "jaxserve Engine, f32 weights, BF16 KV", "serving":
                         "jaxserve Engine, BF16 model, FP8 prefill / INT4 decode weights, FP8 KV"},
-            "rows": rows,
+            "rows": rows, "step_rows": step_rows, "context_config": kind, "context_rows": ctx_rows,
+            "loadavg_at_end": os.getloadavg(),
             "notes": "medians (min..max) of interleaved runs after a warm-up of both sides; wall time of the whole"
                      " call (prefill included); shared CPU host, load average per repetition recorded;"
                      " minimal_step_s: dense-KV jitted decode step of the f32 model (the lower bound);"
@@ -245,6 +334,22 @@ def table(r: dict) -> str:
         cells = [f"{st['engine_step_s']['median'] * 1e3:>16.2f} {row['engine_step_over_minimal'][k]:>6.1f}"
                  f" {st['decode_program_s']['median'] * 1e3:>8.2f}" for k, st in row["engine_steps"].items()]
         lines.append(f"  {row['concurrency']:>4} {row['minimal_step_s']['median'] * 1e3:>11.2f} " + " ".join(cells))
+    heads = [f"{'step ' + k + ' ms':>16} {'x min':>6} {'prog ms':>8} {'x min':>6}"
+             for k in r["step_rows"][0]["engine_steps"]]
+    lines.append(f"  {'batch':>5} {'minimal ms':>11} " + " ".join(heads))
+    for row in r["step_rows"]:
+        cells = [f"{st['engine_step_s']['median'] * 1e3:>16.2f} {row['engine_step_over_minimal'][k]:>6.1f}"
+                 f" {st['decode_program_s']['median'] * 1e3:>8.2f} {row['decode_program_over_minimal'][k]:>6.1f}"
+                 for k, st in row["engine_steps"].items()]
+        lines.append(f"  {row['batch']:>5} {row['minimal_step_s']['median'] * 1e3:>11.2f} " + " ".join(cells))
+    lines.append(f"  {r['context_config']}: {'batch':>5} {'context':>7} {'bucket':>6} {'program ms':>10} "
+                 f"{'in longest bucket':>17} {'attn layer ms':>13} {'in longest bucket':>17}")
+    ms = lambda row, k: row[k]["median"] * 1e3 if k in row else float("nan")  # noqa: E731
+    for row in r["context_rows"]:
+        lines.append(f"  {'':>{len(r['context_config']) + 1}} {row['batch']:>5} {row['context']:>7} "
+                     f"{row['pages_bucket']:>6} {ms(row, 'decode_program_s'):>10.2f} "
+                     f"{ms(row, 'same_bucket_as_longest_s'):>17.2f} {ms(row, 'attention_layer_s'):>13.3f} "
+                     f"{ms(row, 'attention_layer_same_bucket_s'):>17.3f}")
     return "\n".join(lines)
 
 
@@ -255,8 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--smoke", action="store_true", help="concurrency 1 and 2, 4 tokens (CI schema check)")
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--concurrency", type=int, nargs="+", default=None)
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads for the HF side (default: torch's own, one per core); on a "
+                         "loaded shared host 1 thread measured 25x faster than 2 (OpenMP threads wait on each other)")
     ap.add_argument("--json", dest="json_out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     spec = SMOKE if args.smoke else QUICK if args.quick else BenchSpec()
     if args.concurrency:
         spec = replace(spec, concurrency=tuple(args.concurrency))

@@ -111,10 +111,15 @@ def test_decode_reads_convert_no_layer_pool(models, arch, kv_dtype):
 _RESULT = re.compile(r"= \(?\w+\[([\d,]*)\]")
 
 
-def largest(hlo: str, op: str) -> int:
-    """Elements of the largest result of HLO ops of kind `op` (e.g. "gather")."""
-    sizes = [int(np.prod([int(d) for d in m.group(1).split(",") if d])) for line in hlo.splitlines()
-             if f" {op}(" in line and (m := _RESULT.search(line))]
+def largest(hlo: str, op: str, suffix: tuple[int, ...] = ()) -> int:
+    """Elements of the largest result of HLO ops of kind `op` (e.g. "gather") whose shape ends with `suffix`
+    (e.g. a page's [page_size, latent_dim]: gathers of pages, not of MoE weights)."""
+    sizes = []
+    for line in hlo.splitlines():
+        if f" {op}(" in line and (m := _RESULT.search(line)):
+            dims = tuple(int(d) for d in m.group(1).split(",") if d)
+            if dims[len(dims) - len(suffix):] == suffix:
+                sizes.append(int(np.prod(dims)))
     return max(sizes, default=0)
 
 
@@ -129,6 +134,7 @@ def test_decode_attention_reads_page_blocks_in_a_loop(models, arch, kv_dtype):
                                              num_prefill_pages=NUM_PAGES, max_model_len=400))
     lay = pr.decode_phase.pages.layout
     per_token = lay.latent_dim if lay.kind == "mla" else lay.kv_heads * lay.head_dim
+    page = (lay.page_size, lay.latent_dim) if lay.kind == "mla" else (lay.page_size, lay.kv_heads, lay.head_dim)
     block = block_pages_for(lay.page_size, m)
     assert block < m  # the check needs more than one block
     ph = pr.decode_phase
@@ -136,7 +142,7 @@ def test_decode_attention_reads_page_blocks_in_a_loop(models, arch, kv_dtype):
     hlo = pr._decode.lower(ph.state, ph.pages, batch, samp).compile().as_text()
     assert len(re.findall(r"= \(.*?\) while\(", hlo)) >= lay.num_layers  # one attention loop per layer at least
     one_block = b * block * lay.page_size * per_token
-    assert 0 < largest(hlo, "gather") <= one_block and largest(hlo, "convert") < b * m * lay.page_size * per_token
+    assert 0 < largest(hlo, "gather", page) <= one_block and largest(hlo, "convert") < b * m * lay.page_size * per_token
 
 
 

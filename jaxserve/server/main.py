@@ -8,6 +8,8 @@ waitress gets more worker threads than that (`--threads`, default max-queue + 4;
 max-queue to threads - 4), so every admitted request has a thread and the spare ones answer /health and the 429s at once: overload never queues inside waitress.
 Bodies over `--max-body-bytes` are refused by waitress from the Content-Length header, before the body is read,
 with a 413 in the OpenAI error shape.
+Compiled programs persist across restarts in the XLA compilation cache (`--compile-cache DIR`, default under the
+user cache dir; `--no-compile-cache` turns it off).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from waitress.server import BaseWSGIServer, MultiSocketServer, create_server
 from waitress.task import ErrorTask
 
 from jaxserve.engine import Engine, EngineConfig
+from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.errors import ConfigError
 
 SPARE_THREADS = 4  # beyond the admission limit: /health, /metrics and refusals never wait for a stream to end
@@ -84,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="data-parallel replicas, each on its own --devices devices; a x-session-affinity session sticks to one")
     p.add_argument("--max-model-len", type=int, default=2048, help="context window (prompt + completion)")
+    add_cache_arguments(p)
 
 
 def admission(args: argparse.Namespace) -> tuple[int, int]:
@@ -148,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     max_queue, threads = admission(args)  # before loading: a bad flag fails at once, not after the weights load
     serve_cfg = ServeConfig(args.host, args.port, threads, args.max_body_bytes)
+    enable_from_args(args)  # before anything compiles: a restart loads its programs instead of compiling them
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
     if args.workers > 1:
         from jaxserve.engine.router import SessionRouter
