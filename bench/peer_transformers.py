@@ -254,6 +254,7 @@ def agreement(ref: np.ndarray, got: np.ndarray) -> dict:
 def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict:
     import torch
 
+    host = machine()  # before the runs: its load average is the one at the start
     name, m32, m16 = bench_models(checkpoint)
     with tempfile.TemporaryDirectory() as td:
         hf = hf_model(m32, Path(td) / "hf")
@@ -303,7 +304,7 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
                                                           / minimal["median"] for s in engines}})
     kind = "serving" if "serving" in engines else spec.configs[0]
     ctx_rows = context_times(m16 if kind == "serving" else m32, kind, spec)
-    return {"bench": "peer_transformers", "model": name, "machine": machine(), "spec": asdict(spec),
+    return {"bench": "peer_transformers", "model": name, "machine": host, "spec": asdict(spec),
             "cpu_figures": jax.default_backend() == "cpu", "torch_threads": torch.get_num_threads(),
             "configs": {"hf": "transformers generate(), f32, eager attention, greedy",
                         "f32": "jaxserve Engine, f32 weights, BF16 KV", "serving":
