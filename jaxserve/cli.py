@@ -24,8 +24,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def default_checkpoint() -> Path:
-    """The embedded tiny Kimi-architecture model shipped in checkpoints/tiny-kimi."""
-    return Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi"
+    """The embedded tiny Kimi-architecture model: checkpoints/tiny-kimi of a source checkout (editable install),
+    or the same files installed as package data `jaxserve/embedded/tiny-kimi` (pyproject.toml maps checkpoints/
+    to the package jaxserve.embedded)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "embedded" / "tiny-kimi"
+    return installed if installed.is_dir() else here.parent / "checkpoints" / "tiny-kimi"
 
 
 def build_parser() -> argparse.ArgumentParser:
