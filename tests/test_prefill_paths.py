@@ -172,7 +172,7 @@ def test_prefill_of_a_16k_prompt_runs_blockwise(models):
     last = nnx.jit(functools.partial(prefill, attention="xla"))  # -> (last-token logits [B, V], pages)
 
     def run(pages: KVPages, batch: PrefillBatch) -> tuple[jax.Array, KVPages]:
-        logits, pages = last(model, pages, batch)
+        logits, pages, _ = last(model, pages, batch)
         return logits[:, None], pages
 
     a = _chunks(model, tokens, [16384], 4096, "bf16", run)  # [1, 4, V]: each chunk's last token
