@@ -288,3 +288,88 @@ def test_int4_packed_weight_in_wrong_dtype_is_named(kimi_hf, tmp_path):
         convert(bad, tmp_path / "out", progress=False)
     assert e.value.param == name
     _assert_nothing_left(tmp_path)
+
+
+def test_compressed_tensors_groups_are_read_by_their_targets(kimi_hf, tmp_path):
+    """Several config_groups, as third-party GLM-5.x quantizations ship: INT8 attention (int-quantized, one scale per
+    output channel) + INT4 routed experts (pack-quantized, group 32), everything else plain; `ignore` wins over a
+    target; group-level formats under a mixed-precision config; a dtype alias ("f32") for the output."""
+    folder, state = kimi_hf
+    config = json.loads((folder / "config.json").read_text())
+    group = 32
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "mixed-precision",
+        "config_groups": {
+            "attn": {"targets": ["re:.*self_attn\\.(q_a|q_b|kv_b|o)_proj$"], "format": "int-quantized",
+                     "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}},
+            "experts": {"targets": ["re:.*mlp\\.experts\\..*"], "format": "pack-quantized",
+                        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                    "group_size": group}}},
+        "ignore": ["lm_head", "re:.*layers\\.0\\.self_attn\\.o_proj$"]}
+    tensors = {k: torch.from_numpy(v) for k, v in state.items()}
+    int8, int4 = {}, {}
+    for k in _quantized_linear_names(state, only_experts=False):
+        base = k.removesuffix("weight")
+        w = state[k]
+        if ".mlp.experts." in k:
+            q, s = hf_formats.quantize_int4_group(w, group)
+            del tensors[k]
+            tensors[base + "weight_packed"] = torch.from_numpy(hf_formats.pack_int4(q))
+            tensors[base + "weight_scale"] = torch.from_numpy(s)
+            tensors[base + "weight_shape"] = torch.tensor(w.shape, dtype=torch.int32)
+            int4[k] = (q, s)
+        elif any(f"self_attn.{m}_proj" in k for m in ("q_a", "q_b", "kv_b", "o")) and "layers.0.self_attn.o_proj" not in k:
+            s = np.maximum(np.abs(w).max(axis=1, keepdims=True) / 127, 1e-8).astype(np.float32)
+            q = np.clip(np.rint(w / s), -128, 127).astype(np.int8)
+            tensors[k] = torch.from_numpy(q)
+            tensors[base + "weight_scale"] = torch.from_numpy(s)
+            int8[k] = (q, s)
+    assert int8 and int4
+    _write(tmp_path / "mixed", tensors, config)
+    convert(tmp_path / "mixed", tmp_path / "out", dtype="f32", progress=False)
+    cfg, model = jaxserve.load(tmp_path / "out")
+    params = model_params(model)
+    for k, (q, s) in int8.items():
+        got = _unpermute_rope(cfg, k, _converted_param(params, k))
+        np.testing.assert_array_equal(got, q.astype(np.float32) * s)
+    for k, (q, s) in int4.items():
+        np.testing.assert_array_equal(_converted_param(params, k), hf_formats.dequantize_int4_group(q, s, group))
+    ignored = "model.layers.0.self_attn.o_proj.weight"  # listed in `ignore`: stored plain and read plain
+    np.testing.assert_array_equal(_converted_param(params, ignored), state[ignored])
+
+
+def test_int8_weight_outside_an_int8_group_is_named(kimi_hf, tmp_path):
+    name = "model.layers.0.self_attn.o_proj"
+
+    def edit(tensors, config):  # noqa: ANN001
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                         "config_groups": {"g": {"targets": ["re:.*experts.*"], "weights": {
+                                             "num_bits": 4, "type": "int", "symmetric": True, "group_size": 32}}}}
+        tensors[name + ".weight"] = tensors[name + ".weight"].to(torch.int8)
+        tensors[name + ".weight_scale"] = torch.ones(tensors[name + ".weight"].shape[0], 1)
+
+    with pytest.raises(CheckpointError) as e:
+        convert(_break(kimi_hf, tmp_path, edit), tmp_path / "out", progress=False)
+    assert e.value.param == name + ".weight" and "no quantization" in e.value.message
+    _assert_nothing_left(tmp_path)
+
+
+def test_pack_int8_round_trips():
+    q = np.random.default_rng(0).integers(-128, 128, (5, 13)).astype(np.int8)
+    np.testing.assert_array_equal(hf_formats.unpack_int8(hf_formats.pack_int8(q), 13), q)
+
+
+def test_dtype_aliases_name_formats_everywhere():
+    import argparse
+
+    from jaxserve.engine import EngineConfig
+    from jaxserve.engine.generate import add_arguments
+
+    cfg = EngineConfig(kv_dtype="float8_e4m3fn", prefill_weights="bfloat16", decode_weights="float32", dtype="bf16")
+    assert (cfg.kv_dtype, cfg.prefill_weights, cfg.decode_weights, cfg.dtype) == ("fp8", "bf16", "f32", "bfloat16")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--prompt", "x", "--kv-dtype", "bfloat16", "--prefill-weights", "float8_e4m3fn"])
+    assert (args.kv_dtype, args.prefill_weights) == ("bf16", "fp8")
+    with pytest.raises(ConfigError):
+        EngineConfig(kv_dtype="float16")

@@ -3,6 +3,11 @@
 Reads the three weight layouts real Kimi / GLM checkpoints ship: plain BF16/F32; FP8 e4m3 with block scales
 (`weight_scale_inv`, `quantization_config.weight_block_size`) or per-channel `weight_scale` (compressed-tensors
 float-quantized); compressed-tensors `pack-quantized` INT4 (`weight_packed`, `weight_scale`, `weight_shape`).
+compressed-tensors configs with several `config_groups` (e.g. INT8 attention + INT4 experts, as third-party
+GLM-5.x quantizations ship) are read group by group: each linear takes the group whose `targets` match its module
+name (an exact name first, then a `re:` regex, then the class name `Linear`), unless `ignore` lists it; groups may
+be pack-quantized INT4/INT8 (int32 words), int-quantized INT8 (`weight` I8) or float-quantized FP8, per group
+(`format` in the group, else the config's), with group or per-channel scales.
 Weights are dequantized to `--dtype` (phase formats are made later by `jaxserve quantize`).
 
 Output layout (one Orbax pytree per group, so conversion and restore hold one layer at a time):
@@ -15,6 +20,7 @@ The output is built in OUT_DIR.partial and renamed at the end; on any error the 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,22 +40,49 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", 
                    "generation_config.json", "chat_template.jinja", "tokenizer.model")
 MANIFEST = "jaxserve.json"
 DTYPE_NAMES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+DTYPE_ALIASES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32"}  # what users type
 FP8_STORED = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2"}  # quantization_config.fmt -> safetensors dtype
 FLOAT_STORED = ("F32", "F16", "BF16", "F64")
 
 
 @dataclass(frozen=True)
-class QuantScheme:
-    """How quantized linears are stored in the source checkpoint."""
+class WeightGroup:
+    """One compressed-tensors config group: the modules it targets and how their weights are stored."""
 
-    method: str  # "none" | "fp8_block" | "fp8_channel" | "int4_pack"
+    name: str
+    targets: tuple[str, ...]
+    scheme: QuantScheme
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How quantized linears are stored in the source checkpoint. A compressed-tensors config with several groups
+    is method "groups": `for_module` gives each linear its own group's scheme."""
+
+    method: str  # "none" | "fp8_block" | "fp8_channel" | "int4_pack" | "int8_pack" | "int8" | "groups"
     block: tuple[int, int] = (128, 128)
-    group_size: int = 32
+    group_size: int | None = 32  # None: one scale per output channel
     fp8_fmt: str = "e4m3"  # the FP8 element format the config declares (DeepSeek's `fmt`)
+    groups: tuple[WeightGroup, ...] = ()
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def num_bits(self) -> int:
+        return 8 if self.method in ("int8_pack", "int8") else 4
 
     def declared(self) -> str:
         return {"fp8_block": f"FP8 {self.fp8_fmt} (block scales)", "fp8_channel": f"FP8 {self.fp8_fmt} (per channel)",
-                "int4_pack": "pack-quantized INT4", "none": "no quantization"}[self.method]
+                "int4_pack": "pack-quantized INT4", "int8_pack": "pack-quantized INT8", "int8": "int-quantized INT8",
+                "groups": "compressed-tensors config groups", "none": "no quantization"}[self.method]
+
+    def for_module(self, module: str) -> QuantScheme:
+        """The scheme of HF module `module` (e.g. model.layers.0.self_attn.q_a_proj): its config group's."""
+        if self.method != "groups":
+            return self
+        if _targets(self.ignore, module) is not None:
+            return QuantScheme("none")
+        ranked = [(rank, g) for g in self.groups if (rank := _targets(g.targets, module)) is not None]
+        return min(ranked, key=lambda x: x[0])[1].scheme if ranked else QuantScheme("none")
 
     def check_stored(self, name: str, stored: str) -> None:
         """Refuse a tensor of a quantized linear whose stored dtype disagrees with what config.json declares."""
@@ -57,13 +90,61 @@ class QuantScheme:
             return  # an unquantized config: FP8 tensors are still read if they carry their scales
         if name.endswith(".weight_packed"):
             want: tuple[str, ...] = ("I32",)
-        elif name.endswith(".weight"):  # called for FP8-stored weights only
-            want = (FP8_STORED[self.fp8_fmt],) if self.method != "int4_pack" else FLOAT_STORED
+        elif name.endswith(".weight"):  # called for FP8- and I8-stored weights only
+            want = {"int4_pack": FLOAT_STORED, "int8_pack": FLOAT_STORED, "int8": ("I8",)}.get(
+                self.method, (FP8_STORED[self.fp8_fmt],))
         else:  # weight_scale / weight_scale_inv
             want = FLOAT_STORED
         if stored not in want:
             raise CheckpointError(f"tensor {name!r} is stored as {stored}, but config.json declares "
                                   f"{self.declared()} (expected {' or '.join(want)})", value=stored, param=name)
+
+
+def _targets(targets: tuple[str, ...], module: str) -> int | None:
+    """How well `targets` name `module`: 0 an exact name, 1 a `re:` regex (matched from the start, as
+    compressed-tensors does), 2 the class name Linear; None if none does. `module` may carry the `language_model.`
+    prefix or not."""
+    names = (module, module.removeprefix("language_model."), "language_model." + module)
+    best = None
+    for t in targets:
+        if t in names:
+            rank = 0
+        elif t.startswith("re:") and any(re.match(t[3:], n) for n in names):
+            rank = 1
+        elif t == "Linear":
+            rank = 2
+        else:
+            continue
+        best = rank if best is None else min(best, rank)
+    return best
+
+
+def _ct_group(name: str, group: dict, fmt: str | None) -> WeightGroup:
+    """One compressed-tensors config group -> WeightGroup. Raises ConfigError for what is not supported."""
+    param = f"quantization_config.config_groups.{name}"
+    w = group.get("weights") or {}
+    fmt = group.get("format") or fmt
+    bits, kind, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy", "group")
+    if not w.get("symmetric", True):
+        raise ConfigError(f"{name}: only symmetric weights are supported", value=w, param=param)
+    if strategy not in ("group", "channel"):
+        raise ConfigError(f"{name}: weight strategy {strategy!r} is not supported (group, channel)", value=w,
+                          param=param)
+    group_size = int(w.get("group_size") or 32) if strategy == "group" else None
+    if fmt == "pack-quantized" and kind == "int" and bits in (4, 8):
+        scheme = QuantScheme(f"int{bits}_pack", group_size=group_size)
+    elif fmt == "int-quantized" and kind == "int" and bits == 8:
+        scheme = QuantScheme("int8", group_size=group_size)
+    elif fmt == "float-quantized" and kind == "float" and bits == 8:
+        scheme = QuantScheme("fp8_channel")
+    else:
+        raise ConfigError(f"{name}: unsupported compressed-tensors group ({fmt}, {bits}-bit {kind}); supported: "
+                          "pack-quantized 4/8-bit int, int-quantized 8-bit int, float-quantized 8-bit float",
+                          value=w, param=param)
+    targets = group.get("targets") or ["Linear"]
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ConfigError(f"{name}: targets must be a list of strings", value=targets, param=param + ".targets")
+    return WeightGroup(name, tuple(targets), scheme)
 
 
 def quant_scheme(raw: dict) -> QuantScheme:
@@ -79,17 +160,17 @@ def quant_scheme(raw: dict) -> QuantScheme:
         return QuantScheme("fp8_block", block=tuple(q.get("weight_block_size") or (128, 128)), fp8_fmt=fmt)
     if method == "compressed-tensors":
         fmt = q.get("format")
-        groups = list((q.get("config_groups") or {}).values())
-        weights = groups[0].get("weights", {}) if groups else {}
-        if fmt == "pack-quantized":
-            if weights.get("num_bits") != 4 or weights.get("type", "int") != "int" or not weights.get("symmetric", True):
-                raise ConfigError("only symmetric 4-bit int pack-quantized weights are supported",
-                                  value=weights, param="quantization_config.config_groups")
-            return QuantScheme("int4_pack", group_size=int(weights.get("group_size") or 32))
-        if fmt == "float-quantized":
-            return QuantScheme("fp8_channel")
-        raise ConfigError(f"unsupported compressed-tensors format {fmt!r}; supported: pack-quantized, float-quantized",
-                          value=fmt, param="quantization_config.format")
+        raw_groups = q.get("config_groups") or {}
+        if not raw_groups:
+            if fmt == "float-quantized":
+                return QuantScheme("fp8_channel")
+            raise ConfigError("compressed-tensors config without config_groups", value=q,
+                              param="quantization_config.config_groups")
+        groups = tuple(_ct_group(name, g, fmt) for name, g in raw_groups.items())
+        ignore = tuple(q.get("ignore") or ())
+        if len(groups) == 1 and groups[0].targets == ("Linear",):
+            return groups[0].scheme  # one group for every linear (ignored ones are stored plain)
+        return QuantScheme("groups", groups=groups, ignore=ignore)
     raise ConfigError(f"unsupported quant_method {method!r}; supported: fp8, compressed-tensors", value=method,
                       param="quantization_config.quant_method")
 
@@ -116,30 +197,46 @@ class HFReader:
     def linear(self, module: str, out_dim: int, in_dim: int) -> np.ndarray:
         """The [out, in] weight of HF module `module` (e.g. model.layers.0.self_attn.q_a_proj), dequantized f32."""
         p = self.prefix + module
+        scheme = self.scheme.for_module(p)
         if p + ".weight_packed" in self.st:
+            if scheme.method not in ("int4_pack", "int8_pack"):
+                raise CheckpointError(f"{p}.weight_packed is packed, but config.json gives {p} "
+                                      f"{scheme.declared()}", value=scheme.method, param=p + ".weight_packed")
             shape_name = p + ".weight_shape"
             shape = tuple(int(v) for v in self.st.read(shape_name)) if shape_name in self.st else (out_dim, in_dim)
             self._expect(shape_name, shape, (out_dim, in_dim))
-            self.scheme.check_stored(p + ".weight_packed", self.st.info(p + ".weight_packed").dtype)
+            scheme.check_stored(p + ".weight_packed", self.st.info(p + ".weight_packed").dtype)
             packed, scale = self.st.read(p + ".weight_packed"), self.st.read(p + ".weight_scale")
             try:
-                return hf_formats.dequantize_pack_quantized(packed, scale, shape, self.scheme.group_size)
+                return hf_formats.dequantize_pack_quantized(packed, scale.reshape(out_dim, -1), shape,
+                                                            scheme.group_size, scheme.num_bits)
             except ValueError as e:
                 raise CheckpointError(f"{p}: {e}", value=(packed.shape, scale.shape), param=p) from e
         w_name = p + ".weight"
         info = self.st.info(w_name)  # raises a CheckpointError naming the missing tensor
         self._expect(w_name, info.shape, (out_dim, in_dim))
         w = self.st.read(w_name)
+        if info.dtype == "I8":
+            scheme.check_stored(w_name, info.dtype)
+            if scheme.method != "int8" or p + ".weight_scale" not in self.st:
+                raise CheckpointError(f"{w_name} is INT8 but config.json gives {p} {scheme.declared()} (an "
+                                      "int-quantized group with weight_scale is needed)", value=info.dtype, param=w_name)
+            scale = self.st.read(p + ".weight_scale")
+            scheme.check_stored(p + ".weight_scale", self.st.info(p + ".weight_scale").dtype)
+            try:
+                return hf_formats.dequantize_int(w, scale.reshape(out_dim, -1), scheme.group_size)
+            except ValueError as e:
+                raise CheckpointError(f"{p}: {e}", value=scale.shape, param=p + ".weight_scale") from e
         if info.dtype in FP8_STORED.values():
-            self.scheme.check_stored(w_name, info.dtype)
+            scheme.check_stored(w_name, info.dtype)
             if p + ".weight_scale_inv" in self.st:
-                self.scheme.check_stored(p + ".weight_scale_inv", self.st.info(p + ".weight_scale_inv").dtype)
+                scheme.check_stored(p + ".weight_scale_inv", self.st.info(p + ".weight_scale_inv").dtype)
                 try:
-                    return hf_formats.dequantize_fp8_block(w, self.st.read(p + ".weight_scale_inv"), self.scheme.block)
+                    return hf_formats.dequantize_fp8_block(w, self.st.read(p + ".weight_scale_inv"), scheme.block)
                 except ValueError as e:
                     raise CheckpointError(f"{p}.weight_scale_inv: {e}", value=info.shape, param=p) from e
             if p + ".weight_scale" in self.st:
-                self.scheme.check_stored(p + ".weight_scale", self.st.info(p + ".weight_scale").dtype)
+                scheme.check_stored(p + ".weight_scale", self.st.info(p + ".weight_scale").dtype)
                 s = self.st.read(p + ".weight_scale").astype(np.float32).reshape(-1)
                 if s.size not in (1, out_dim):
                     raise CheckpointError(f"{p}.weight_scale has {s.size} values, expected 1 or {out_dim}",
@@ -290,6 +387,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
     from jaxserve.checkpoint import partial_output, save_group  # the Orbax layout lives with the loader
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in DTYPE_NAMES:
         raise ConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_NAMES)}", value=dtype,
                           param="dtype")
@@ -321,7 +419,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
 def add_arguments(p) -> None:  # noqa: ANN001 - argparse.ArgumentParser
     p.add_argument("hf_dir", help="HF folder: config.json + safetensors shards")
     p.add_argument("out_dir", help="output folder (must not exist)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_NAMES))
+    p.add_argument("--dtype", default="bfloat16", type=lambda s: DTYPE_ALIASES.get(s, s), choices=sorted(DTYPE_NAMES),
+                   help="bfloat16 (bf16) or float32 (f32, fp32)")
 
 
 def run(args) -> int:  # noqa: ANN001 - argparse.Namespace

@@ -56,6 +56,13 @@ class EngineConfig:
         def bad(param: str, msg: str) -> None:
             raise ConfigError(f"EngineConfig.{param} {msg}", value=getattr(self, param), param=param)
 
+        from jaxserve.quant.formats import canonical_format
+
+        for p in ("kv_dtype", "prefill_weights", "decode_weights"):  # accept "bfloat16", "float8_e4m3fn", ...
+            object.__setattr__(self, p, canonical_format(getattr(self, p)))
+        object.__setattr__(self, "dtype", {"bf16": "bfloat16", "f32": "float32", "fp32": "float32"}.get(
+            self.dtype, self.dtype))
+
         if self.kv_dtype not in ("fp8", "bf16"):
             bad("kv_dtype", "must be 'fp8' or 'bf16'")
         for p in ("prefill_weights", "decode_weights"):

@@ -8,6 +8,7 @@ from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import Request, SamplingParams
+from jaxserve.quant.formats import canonical_format
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,9 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8")
-    p.add_argument("--decode-weights", choices=["int4", "fp8", "bf16"], default="int4")
-    p.add_argument("--prefill-weights", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--kv-dtype", type=canonical_format, choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--decode-weights", type=canonical_format, choices=["int4", "fp8", "bf16"], default="int4")
+    p.add_argument("--prefill-weights", type=canonical_format, choices=["fp8", "bf16"], default="fp8")
     add_cache_arguments(p)
 
 

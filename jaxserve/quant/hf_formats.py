@@ -85,13 +85,42 @@ def dequantize_int4_group(q: np.ndarray, scale: np.ndarray, group_size: int) -> 
     return q.astype(np.float32) * np.repeat(scale.astype(np.float32), group_size, axis=1)[:, :in_dim]
 
 
+def pack_int8(q: np.ndarray) -> np.ndarray:
+    """Signed int8 values [out, in] -> int32 words [out, ceil(in/4)] (compressed-tensors pack-quantized, 8 bits:
+    value + 128 per byte, lowest byte first)."""
+    rows, cols = q.shape
+    n_words = math.ceil(cols / 4)
+    b = np.zeros((rows, n_words * 4), np.uint32)
+    b[:, :cols] = (q.astype(np.int32) + 128).astype(np.uint32)
+    shifts = (8 * np.arange(4, dtype=np.uint32))[None, None, :]
+    return np.bitwise_or.reduce(b.reshape(rows, n_words, 4) << shifts, axis=-1).astype(np.uint32).view(np.int32)
+
+
+def unpack_int8(packed: np.ndarray, cols: int) -> np.ndarray:
+    """int32 words [out, ceil(cols/4)] -> signed int8 values [out, cols]."""
+    words = packed.astype(np.int32).view(np.uint32)
+    shifts = (8 * np.arange(4, dtype=np.uint32))[None, None, :]
+    b = (words[:, :, None] >> shifts) & np.uint32(0xFF)
+    return (b.reshape(packed.shape[0], -1)[:, :cols].astype(np.int16) - 128).astype(np.int8)
+
+
 def dequantize_pack_quantized(packed: np.ndarray, scale: np.ndarray, shape: tuple[int, int],
-                              group_size: int) -> np.ndarray:
-    """compressed-tensors pack-quantized INT4 -> f32 [out, in]."""
+                              group_size: int | None, num_bits: int = 4) -> np.ndarray:
+    """compressed-tensors pack-quantized INT4 or INT8 -> f32 [out, in]. group_size None: one scale per output
+    channel (strategy "channel", scale [out, 1])."""
     out_dim, in_dim = int(shape[0]), int(shape[1])
-    if packed.shape != (out_dim, math.ceil(in_dim / 8)):
-        raise ValueError(f"weight_packed shape {packed.shape} != expected {(out_dim, math.ceil(in_dim / 8))}")
-    if scale.shape != (out_dim, math.ceil(in_dim / group_size)):
-        raise ValueError(f"weight_scale shape {scale.shape} != expected "
-                         f"{(out_dim, math.ceil(in_dim / group_size))} for group size {group_size}")
-    return dequantize_int4_group(unpack_int4(packed, in_dim), scale, group_size)
+    per_word = 32 // num_bits
+    if packed.shape != (out_dim, math.ceil(in_dim / per_word)):
+        raise ValueError(f"weight_packed shape {packed.shape} != expected {(out_dim, math.ceil(in_dim / per_word))}")
+    q = unpack_int4(packed, in_dim) if num_bits == 4 else unpack_int8(packed, in_dim)
+    return dequantize_int(q, scale, group_size)
+
+
+def dequantize_int(q: np.ndarray, scale: np.ndarray, group_size: int | None) -> np.ndarray:
+    """Integer values [out, in] x scales [out, ceil(in/g)] (or [out, 1] per channel when group_size is None)."""
+    out_dim, in_dim = q.shape
+    g = in_dim if group_size is None else group_size
+    if scale.shape != (out_dim, math.ceil(in_dim / g)):
+        raise ValueError(f"weight_scale shape {scale.shape} != expected {(out_dim, math.ceil(in_dim / g))} for "
+                         + ("per-channel scales" if group_size is None else f"group size {group_size}"))
+    return dequantize_int4_group(q, scale, g)

@@ -31,6 +31,7 @@ from waitress.task import ErrorTask
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.errors import ConfigError
+from jaxserve.quant.formats import canonical_format
 
 SPARE_THREADS = 4  # beyond the admission limit: /health, /metrics and refusals never wait for a stream to end
 MAX_BODY_BYTES = 4 << 20
@@ -79,9 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger request bodies get 413")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="chat completion length when the request sets none (default 1024, within the window)")
-    p.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8")
-    p.add_argument("--decode-weights", choices=["int4", "fp8", "bf16"], default="int4")
-    p.add_argument("--prefill-weights", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--kv-dtype", type=canonical_format, choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--decode-weights", type=canonical_format, choices=["int4", "fp8", "bf16"], default="int4")
+    p.add_argument("--prefill-weights", type=canonical_format, choices=["fp8", "bf16"], default="fp8")
     p.add_argument("--integrity", choices=["on", "off"], default="on", help="KV page generation-tag checks")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--workers", type=int, default=1,
