@@ -99,7 +99,10 @@ def _grouped_tiles(x: jax.Array, w: jax.Array, scale: jax.Array | None, group_si
         valid = jax.lax.dynamic_slice_in_dim(layout.row_valid, lo, XLA_TILE_ROWS)
         xt = jnp.where(valid[:, None], x[src], 0).astype(x.dtype)
         e = layout.tile_group[t]
-        we = _dense_weight(w[e], None if scale is None else scale[e], fmt, x.dtype)
+        # the barrier pins the dequantization to this expert's slice: without it XLA hoists the f32 convert of
+        # the whole scale stack ([E, K/g, N], 88 MB a projection at Kimi shapes) out of the loop
+        we_q, se_q = jax.lax.optimization_barrier((w[e], None if scale is None else scale[e]))
+        we = _dense_weight(we_q, se_q, fmt, x.dtype)
         yt = jnp.matmul(xt, we, preferred_element_type=jnp.float32)
         # a padded position's output row is the sorted row it was read from; padding rows write nowhere
         return out.at[jnp.where(valid, src, m)].set(yt.astype(out.dtype), mode="drop")
