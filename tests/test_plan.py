@@ -49,3 +49,29 @@ def test_presets_build_real_configs():
     cfgs = {k: from_hf_config(v) for k, v in PRESETS.items()}
     assert cfgs["glm-5.2"].indexer_types.count("full") == 21 and cfgs["glm-5.2"].num_layers == 78
     assert cfgs["kimi-k2.6"].latent_dim == 576 and cfgs["glm-4.5"].num_kv_heads == 8
+
+
+def _kimi_decode_temp(layers: int) -> int:
+    """Compiled temporaries of the 8-device TP decode program at Kimi K2.6's real per-device shapes (384 INT4 g32
+    experts of 7168 x 2048 split 8 ways, 8 local heads, latent 512 + 64), 64 rows x 8k context, `layers` layers."""
+    import jax
+
+    from jaxserve.config import from_hf_config
+    from jaxserve.models.sharded import shard_model
+    from jaxserve.plan import _abstract, _compile
+    from jaxserve.sharding import Parallel, ShardingRules, make_mesh
+
+    cfg = from_hf_config(dict(PRESETS["kimi-k2.6"], num_hidden_layers=layers))
+    spec = PlanSpec()
+    par = Parallel(make_mesh(jax.devices()[:8], dp=1), ShardingRules.preset("tp"))
+    temp, _, _ = _compile(cfg, shard_model(_abstract(cfg, "int4", spec), par), par, spec, "decode")
+    return temp
+
+
+def test_decode_temporaries_do_not_grow_with_layers_at_kimi_shapes():
+    """Each layer's temporaries are dead before the next layer's: no per-layer stack of expert tiles, no f32 copy
+    of a layer's whole expert scale stack hoisted out of the tile loop, no context-sized attention gather (each
+    was 0.2-0.5 GB per layer at these shapes and made 61 layers cost 32 GB of temporaries)."""
+    t2, t4 = _kimi_decode_temp(2), _kimi_decode_temp(4)
+    assert t4 - t2 < 64e6, (t2, t4)
+    assert t4 < 1.2e9, t4

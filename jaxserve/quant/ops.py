@@ -72,6 +72,19 @@ def grouped_linear(x_sorted: jax.Array, w: jax.Array, scale: jax.Array | None, g
     return _grouped_tiles(x_sorted, w, scale, group_sizes, fmt)
 
 
+def _bits(a: jax.Array, live: jax.Array) -> jax.Array:
+    """A float array smaller than 32 bits as its unsigned-integer bit pattern (others unchanged); `live` (a traced
+    True) is selected on in the same pass, so the view is not made before `live` is known."""
+    if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4:
+        bits = jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16}[a.dtype.itemsize])
+        return jnp.where(live, bits, jnp.zeros((), bits.dtype))
+    return a
+
+
+def _unbits(a: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
+
+
 XLA_TILE_ROWS = 16  # rows per expert tile on the XLA path: decode-sized groups waste little padding
 
 
@@ -92,6 +105,14 @@ def _grouped_tiles(x: jax.Array, w: jax.Array, scale: jax.Array | None, group_si
     layout = tile_layout(group_sizes, m, XLA_TILE_ROWS)
     # used tiles come first: tile_group is -1 only past the last group's padded end
     n_used = jnp.sum(layout.tile_group >= 0)
+    # the loop slices one expert out of integer bits: XLA:CPU upcasts a bf16/fp8 dynamic-slice to f32 and then
+    # hoists that convert of the whole [E, ...] stack out of the loop (88 MB a projection for Kimi's INT4 scales,
+    # the whole FP8 expert stack in prefill)
+    # ... and the bit views depend on this layer's routing (a predicate XLA cannot fold), so each is made when its
+    # layer runs: made from the weights alone, XLA:CPU schedules every layer's view at the program's start
+    live = n_used >= 0
+    w_bits = _bits(w, live)
+    s_bits = None if scale is None else _bits(scale, live)
 
     def tile(t: jax.Array, out: jax.Array) -> jax.Array:
         lo = t * XLA_TILE_ROWS
@@ -99,10 +120,8 @@ def _grouped_tiles(x: jax.Array, w: jax.Array, scale: jax.Array | None, group_si
         valid = jax.lax.dynamic_slice_in_dim(layout.row_valid, lo, XLA_TILE_ROWS)
         xt = jnp.where(valid[:, None], x[src], 0).astype(x.dtype)
         e = layout.tile_group[t]
-        # the barrier pins the dequantization to this expert's slice: without it XLA hoists the f32 convert of
-        # the whole scale stack ([E, K/g, N], 88 MB a projection at Kimi shapes) out of the loop
-        we_q, se_q = jax.lax.optimization_barrier((w[e], None if scale is None else scale[e]))
-        we = _dense_weight(we_q, se_q, fmt, x.dtype)
+        we = _dense_weight(_unbits(w_bits[e], w.dtype), None if scale is None else _unbits(s_bits[e], scale.dtype),
+                           fmt, x.dtype)
         yt = jnp.matmul(xt, we, preferred_element_type=jnp.float32)
         # a padded position's output row is the sorted row it was read from; padding rows write nowhere
         return out.at[jnp.where(valid, src, m)].set(yt.astype(out.dtype), mode="drop")
