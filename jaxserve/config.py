@@ -1,4 +1,9 @@
-"""Model configs built from Hugging Face `config.json` files (Kimi K2.x, GLM-4.5/4.6/4.7, GLM-5.x)."""
+"""Model configs built from Hugging Face `config.json` files (Kimi K2.x, GLM-4.5/4.6/4.7, GLM-5.x).
+
+Multi-token-prediction (MTP) layers are not served: `num_hidden_layers` counts the main layers only, and the MTP
+layers stored after them (`num_nextn_predict_layers`, GLM-5.x layer 78, DeepSeek-V3 layer 61) are skipped by the
+converter. GLM-5.2's `index_share_for_mtp_iteration` concerns those layers only, so it is not read.
+"""
 from __future__ import annotations
 
 import json
@@ -91,6 +96,16 @@ class ModelConfig:
     @property
     def has_indexer(self) -> bool:
         return self.model_type == "glm_moe_dsa"
+
+    @property
+    def index_layers(self) -> tuple[int, ...]:
+        """The layers that run their own DSA indexer ("full"), in order; IndexShare ("shared") layers reuse the
+        selection of the last full layer before them. Entry j's keys are indexer key cache layer j."""
+        return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
+
+    def index_slot(self, layer: int) -> int:
+        """The indexer key cache layer of full indexer layer `layer`."""
+        return self.index_layers.index(layer)
 
     @property
     def qk_head_dim(self) -> int:
@@ -255,6 +270,10 @@ def from_hf_config(raw: dict[str, Any]) -> ModelConfig:
                 f = max(int(raw.get("index_topk_freq", 1) or 1), 1)
                 off = int(raw.get("index_skip_topk_offset", 2))
                 indexer_types = ["full" if (max(i - off + 1, 0) % f) == 0 else "shared" for i in range(n_layers)]
+        indexer_types = list(indexer_types)[:n_layers]  # entries past num_hidden_layers would be MTP layers
+        if len(indexer_types) != n_layers or set(indexer_types) - {"full", "shared"}:
+            raise ConfigError("indexer_types must give 'full' or 'shared' for each of the num_hidden_layers layers",
+                              value=indexer_types, param="indexer_types")
         if indexer_types[0] != "full":
             raise ConfigError("the first DSA layer must be 'full'", value=indexer_types[0], param="indexer_types")
         common.update(
@@ -262,7 +281,8 @@ def from_hf_config(raw: dict[str, Any]) -> ModelConfig:
             index_head_dim=int(req("index_head_dim")),
             index_topk=int(req("index_topk")),
             indexer_types=tuple(indexer_types),
-            indexer_rope_interleave=True,
+            # transformers always interleaves the indexer's rope; the real GLM-5.x configs say true as well
+            indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", True)),
         )
     if family == "glm4_moe":
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])

@@ -212,6 +212,9 @@ POOL_AXES: dict[str, Axes] = {
     "k_scale": (None, "pages", None, "kv_heads"),
     "v_scale": (None, "pages", None, "kv_heads"),
     "tags": ("pages",),  # per-page integrity tags, split like the page axis
+    # DSA indexer keys live beside the latent rows and are read the same way (by every head of the indexer)
+    "index_k": (None, "pages", None, None),
+    "index_k_scale": (None, "pages", None),
 }
 
 

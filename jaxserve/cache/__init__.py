@@ -8,17 +8,21 @@ from jaxserve.cache.pages import (
     PageAllocator,
     convert_pages_to_fp8,
     dequantize_fp8,
+    gather_index_keys,
+    gather_latent_rows,
     gather_tokens,
     init_pages,
     insert_pages,
     pages_to_fp8,
     quantize_fp8,
     stamp_tags,
+    write_index_keys,
     write_tokens,
 )
 
 __all__ = [
     "FP8_MAX", "NULL_PAGE", "KVLayout", "KVPages", "PageAllocator", "check_tags", "convert_pages_to_fp8",
-    "dequantize_fp8", "gather_tokens", "guard_tables", "init_pages", "insert_pages", "integrity_errors",
-    "mask_outputs", "page_tags_at", "pages_to_fp8", "quantize_fp8", "stamp_tags", "write_tokens",
+    "dequantize_fp8", "gather_index_keys", "gather_latent_rows", "gather_tokens", "guard_tables", "init_pages",
+    "insert_pages", "integrity_errors", "mask_outputs", "page_tags_at", "pages_to_fp8", "quantize_fp8", "stamp_tags",
+    "write_index_keys", "write_tokens",
 ]

@@ -5,7 +5,7 @@ Two layouts:
     The attention "value" is the first `kv_lora_rank` columns of the row.
   * "gqa": K and V, each `[kv_heads, head_dim]` per token and layer (GLM-4.5: 8 x 128).
 
-Pools are stored as bit patterns: uint8 for FP8, uint16 for BF16. XLA:CPU cannot scatter float8/bfloat16
+Pools are stored as bit patterns: uint8 for FP8, uint16 for BF16 (uint32 for the f32 reference pool). XLA:CPU cannot scatter float8/bfloat16
 natively, so a float8 pool made it convert the whole pool to f16/f32 and back around every write; integer pools
 scatter in place. `lax.bitcast_convert_type` at the edges (writes, gathers, `KVPages.layer`, the hand-off) turns
 bits into values only for the rows actually read or written. Consumers of `KVPages.layer` see float8_e4m3fn /
@@ -14,6 +14,11 @@ bfloat16 arrays; the raw fields (`latent`, `k`, `v`) hold the bits.
 FP8 pools store `float8_e4m3fn` values plus one float32 scale per token (MLA) or per token and kv head (GQA):
 `x ~= q.astype(f32) * scale`, `scale = amax(|row|) / 448`. Quantization saturates (clips to +-448 before the
 cast) so it never produces NaN from finite or infinite inputs; an all-zero row gets scale 1 (dequant gives 0).
+
+DSA indexer keys (GLM-5.x, optional, MLA only): one `index_head_dim` key per token for each layer that runs its
+own indexer ("full" layers; IndexShare layers reuse another layer's selection and store nothing), in the same pages
+and slots as the latent rows, so page ids, tags, the prefix cache and the hand-off cover them unchanged. FP8 (one
+f32 scale per key, as the reference design stores them) when the pool is FP8, or BF16 (`index_dtype="bf16"`).
 
 Slots: a token's slot is `page * page_size + offset`. Page 0 is reserved by `PageAllocator` as the null page:
 block tables pad with 0 so gathers of padding entries read a valid, never-owned page (masked by lengths).
@@ -27,7 +32,7 @@ the owner's next read (`integrity.check_tags`) fails closed.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import jax
@@ -41,7 +46,7 @@ FP8_DTYPE = jnp.float8_e4m3fn
 NULL_PAGE = 0  # reserved padding page (see PageAllocator)
 
 KVKind = Literal["mla", "gqa"]
-KVDtype = Literal["bf16", "fp8"]
+KVDtype = Literal["bf16", "fp8", "f32"]  # f32: a reference-precision pool (tests, quality baselines)
 
 
 @dataclass(frozen=True)
@@ -56,12 +61,16 @@ class KVLayout:
     head_dim: int = 0
     page_size: int = 16
     dtype: KVDtype = "bf16"
+    index_layers: int = 0  # layers with a DSA indexer key cache (0: none)
+    index_head_dim: int = 0
+    index_dtype: KVDtype | None = None  # indexer keys' dtype; None: the pool's dtype
 
     def __post_init__(self) -> None:
         if self.kind not in ("mla", "gqa"):
             raise ConfigError(f"KV layout kind must be 'mla' or 'gqa', got {self.kind!r}", value=self.kind, param="kind")
-        if self.dtype not in ("bf16", "fp8"):
-            raise ConfigError(f"KV dtype must be 'bf16' or 'fp8', got {self.dtype!r}", value=self.dtype, param="dtype")
+        if self.dtype not in ("bf16", "fp8", "f32"):
+            raise ConfigError(f"KV dtype must be 'bf16', 'fp8' or 'f32', got {self.dtype!r}", value=self.dtype,
+                              param="dtype")
         for name in ("num_layers", "page_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", value=getattr(self, name), param=name)
@@ -70,12 +79,20 @@ class KVLayout:
         if self.kind == "gqa" and (self.kv_heads <= 0 or self.head_dim <= 0):
             raise ConfigError("GQA layout needs kv_heads > 0 and head_dim > 0", value=(self.kv_heads, self.head_dim),
                               param="kv_heads")
+        if self.index_layers and (self.kind != "mla" or self.index_head_dim <= 0):
+            raise ConfigError("an indexer key cache needs an MLA layout and index_head_dim > 0",
+                              value=(self.kind, self.index_head_dim), param="index_head_dim")
+        if self.index_dtype not in (None, "bf16", "fp8", "f32"):
+            raise ConfigError(f"index dtype must be 'bf16', 'fp8' or 'f32', got {self.index_dtype!r}",
+                              value=self.index_dtype, param="index_dtype")
 
     @classmethod
     def mla(cls, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, page_size: int = 16,
-            dtype: KVDtype = "bf16") -> KVLayout:
+            dtype: KVDtype = "bf16", index_layers: int = 0, index_head_dim: int = 0,
+            index_dtype: KVDtype | None = None) -> KVLayout:
         return cls("mla", num_layers, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-                   page_size=page_size, dtype=dtype)
+                   page_size=page_size, dtype=dtype, index_layers=index_layers, index_head_dim=index_head_dim,
+                   index_dtype=index_dtype)
 
     @classmethod
     def gqa(cls, num_layers: int, kv_heads: int, head_dim: int, page_size: int = 16,
@@ -88,34 +105,45 @@ class KVLayout:
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
-        """The value dtype (float8_e4m3fn or bfloat16) that `KVPages.layer` and gathers present."""
-        return jnp.dtype(FP8_DTYPE) if self.dtype == "fp8" else jnp.dtype(jnp.bfloat16)
+        """The value dtype (float8_e4m3fn, bfloat16 or float32) that `KVPages.layer` and gathers present."""
+        return jnp.dtype({"fp8": FP8_DTYPE, "bf16": jnp.bfloat16, "f32": jnp.float32}[self.dtype])
 
     @property
     def storage_dtype(self) -> jnp.dtype:
-        """The dtype the pool arrays are stored in: the value dtype's bit pattern (uint8 / uint16)."""
-        return jnp.dtype(jnp.uint8) if self.dtype == "fp8" else jnp.dtype(jnp.uint16)
+        """The dtype the pool arrays are stored in: the value dtype's bit pattern (uint8 / uint16 / uint32)."""
+        return jnp.dtype({"fp8": jnp.uint8, "bf16": jnp.uint16, "f32": jnp.uint32}[self.dtype])
 
     def with_dtype(self, dtype: KVDtype) -> KVLayout:
-        return KVLayout(self.kind, self.num_layers, self.kv_lora_rank, self.qk_rope_head_dim, self.kv_heads,
-                        self.head_dim, self.page_size, dtype)
+        """The same layout in another pool dtype (indexer keys follow it unless `index_dtype` is set)."""
+        return replace(self, dtype=dtype)
+
+    @property
+    def index_layout(self) -> KVLayout:
+        """The indexer keys' own dtype view: `index_layout.jnp_dtype` / `.storage_dtype` / `.dtype` for them."""
+        return replace(self, dtype=self.index_dtype or self.dtype, index_dtype=None)
 
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers, FP8 scales (f32) included."""
-        elem = 1 if self.dtype == "fp8" else 2
+        """Bytes one token occupies across all layers, FP8 scales (f32) and DSA indexer keys included."""
+        elem = self.jnp_dtype.itemsize
         scale = 4 if self.dtype == "fp8" else 0
         if self.kind == "mla":
             per_layer = self.latent_dim * elem + scale
         else:
             per_layer = 2 * self.kv_heads * (self.head_dim * elem + scale)
-        return self.num_layers * per_layer
+        return self.num_layers * per_layer + self.index_bytes_per_token()
+
+    def index_bytes_per_token(self) -> int:
+        """Bytes of one token's DSA indexer keys across the indexer layers (0 without an indexer cache)."""
+        il = self.index_layout
+        return self.index_layers * (self.index_head_dim * il.jnp_dtype.itemsize + (4 if il.dtype == "fp8" else 0))
 
     def tokens_per_gib(self) -> float:
         return float(2**30) / self.bytes_per_token()
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["latent", "latent_scale", "k", "v", "k_scale", "v_scale", "tags"],
+                   data_fields=["latent", "latent_scale", "k", "v", "k_scale", "v_scale", "tags", "index_k",
+                                "index_k_scale"],
                    meta_fields=["layout"])
 @dataclass(frozen=True)
 class KVPages:
@@ -128,6 +156,8 @@ class KVPages:
          k_scale, v_scale [layers, pages, page_size, kv_heads] f32 (fp8).
     tags [pages] uint32: the generation each page was last allocated / written with (0: free); see the module
     docstring. A hand-off chunk carries the tags of its source pages.
+    DSA: index_k [index_layers, pages, page_size, index_head_dim] uint16|uint8 (`layout.index_layout`),
+         index_k_scale [index_layers, pages, page_size] f32 (fp8 keys).
     """
 
     layout: KVLayout
@@ -138,6 +168,8 @@ class KVPages:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
     tags: jax.Array | None = None
+    index_k: jax.Array | None = None
+    index_k_scale: jax.Array | None = None
 
     @property
     def num_pages(self) -> int:
@@ -150,7 +182,9 @@ class KVPages:
     def from_values(cls, layout: KVLayout, **fields: jax.Array | None) -> KVPages:
         """A pool from value arrays (bf16 / float8_e4m3fn, or already bits): values fields are bitcast to bits."""
         bits = {"latent", "k", "v"}
-        return cls(layout, **{n: to_bits(x, layout) if n in bits and x is not None else x for n, x in fields.items()})
+        lay = lambda n: layout.index_layout if n == "index_k" else layout  # noqa: E731
+        return cls(layout, **{n: to_bits(x, lay(n)) if n in bits | {"index_k"} and x is not None else x
+                              for n, x in fields.items()})
 
     def layer(self, layer: int | jax.Array) -> tuple[jax.Array | None, ...]:
         """One layer's arrays, in kernel order: MLA (latent, latent_scale); GQA (k, v, k_scale, v_scale).
@@ -209,11 +243,22 @@ def init_pages(layout: KVLayout, num_pages: int) -> KVPages:
     tags = jnp.zeros((num_pages,), jnp.uint32)
     if layout.kind == "mla":
         return KVPages(layout, latent=jnp.zeros((*lead, layout.latent_dim), dt),
-                       latent_scale=jnp.ones(lead, jnp.float32) if fp8 else None, tags=tags)
+                       latent_scale=jnp.ones(lead, jnp.float32) if fp8 else None, tags=tags,
+                       **_init_index(layout, num_pages))
     kv_shape = (*lead, layout.kv_heads, layout.head_dim)
     sc = (lambda: jnp.ones((*lead, layout.kv_heads), jnp.float32)) if fp8 else (lambda: None)
     return KVPages(layout, k=jnp.zeros(kv_shape, dt), v=jnp.zeros(kv_shape, dt), k_scale=sc(), v_scale=sc(),
                    tags=tags)
+
+
+def _init_index(layout: KVLayout, num_pages: int) -> dict[str, jax.Array | None]:
+    """The indexer key fields of a zero pool (empty without an indexer cache)."""
+    if not layout.index_layers:
+        return {}
+    il = layout.index_layout
+    lead = (layout.index_layers, num_pages, layout.page_size)
+    return {"index_k": jnp.zeros((*lead, layout.index_head_dim), il.storage_dtype),
+            "index_k_scale": jnp.ones(lead, jnp.float32) if il.dtype == "fp8" else None}
 
 
 def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -266,11 +311,11 @@ def write_tokens(pages: KVPages, layer: int | jax.Array, rows: jax.Array | tuple
     tags = stamp_tags(pages.tags, page, slot_tags)  # integrity witness: see the module docstring
     fp8 = lay.dtype == "fp8"
     if lay.kind == "mla":
-        if fp8:
+        if fp8:  # replace(): the pool's other fields (DSA indexer keys) pass through
             q, s = quantize_fp8(rows)
-            return KVPages(lay, latent=_store(pages.latent, layer, page, off, q, lay),
+            return replace(pages, latent=_store(pages.latent, layer, page, off, q, lay),
                            latent_scale=_store(pages.latent_scale, layer, page, off, s), tags=tags)
-        return KVPages(lay, latent=_store(pages.latent, layer, page, off, rows, lay), tags=tags)
+        return replace(pages, latent=_store(pages.latent, layer, page, off, rows, lay), tags=tags)
     k_rows, v_rows = rows
     if fp8:
         kq, ks = quantize_fp8(k_rows)
@@ -327,23 +372,24 @@ def gather_tokens(pages: KVPages, layer: int | jax.Array, block_table: jax.Array
             _gather(pages.v[layer], vs, bt, max_len, out_dtype, lay))
 
 
-@jax.jit
-def pages_to_fp8(src: KVPages, page_ids: jax.Array) -> KVPages:
+@functools.partial(jax.jit, static_argnames=("index_dtype",))
+def pages_to_fp8(src: KVPages, page_ids: jax.Array, index_dtype: KVDtype | None = None) -> KVPages:
     """Prefill -> decode hand-off, step 1 (on the prefill device): quantize selected BF16 pages, all layers.
 
     src: BF16 pool; page_ids [n] int32 (valid ids). Returns a compact FP8 KVPages holding just those n pages
     (half the bytes to transfer), to be placed with `insert_pages` on the decode side. Only the n selected pages
-    are turned into values and quantized; the pool is read as bits.
+    are turned into values and quantized; the pool is read as bits. DSA indexer keys become FP8 too, or stay
+    BF16 with `index_dtype="bf16"` (the decode layout's `index_dtype`).
     """
     lay = src.layout
     if lay.dtype != "bf16":
         raise ConfigError("pages_to_fp8 expects a BF16 pool", value=lay.dtype, param="dtype")
-    out = lay.with_dtype("fp8")
+    out = replace(lay, dtype="fp8", index_dtype=None if index_dtype in (None, "fp8") else index_dtype)
     quant = lambda x: quantize_fp8(from_bits(x[:, page_ids], lay))  # noqa: E731
     tags = None if src.tags is None else src.tags[page_ids]  # the source pages' tags travel with them
     if lay.kind == "mla":
         q, s = quant(src.latent)
-        return KVPages.from_values(out, latent=q, latent_scale=s, tags=tags)
+        return KVPages.from_values(out, latent=q, latent_scale=s, tags=tags, **_index_to(src, page_ids, out))
     (kq, ks), (vq, vs) = quant(src.k), quant(src.v)
     return KVPages.from_values(out, k=kq, v=vq, k_scale=ks, v_scale=vs, tags=tags)
 
@@ -376,12 +422,72 @@ def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array, expected
     put = lambda pool, c: None if pool is None else pool.at[:, ids].set(c, mode="drop")  # noqa: E731
     return KVPages(dst.layout, latent=put(dst.latent, chunk.latent), latent_scale=put(dst.latent_scale,
                    chunk.latent_scale), k=put(dst.k, chunk.k), v=put(dst.v, chunk.v),
-                   k_scale=put(dst.k_scale, chunk.k_scale), v_scale=put(dst.v_scale, chunk.v_scale), tags=tags)
+                   k_scale=put(dst.k_scale, chunk.k_scale), v_scale=put(dst.v_scale, chunk.v_scale), tags=tags,
+                   index_k=put(dst.index_k, chunk.index_k),
+                   index_k_scale=put(dst.index_k_scale, chunk.index_k_scale))
+
+
+def _index_to(src: KVPages, page_ids: jax.Array, out: KVLayout) -> dict[str, jax.Array | None]:
+    """The hand-off of the DSA indexer keys of pages `page_ids`: quantized when `out` stores them as FP8."""
+    if src.index_k is None:
+        return {}
+    keys = src.index_k[:, page_ids]
+    if out.index_layout.dtype == src.layout.index_layout.dtype:
+        scale = None if src.index_k_scale is None else src.index_k_scale[:, page_ids]
+        return {"index_k": keys, "index_k_scale": scale}
+    q, s = quantize_fp8(from_bits(keys, src.layout.index_layout))
+    return {"index_k": q, "index_k_scale": s}
 
 
 def convert_pages_to_fp8(src: KVPages, dst: KVPages, src_page_ids: jax.Array, dst_page_ids: jax.Array) -> KVPages:
     """Both hand-off steps on one device: quantize src's BF16 pages and write them into the FP8 pool dst."""
-    return insert_pages(dst, pages_to_fp8(src, src_page_ids), dst_page_ids)
+    return insert_pages(dst, pages_to_fp8(src, src_page_ids, dst.layout.index_dtype), dst_page_ids)
+
+
+# ---- DSA indexer keys and sparse reads ---------------------------------------------------------------------------
+@jax.jit
+def write_index_keys(pages: KVPages, index_layer: int | jax.Array, keys: jax.Array, slot_mapping: jax.Array,
+                     slot_tags: jax.Array | None = None) -> KVPages:
+    """Scatter N tokens' DSA indexer keys of one indexer layer, quantizing when the keys are FP8.
+
+    keys [N, index_head_dim] float; slot_mapping [N] int32 and slot_tags [N] uint32 | None as in `write_tokens`
+    (negative slot: padding, writes nothing; the writer's tag is stamped for each written page).
+    """
+    il = pages.layout.index_layout
+    page, off = _slot_indices(slot_mapping, pages.num_pages, il.page_size)
+    tags = stamp_tags(pages.tags, page, slot_tags)
+    if il.dtype == "fp8":
+        q, s = quantize_fp8(keys)
+        return replace(pages, index_k=_store(pages.index_k, index_layer, page, off, q, il),
+                       index_k_scale=_store(pages.index_k_scale, index_layer, page, off, s), tags=tags)
+    return replace(pages, index_k=_store(pages.index_k, index_layer, page, off, keys, il), tags=tags)
+
+
+def gather_index_keys(pages: KVPages, index_layer: int | jax.Array, block_tables: jax.Array) -> jax.Array:
+    """The DSA indexer keys of the pages `block_tables` [B, m] int32 names -> [B, m * page_size, index_head_dim]
+    f32 (dequantized). Only those pages' bits are read and converted."""
+    il = pages.layout.index_layout
+    scale = None if pages.index_k_scale is None else pages.index_k_scale[index_layer]
+    return _gather(pages.index_k[index_layer], scale, block_tables.astype(jnp.int32),
+                   block_tables.shape[1] * il.page_size, jnp.float32, il)
+
+
+def gather_latent_rows(pages: KVPages, layer: int | jax.Array, block_tables: jax.Array, positions: jax.Array
+                       ) -> jax.Array:
+    """MLA latent rows of given token positions, read by (page, slot) through the block table.
+
+    block_tables [B, M] int32; positions [B, ...] int32 (token index within the row's sequence, in [0, M * ps))
+    -> [B, ..., latent_dim] f32 (dequantized). Only the named rows are read.
+    """
+    lay = pages.layout
+    b = block_tables.shape[0]
+    flat = positions.reshape(b, -1).astype(jnp.int32)
+    page = jnp.take_along_axis(block_tables.astype(jnp.int32), flat // lay.page_size, axis=1)
+    off = flat % lay.page_size
+    x = from_bits(pages.latent[layer][page, off], lay).astype(jnp.float32)
+    if pages.latent_scale is not None:
+        x = x * pages.latent_scale[layer][page, off][..., None]
+    return x.reshape(*positions.shape, lay.latent_dim)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -21,6 +21,7 @@ class EngineConfig:
     """
 
     kv_dtype: KVDtype = "fp8"
+    index_kv_dtype: KVDtype | None = None  # GLM-5 DSA indexer keys in the decode pool; None: as kv_dtype
     prefill_weights: str = "fp8"
     decode_weights: str = "int4"
     int4_group_size: int = 32
@@ -65,6 +66,8 @@ class EngineConfig:
 
         if self.kv_dtype not in ("fp8", "bf16"):
             bad("kv_dtype", "must be 'fp8' or 'bf16'")
+        if self.index_kv_dtype not in (None, "bf16", self.kv_dtype):
+            bad("index_kv_dtype", "must be None, 'bf16' or kv_dtype (FP8 keys need an FP8 pool)")
         for p in ("prefill_weights", "decode_weights"):
             if getattr(self, p) not in ("bf16", "f32", "fp8", "int4"):
                 bad(p, "must be one of bf16, f32, fp8, int4")

@@ -44,9 +44,13 @@ def bucket(n: int, cap: int, floor: int = 1) -> int:
     return min(b, cap)
 
 
-def kv_layout(cfg: ModelConfig, page_size: int, dtype: str) -> KVLayout:
+def kv_layout(cfg: ModelConfig, page_size: int, dtype: str, index_dtype: str | None = None) -> KVLayout:
+    """The page pool of `cfg`: MLA latent rows (+ DSA indexer keys of its full indexer layers) or GQA K/V.
+    index_dtype: the indexer keys' dtype when it differs from `dtype` (only "bf16" in an FP8 pool is useful)."""
     if cfg.is_mla:
-        return KVLayout.mla(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size=page_size, dtype=dtype)
+        return KVLayout.mla(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size=page_size, dtype=dtype,
+                            index_layers=len(cfg.index_layers), index_head_dim=cfg.index_head_dim if cfg.has_indexer
+                            else 0, index_dtype=None if index_dtype in (None, dtype) else index_dtype)
     return KVLayout.gqa(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size=page_size, dtype=dtype)
 
 
@@ -100,7 +104,8 @@ def _take_pages(src: KVPages, page_ids: jax.Array) -> KVPages:
     take = lambda x: None if x is None else x[:, page_ids]  # noqa: E731
     return KVPages(src.layout, latent=take(src.latent), latent_scale=take(src.latent_scale), k=take(src.k),
                    v=take(src.v), k_scale=take(src.k_scale), v_scale=take(src.v_scale),
-                   tags=None if src.tags is None else src.tags[page_ids])
+                   tags=None if src.tags is None else src.tags[page_ids], index_k=take(src.index_k),
+                   index_k_scale=take(src.index_k_scale))
 
 
 def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: PrefillBatch,
@@ -130,11 +135,6 @@ class Programs:
         phase's format (a model already stored in that format, e.g. from `jaxserve quantize`, is used as is)."""
         self.cfg = cfg
         self.model_cfg = model.cfg
-        if model.cfg.has_indexer and cfg.max_model_len > model.cfg.index_topk:
-            raise ConfigError(
-                f"glm_moe_dsa over paged KV needs max_model_len <= index_topk ({model.cfg.index_topk}): the DSA "
-                "indexer key cache is not implemented, and within index_topk DSA equals dense attention",
-                value=cfg.max_model_len, param="max_model_len")
         p_dev, d_dev = phase_devices(cfg)
         self.prefill_parallel = phase_parallel(cfg, p_dev)
         self.decode_parallel = phase_parallel(cfg, d_dev)
@@ -148,7 +148,7 @@ class Programs:
         self.prefill_phase = self._phase(_in_format(model, fmt(cfg.prefill_weights)), self.prefill_parallel,
                                          kv_layout(model.cfg, cfg.page_size, "bf16"), cfg.num_prefill_pages)
         self.decode_phase = self._phase(_in_format(decode_model or model, fmt(cfg.decode_weights)),
-                                        self.decode_parallel, kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype),
+                                        self.decode_parallel, kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype, cfg.index_kv_dtype),
                                         cfg.num_decode_pages)
         self.compiles: collections.Counter[str] = collections.Counter()
         pp, dp = self.prefill_parallel, self.decode_parallel
@@ -189,7 +189,9 @@ class Programs:
 
     def _export_fn(self, pages: KVPages, page_ids: jax.Array) -> KVPages:
         self.compiles["handoff"] += 1
-        return pages_to_fp8(pages, page_ids) if self.cfg.kv_dtype == "fp8" else _take_pages(pages, page_ids)
+        if self.cfg.kv_dtype == "fp8":
+            return pages_to_fp8(pages, page_ids, self.decode_phase.pages.layout.index_dtype)
+        return _take_pages(pages, page_ids)
 
     # ---- host entry points -----------------------------------------------------------------------------------
     def run_prefill(self, batch: PrefillBatch, samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:

@@ -30,6 +30,13 @@ def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
     return p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
 
 
+def index_scores(q: jax.Array, w: jax.Array, k: jax.Array) -> jax.Array:
+    """The DSA index score sum_h w_h * relu(q_h . k / sqrt(hd)).
+    q [B, T, nh, hd] f32, w [B, T, nh] f32, k [B, S, hd] f32 -> [B, T, S] f32 (unmasked)."""
+    s = jax.nn.relu(jnp.einsum("btnd,bsd->btns", q, k) * q.shape[-1] ** -0.5)
+    return jnp.einsum("btn,btns->bts", w, s)
+
+
 class Indexer(nnx.Module):
     """DSA lightning indexer: per query, the top-`index_topk` allowed keys by a ReLU multi-head score."""
 
@@ -41,18 +48,26 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(hd, 1e-6, dtype=dtype)
         self.weights_proj = Linear(cfg.hidden_size, nh, dtype=jnp.float32, rngs=rngs)  # kept f32, as HF does
 
-    def scores(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        """x [B, T, H], q_resid [B, T, q_lora], mask [B, T, S] -> index scores [B, T, S] f32 (-inf where masked)."""
+    def query(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, T, H], q_resid [B, T, q_lora] -> (queries [B, T, nh, hd] f32 (roped), head weights [B, T, nh] f32)."""
         cfg = self.cfg
         B, T, _ = x.shape
         nh, hd, dr = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         q = self.wq_b(q_resid).reshape(B, T, nh, hd)
         q = jnp.concatenate([apply_rope(q[..., :dr], cos, sin), q[..., dr:]], axis=-1)  # rope dims come first here
+        w = self.weights_proj(x.astype(jnp.float32)) * nh**-0.5
+        return q.astype(jnp.float32), w.astype(jnp.float32)
+
+    def key(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """x [B, T, H] -> the per-token index key [B, T, hd] x.dtype (roped): what the indexer key cache stores."""
+        dr = self.cfg.qk_rope_head_dim
         k = self.k_norm(self.wk(x))[:, :, None, :]
-        k = jnp.concatenate([apply_rope(k[..., :dr], cos, sin), k[..., dr:]], axis=-1)[:, :, 0]
-        s = jax.nn.relu(jnp.einsum("btnd,bsd->btns", q.astype(jnp.float32), k.astype(jnp.float32)) * hd**-0.5)
-        w = self.weights_proj(x.astype(jnp.float32)) * nh**-0.5  # [B, T, nh]
-        idx = jnp.einsum("btn,btns->bts", w, s)
+        return jnp.concatenate([apply_rope(k[..., :dr], cos, sin), k[..., dr:]], axis=-1)[:, :, 0]
+
+    def scores(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        """x [B, T, H], q_resid [B, T, q_lora], mask [B, T, S] -> index scores [B, T, S] f32 (-inf where masked)."""
+        q, w = self.query(x, q_resid, cos, sin)
+        idx = index_scores(q, w, self.key(x, cos, sin).astype(jnp.float32))
         return jnp.where(mask, idx, -jnp.inf)
 
     def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
@@ -144,6 +159,19 @@ class MLAttention(nnx.Module):
         s = jnp.einsum("btnc,bsc->bnts", q, lat)
         p = masked_softmax(s * self.cfg.softmax_scale, mask)
         o_lat = jnp.einsum("bnts,bsr->btnr", p, lat[..., :r])
+        return self.absorb_output(o_lat, q_nope.dtype)
+
+    def attend_sparse(self, q_nope: jax.Array, q_rope: jax.Array, rows: jax.Array, valid: jax.Array) -> jax.Array:
+        """DSA attention in the absorbed form over each query's own selected latent rows.
+
+        q_nope [B,T,N,dn], q_rope [B,T,N,dr]; rows [B,T,K,r+dr] f32 (query t's K selected latent rows);
+        valid [B,T,K] bool (False: a selection slot past the query's causal context). -> [B, T, N, dv].
+        """
+        r = self.cfg.kv_lora_rank
+        q = self.absorb_query(q_nope, q_rope)
+        s = jnp.einsum("btnc,btkc->bntk", q, rows)
+        p = masked_softmax(s * self.cfg.softmax_scale, valid)
+        o_lat = jnp.einsum("bntk,btkr->btnr", p, rows[..., :r])
         return self.absorb_output(o_lat, q_nope.dtype)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, *, absorbed: bool,

@@ -12,8 +12,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxserve.cache import KVPages, check_tags, gather_tokens, guard_tables, mask_outputs, page_tags_at, write_tokens
-from jaxserve.models import paged_attention_xla, sharded
+from jaxserve.cache import (KVPages, check_tags, gather_tokens, guard_tables, mask_outputs, page_tags_at,
+                           write_index_keys, write_tokens)
+from jaxserve.models import dsa, paged_attention_xla, sharded
 from jaxserve.models.transformer import CausalLM
 from jaxserve.sharding import POOL_AXES, Parallel
 from pallas_kernels.paged_attention import paged_gqa_decode, paged_mla_decode
@@ -75,7 +76,8 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
     chunked or whether its prefix came from the prefix cache; over an FP8 pool it is exactly what decode reads.
     Attention reads the pool block by block (online softmax): "xla" the blockwise XLA form, "pallas*" the flash
     prefill kernels (GPU or TPU tiling); MLA in the absorbed form (MQA over the latent pages, no kv_b expansion
-    of the context). GLM-5 DSA layers keep the dense plain form (gather + [B, N, T, S] softmax).
+    of the context). GLM-5 DSA layers (`_dsa_prefill_attention`): the plain dense form while the block table spans
+    at most index_topk tokens, else absorbed attention over each query's top-k selected latent rows.
     With `batch.expected_tags`, the tag check runs first over every page the chunk reads (prefix-cache pages
     included): a failed row reads only the null page, writes nothing and gets zero logits.
     -> (logits at each row's last chunk token [B, V] f32, or at every chunk token [B, T, V] with all_logits;
@@ -90,22 +92,16 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
                     block_tables=guard_tables(ok, batch.block_tables))
     slot_tags = (page_tags_at(batch.expected_tags, batch.positions, pages.layout.page_size).reshape(-1) if checked
                  else None)
-    S = batch.block_tables.shape[1] * pages.layout.page_size
-    kpos = jnp.arange(S, dtype=jnp.int32)
-    # the dense [B, T, S] mask: only the DSA path uses it (unused, XLA drops it)
-    mask = (kpos[None, None, :] <= batch.positions[:, :, None]) & (kpos[None, None, :] < batch.ctx_lens[:, None, None])
     tables = (batch.block_tables, batch.positions, batch.ctx_lens)
     cos, sin = model.rope(batch.positions)
     flat_slots = batch.slots.reshape(-1)
     h = model.embed_tokens(batch.tokens)
+    selected = None  # GLM-5 DSA: the last full indexer layer's selection, reused by IndexShare layers
     for i, layer in enumerate(model.layers):
         x = layer.input_norm(h)
         attn = layer.attn
-        if cfg.is_mla and cfg.has_indexer:
-            q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
-            pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
-            ctx = gather_tokens(pages, i, batch.block_tables, out_dtype=jnp.float32)
-            o = attn.attend_plain(q_nope, q_rope, ctx.astype(x.dtype), mask)
+        if cfg.has_indexer:
+            o, pages, selected = _dsa_prefill_attention(model, i, x, pages, batch, cos, sin, selected, slot_tags)
         elif cfg.is_mla:
             q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
@@ -144,10 +140,14 @@ def decode(model: CausalLM, pages: KVPages, batch: DecodeBatch, *, integrity: bo
     cos, sin = model.rope(positions)
     h = model.embed_tokens(batch.tokens[:, None])  # [B, 1, H]
     B = h.shape[0]
+    selected = None  # GLM-5 DSA: the last full indexer layer's selection, reused by IndexShare layers
     for i, layer in enumerate(model.layers):
         x = layer.input_norm(h)
         attn = layer.attn
-        if cfg.is_mla:
+        if cfg.has_indexer:
+            o, pages, selected = _dsa_decode_attention(model, i, x, pages, batch, ok, cos, sin, selected, slot_tags,
+                                                       attention)
+        elif cfg.is_mla:
             q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, latent[:, 0], slots, slot_tags)
             q = attn.absorb_query(q_nope, q_rope)[:, 0]  # [B, N, r + dr] f32
@@ -163,6 +163,64 @@ def decode(model: CausalLM, pages: KVPages, batch: DecodeBatch, *, integrity: bo
         h = h + attn.o(o.reshape(B, 1, -1))
         h = h + layer.mlp(layer.post_norm(h))
     return model.logits(h[:, 0]), pages, ok
+
+
+def _dsa_prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batch: PrefillBatch,
+                           cos: jax.Array, sin: jax.Array, prev: dsa.Selection | None, slot_tags: jax.Array | None
+                           ) -> tuple[jax.Array, KVPages, dsa.Selection | None]:
+    """GLM-5 layer i's attention over the pool for a prefill chunk (`batch` already tag-checked: a failed row's
+    slots are -1 and its table the null page): writes the chunk's latent rows and (full indexer layers) indexer
+    keys, stamping `slot_tags`, then attends densely when the block table spans <= index_topk tokens, else over
+    each query's top-k selected rows (its own indexer's, or `prev` on IndexShare layers).
+    x [B, T, H] -> (o [B, T, N, dv], pages, this layer's selection or None on the dense path)."""
+    cfg, attn = model.cfg, model.layers[i].attn
+    B, T = batch.tokens.shape
+    bt, flat_slots = batch.block_tables, batch.slots.reshape(-1)
+    q_nope, q_rope, latent, q_resid = attn.project(x, cos, sin)
+    pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
+    if attn.indexer is not None:
+        pages = write_index_keys(pages, cfg.index_slot(i), attn.indexer.key(x, cos, sin).reshape(B * T, -1),
+                                 flat_slots, slot_tags)
+    S = bt.shape[1] * pages.layout.page_size
+    if not dsa.is_sparse(S, cfg.index_topk):
+        kpos = jnp.arange(S, dtype=jnp.int32)
+        ctx_lens = batch.ctx_lens[:, None, None]
+        mask = (kpos[None, None, :] <= batch.positions[:, :, None]) & (kpos[None, None, :] < ctx_lens)
+        ctx = gather_tokens(pages, i, bt, out_dtype=jnp.float32)
+        return attn.attend_plain(q_nope, q_rope, ctx.astype(x.dtype), mask), pages, None
+    sel = prev
+    if attn.indexer is not None:
+        q, w = attn.indexer.query(x, q_resid, cos, sin)
+        sel = dsa.select_topk(q, w, pages, cfg.index_slot(i), bt, batch.positions, batch.ctx_lens, cfg.index_topk)
+    return attn.attend_sparse(q_nope, q_rope, dsa.sparse_rows(pages, i, bt, sel), sel[1]), pages, sel
+
+
+def _dsa_decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batch: DecodeBatch,
+                          ok: jax.Array, cos: jax.Array, sin: jax.Array, prev: dsa.Selection | None,
+                          slot_tags: jax.Array | None, attention: AttentionImpl
+                          ) -> tuple[jax.Array, KVPages, dsa.Selection | None]:
+    """GLM-5 layer i's decode attention (`batch` already tag-checked: a failed row has slot -1, length 0 and the
+    null page as its table): writes the new token's latent row and indexer key, stamping `slot_tags`, then the
+    dense paged kernel when the block table spans <= index_topk tokens, else absorbed attention over the top-k
+    rows of the row's cached tokens; a failed row's output is zeroed.
+    x [B, 1, H] -> (o [B, 1, N, dv], pages, selection or None)."""
+    cfg, attn = model.cfg, model.layers[i].attn
+    bt, slots, lengths = batch.block_tables, batch.slots, batch.lengths
+    q_nope, q_rope, latent, q_resid = attn.project(x, cos, sin)
+    pages = write_tokens(pages, i, latent[:, 0], slots, slot_tags)
+    if attn.indexer is not None:
+        pages = write_index_keys(pages, cfg.index_slot(i), attn.indexer.key(x, cos, sin)[:, 0], slots, slot_tags)
+    if not dsa.is_sparse(bt.shape[1] * pages.layout.page_size, cfg.index_topk):
+        q = attn.absorb_query(q_nope, q_rope)[:, 0]
+        o_lat = _mla_attention(model.parallel, q, pages, i, bt, lengths, cfg.kv_lora_rank, cfg.softmax_scale,
+                               attention)
+        return attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype), pages, None
+    sel = prev
+    if attn.indexer is not None:
+        q, w = attn.indexer.query(x, q_resid, cos, sin)
+        sel = dsa.select_topk(q, w, pages, cfg.index_slot(i), bt, batch.positions[:, None], lengths, cfg.index_topk)
+    o = attn.attend_sparse(q_nope, q_rope, dsa.sparse_rows(pages, i, bt, sel), sel[1])
+    return mask_outputs(ok, o), pages, sel
 
 
 def _mla_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, bt: jax.Array,
