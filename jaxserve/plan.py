@@ -36,14 +36,17 @@ PRESETS: dict[str, dict] = {
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         "rope_theta": 50000.0, "bos_token_id": 163584, "eos_token_id": 163585, "tie_word_embeddings": False,
     },
-    "glm-5.2": {  # zai-org GLM-5.2: GLM-5.1 geometry, 1M context, IndexShare (21 full / 57 shared indexers)
+    "glm-5.2": {  # zai-org GLM-5.2: GLM-5.1 geometry, 1M context, IndexShare (21 full / 57 shared indexers:
+        # 0, 1, 2, then every 4th), nested rope_parameters, a head_dim (192) that the MLA rope dim ignores, 1 MTP layer
         "model_type": "glm_moe_dsa", "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
-        "moe_intermediate_size": 2048, "num_hidden_layers": 78, "first_k_dense_replace": 3,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 78, "first_k_dense_replace": 3, "head_dim": 192,
         "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512,
         "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "index_n_heads": 32,
-        "index_head_dim": 128, "index_topk": 2048, "index_topk_freq": 4, "n_routed_experts": 256,
-        "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 1048576, "rope_parameters": {"rope_type": "default", "rope_theta": 8e6},
+        "index_head_dim": 128, "index_topk": 2048, "index_topk_freq": 4, "index_skip_topk_offset": 3,
+        "indexer_rope_interleave": True, "index_share_for_mtp_iteration": True, "num_nextn_predict_layers": 1,
+        "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 8000000},
         "eos_token_id": [154820, 154827, 154829], "tie_word_embeddings": False,
     },
     "glm-4.5": {  # zai-org GLM-4.5 (355B): GQA 96 q / 8 kv heads

@@ -20,14 +20,16 @@ def kimi_config(n_group: int = 1, topk_group: int = 1) -> transformers.DeepseekV
         tie_word_embeddings=False, attn_implementation="eager")
 
 
-def glm5_config() -> transformers.GlmMoeDsaConfig:
+def glm5_config(index_topk: int = 4, indexer_types: tuple[str, ...] = ("full", "shared", "full"),
+                index_n_heads: int = 4) -> transformers.GlmMoeDsaConfig:
     return transformers.GlmMoeDsaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
-        qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=4, index_head_dim=16, index_topk=4,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=len(indexer_types), first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16,
+        index_n_heads=index_n_heads, index_head_dim=16, index_topk=index_topk, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=512,
-        indexer_types=["full", "shared", "full"], attn_implementation="eager")
+        indexer_types=list(indexer_types), attn_implementation="eager")
 
 
 def glm4_config() -> transformers.Glm4MoeConfig:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from jaxserve.errors import ConfigError
 
-KVDtype = Literal["fp8", "bf16"]
+KVDtype = Literal["fp8", "bf16", "f32"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class EngineConfig:
     two halves, prefill on the first, decode on the second, KV handed off BF16 -> FP8 between them.
     """
 
-    kv_dtype: KVDtype = "fp8"
+    kv_dtype: KVDtype = "fp8"  # "f32": both pools f32 (reference precision for exactness tests)
     index_kv_dtype: KVDtype | None = None  # GLM-5 DSA indexer keys in the decode pool; None: as kv_dtype
     prefill_weights: str = "fp8"
     decode_weights: str = "int4"
@@ -64,8 +64,8 @@ class EngineConfig:
         object.__setattr__(self, "dtype", {"bf16": "bfloat16", "f32": "float32", "fp32": "float32"}.get(
             self.dtype, self.dtype))
 
-        if self.kv_dtype not in ("fp8", "bf16"):
-            bad("kv_dtype", "must be 'fp8' or 'bf16'")
+        if self.kv_dtype not in ("fp8", "bf16", "f32"):
+            bad("kv_dtype", "must be 'fp8', 'bf16' or 'f32'")
         if self.index_kv_dtype not in (None, "bf16", self.kv_dtype):
             bad("index_kv_dtype", "must be None, 'bf16' or kv_dtype (FP8 keys need an FP8 pool)")
         for p in ("prefill_weights", "decode_weights"):

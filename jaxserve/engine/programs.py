@@ -145,10 +145,12 @@ class Programs:
             return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret,
                                 backend)
 
+        prefill_kv = "f32" if cfg.kv_dtype == "f32" else "bf16"  # prefill writes BF16 pages (f32 for reference runs)
         self.prefill_phase = self._phase(_in_format(model, fmt(cfg.prefill_weights)), self.prefill_parallel,
-                                         kv_layout(model.cfg, cfg.page_size, "bf16"), cfg.num_prefill_pages)
+                                         kv_layout(model.cfg, cfg.page_size, prefill_kv), cfg.num_prefill_pages)
         self.decode_phase = self._phase(_in_format(decode_model or model, fmt(cfg.decode_weights)),
-                                        self.decode_parallel, kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype, cfg.index_kv_dtype),
+                                        self.decode_parallel,
+                                        kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype, cfg.index_kv_dtype),
                                         cfg.num_decode_pages)
         self.compiles: collections.Counter[str] = collections.Counter()
         pp, dp = self.prefill_parallel, self.decode_parallel
