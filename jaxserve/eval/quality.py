@@ -65,13 +65,15 @@ def make_windows(tokens: np.ndarray, window: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------- teacher-forced logits
 
 
-@nnx.jit(static_argnames=("kv_dtype", "page_size"))
-def _window_logprobs(model: CausalLM, tokens: jax.Array, kv_dtype: str, page_size: int) -> jax.Array:
+@nnx.jit(static_argnames=("kv_dtype", "page_size", "index_dtype"))
+def _window_logprobs(model: CausalLM, tokens: jax.Array, kv_dtype: str, page_size: int,
+                     index_dtype: str | None = None) -> jax.Array:
     """tokens [B, T] int32 -> next-token log-probs [B, T, V] f32 via the paged prefill over a fresh pool of
-    `kv_dtype` pages (row b owns pages 1 + b*M .. (b+1)*M; page 0 is the null page)."""
+    `kv_dtype` pages (row b owns pages 1 + b*M .. (b+1)*M; page 0 is the null page); GLM-5 DSA indexer keys in
+    `index_dtype` (None: kv_dtype)."""
     B, T = tokens.shape
     M = -(-T // page_size)
-    pages = init_pages(kv_layout(model.cfg, page_size, kv_dtype), 1 + B * M)
+    pages = init_pages(kv_layout(model.cfg, page_size, kv_dtype, index_dtype), 1 + B * M)
     bt = 1 + jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     slots = jnp.take_along_axis(bt, pos // page_size, axis=1) * page_size + pos % page_size
@@ -81,7 +83,7 @@ def _window_logprobs(model: CausalLM, tokens: jax.Array, kv_dtype: str, page_siz
 
 
 def logprobs(model: CausalLM, windows: np.ndarray, kv_dtype: str = "bf16", *, batch_size: int = 8,
-             page_size: int = 16, progress: bool = False) -> np.ndarray:
+             page_size: int = 16, progress: bool = False, index_dtype: str | None = None) -> np.ndarray:
     """windows [W, T+1] int32 -> log-probs [W, T, V] f32 of each input position's next token (batches padded
     to one compiled shape)."""
     x = windows[:, :-1]
@@ -89,7 +91,7 @@ def logprobs(model: CausalLM, windows: np.ndarray, kv_dtype: str = "bf16", *, ba
     for i in tqdm(range(0, len(x), batch_size), desc=f"logprobs kv={kv_dtype}", leave=False, disable=not progress):
         xb = x[i:i + batch_size]
         pad = batch_size - len(xb)
-        lp = _window_logprobs(model, jnp.asarray(np.pad(xb, ((0, pad), (0, 0)))), kv_dtype, page_size)
+        lp = _window_logprobs(model, jnp.asarray(np.pad(xb, ((0, pad), (0, 0)))), kv_dtype, page_size, index_dtype)
         out.append(np.asarray(lp[:len(xb)]))
     return np.concatenate(out)
 
@@ -108,11 +110,11 @@ def compare_logprobs(lp_a: np.ndarray, lp_b: np.ndarray, windows: np.ndarray) ->
 
 
 def compare(model_a: CausalLM, model_b: CausalLM, windows: np.ndarray, kv_a: str = "bf16", kv_b: str = "bf16", *,
-            batch_size: int = 8) -> dict[str, float]:
-    """Teacher-forced comparison of (model_a, KV kv_a), the reference, with (model_b, KV kv_b) on windows
-    [W, T+1] int32 -> compare_logprobs' dict."""
+            batch_size: int = 8, index_b: str | None = None) -> dict[str, float]:
+    """Teacher-forced comparison of (model_a, KV kv_a), the reference, with (model_b, KV kv_b; GLM-5 indexer keys
+    index_b, None: as kv_b) on windows [W, T+1] int32 -> compare_logprobs' dict."""
     return compare_logprobs(logprobs(model_a, windows, kv_a, batch_size=batch_size),
-                            logprobs(model_b, windows, kv_b, batch_size=batch_size), windows)
+                            logprobs(model_b, windows, kv_b, batch_size=batch_size, index_dtype=index_b), windows)
 
 
 # ------------------------------------------------------------------------------------------- engine, free-running
