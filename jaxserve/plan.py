@@ -6,6 +6,7 @@ mesh (`--xla_force_host_platform_device_count`). Per device it reports the weigh
 each parameter's shard shape), the compiled temporaries (`compiled.memory_analysis()`), the KV pool that is
 left, the tokens that pool holds under TP attention (the MLA latent replicated on every device) and under DP
 attention (split by request), and the collectives of one step (kind, count, bytes) read from the compiled HLO.
+Bytes per token include GLM-5.x's DSA indexer keys (FP8 + scale in an FP8 pool), which live in the same pages.
 
 The programs compile on the XLA path (a CPU cannot compile Pallas kernels); their temporaries are that path's,
 at the stated batch and context, and the collectives are the same as the kernel path's (the kernels sit inside
@@ -233,6 +234,8 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
             "phases": {k: asdict(v) for k, v in phases.items()},
             "resident_weight_bytes": resident, "temp_bytes": temp, "kv_pool_bytes": max(int(pool), 0),
             "kv_bytes_per_token_per_device": per_token, "kv_tokens": total,
+            # GLM-5.x: the DSA indexer keys' share of per_token (in every device's copy, like the latent rows)
+            "kv_index_bytes_per_token": layout.index_bytes_per_token(),
             "kv_tokens_per_device": per_device_tokens,
         }
     bar.close()
