@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'tok/GiB fp8':>12} {'ratio':>6}")
     for r in rows:
         print(f"{r['model']:<16} {r['kind']:<4} {r['bf16_bytes_per_token']:>11} {r['fp8_bytes_per_token']:>10} "
-              f"{r['fp8_index_bytes_per_token']:>11} {r['bf16_tokens_per_gib']:>13.0f} {r['fp8_tokens_per_gib']:>12.0f} "
-              f"{r['ratio']:>6.3f}")
+              f"{r['fp8_index_bytes_per_token']:>11} {r['bf16_tokens_per_gib']:>13.0f} "
+              f"{r['fp8_tokens_per_gib']:>12.0f} {r['ratio']:>6.3f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

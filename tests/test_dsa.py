@@ -8,8 +8,6 @@ lax.top_k may keep different (equally valid) keys; with 16 heads they are about 
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,12 +17,14 @@ from flax import nnx
 
 import hf_tiny
 import jaxserve
+from engine_util import pool_is_full
 from jaxserve.cache import (KVLayout, gather_index_keys, init_pages, insert_pages, pages_to_fp8, quantize_fp8,
                             write_index_keys)
 from jaxserve.config import from_hf_config
 from jaxserve.convert.converter import convert
-from jaxserve.engine import Engine, EngineConfig, SamplingParams
+from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams
 from jaxserve.engine.programs import kv_layout
+from jaxserve.errors import KVIntegrityError
 from jaxserve.eval import quality
 from jaxserve.models import dsa
 from jaxserve.models.attention import index_scores
@@ -211,13 +211,18 @@ def _engine(model, **overrides: object) -> Engine:
     return Engine(model, EngineConfig(**base), start=False)
 
 
-def test_engine_greedy_equals_transformers_past_index_topk(tiny):
+@pytest.fixture(scope="module")
+def eng(tiny):
+    return _engine(tiny[2])
+
+
+def test_engine_greedy_equals_transformers_past_index_topk(tiny, eng):
     """max_model_len 256 > index_topk 8 is accepted, and requests of 64-200 tokens (each query attends to its 8
     selected tokens) decode exactly transformers' full-sequence greedy tokens, with chunked prefill (32-token
     chunks), a prefix-cache hit (the second request reuses the first's 16 full pages of a shared 128-token prefix)
     and preemption (two requests that start in 22 of the 29 decode pages and grow to 31)."""
     hf, cfg, model = tiny
-    e = _engine(model)
+    e = eng
     short, long = SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(max_tokens=40, ignore_eos=True)
     first = _prompt(200, seed=1)
     second = first[:128] + _prompt(20, seed=2)
@@ -230,6 +235,32 @@ def test_engine_greedy_equals_transformers_past_index_topk(tiny):
         assert o.error is None and o.token_ids == _hf_greedy(hf, p, len(o.token_ids))
     assert [len(o.token_ids) for o in outs] == [8, 8, 40, 40]
     assert dict(e.programs.compiles) == {"prefill": 1, "decode": 1, "handoff": 1}
+    assert pool_is_full(e)
+
+
+def test_stale_page_aborts_only_that_request_on_the_sparse_path(eng):
+    """The indexer keys share the latent rows' pages, so the page tags cover them: a request whose page is
+    reallocated under it fails closed (its top-k reads nothing: length 0) and the others' tokens are unchanged."""
+    e = eng
+    ps = [_prompt(n, seed=10 + n) for n in (64, 90, 72)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    clean = e.generate(ps, params)
+    reqs = [Request(p, params) for p in ps]
+    streams = [e.submit(r) for r in reqs]
+    sched = e.scheduler
+    while sum(s.status.value == "decoding" for s in sched.running) < 3:
+        e.step()
+    victim = next(s for s in sched.running if s.req.request_id == reqs[1].request_id)
+    page, tag = victim.decode_pages[0]
+    sched.decode_alloc.free(page, tag)
+    [(new_page, new_tag)] = sched.decode_alloc.allocate(1)
+    assert new_page == page and new_tag != tag
+    events = [list(s) for s in streams]
+    assert events[1][-1].finish_reason == "error" and isinstance(events[1][-1].error, KVIntegrityError)
+    for i in (0, 2):
+        assert [ev.token_id for ev in events[i] if ev.token_id is not None] == clean[i].token_ids
+    sched.decode_alloc.free(new_page, new_tag)
+    assert pool_is_full(e)
 
 
 def test_fp8_kv_and_fp8_indexer_keys_quality_vs_bf16(tiny):

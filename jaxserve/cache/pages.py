@@ -5,11 +5,11 @@ Two layouts:
     The attention "value" is the first `kv_lora_rank` columns of the row.
   * "gqa": K and V, each `[kv_heads, head_dim]` per token and layer (GLM-4.5: 8 x 128).
 
-Pools are stored as bit patterns: uint8 for FP8, uint16 for BF16 (uint32 for the f32 reference pool). XLA:CPU cannot scatter float8/bfloat16
-natively, so a float8 pool made it convert the whole pool to f16/f32 and back around every write; integer pools
-scatter in place. `lax.bitcast_convert_type` at the edges (writes, gathers, `KVPages.layer`, the hand-off) turns
-bits into values only for the rows actually read or written. Consumers of `KVPages.layer` see float8_e4m3fn /
-bfloat16 arrays; the raw fields (`latent`, `k`, `v`) hold the bits.
+Pools are stored as bit patterns: uint8 for FP8, uint16 for BF16 (uint32 for the f32 reference pool). XLA:CPU cannot
+scatter float8/bfloat16 natively, so a float8 pool made it convert the whole pool to f16/f32 and back around every
+write; integer pools scatter in place. `lax.bitcast_convert_type` at the edges (writes, gathers, `KVPages.layer`,
+the hand-off) turns bits into values only for the rows actually read or written. Consumers of `KVPages.layer` see
+float8_e4m3fn / bfloat16 arrays; the raw fields (`latent`, `k`, `v`) hold the bits.
 
 FP8 pools store `float8_e4m3fn` values plus one float32 scale per token (MLA) or per token and kv head (GQA):
 `x ~= q.astype(f32) * scale`, `scale = amax(|row|) / 448`. Quantization saturates (clips to +-448 before the
