@@ -8,6 +8,8 @@ lax.top_k may keep different (equally valid) keys; with 16 heads they are about 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,8 +95,8 @@ def test_bytes_per_token_include_the_indexer_keys():
     assert fp8.bytes_per_token() == 78 * (576 + 4) + 21 * (128 + 4)
     assert bf16.bytes_per_token() == 78 * 576 * 2 + 21 * 128 * 2
     assert kv_layout(cfg, 64, "fp8", "bf16").bytes_per_token() == 78 * (576 + 4) + 21 * 128 * 2
-    for lay in (fp8, bf16):  # the real pool's arrays hold exactly that
-        shapes = jax.eval_shape(lambda: init_pages(lay.__class__(**{**lay.__dict__, "num_layers": 78}), 2))
+    for lay in (fp8, bf16):  # the real pool's KV arrays hold exactly that (its per-page tags are not per token)
+        shapes = dataclasses.replace(jax.eval_shape(lambda: init_pages(lay, 2)), tags=None)
         assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) == 2 * 64 * lay.bytes_per_token()
 
 
@@ -160,8 +162,8 @@ def _prefill(model, pages, batch, all_logits):
 
 
 @nnx.jit
-def _decode(model, pages, tags, batch):
-    return decode(model, pages, tags, batch, integrity=False, attention="xla")
+def _decode(model, pages, batch):
+    return decode(model, pages, batch, integrity=False, attention="xla")
 
 
 @pytest.mark.parametrize("n_prompt,n_pages", [(150, 32), pytest.param(6, 1, marks=pytest.mark.slow)],
@@ -187,14 +189,13 @@ def test_paged_logits_match_transformers_at_every_position(tiny, n_prompt, n_pag
         slots = np.asarray([slot(p) if p < c1 else -1 for p in pos], np.int32)
         batch = PrefillBatch(jnp.asarray(toks[None]), jnp.asarray(pos[None]), jnp.asarray(slots[None]), bt,
                              jnp.asarray([c1], jnp.int32), jnp.asarray([c1 - c0], jnp.int32))
-        logits, pages = _prefill(model, pages, batch, True)
+        logits, pages, _ = _prefill(model, pages, batch, True)
         got.extend(np.asarray(logits)[0, : c1 - c0])
-    tags = jnp.zeros((pages.num_pages,), jnp.uint32)
     for p in range(n_prompt, len(text)):
         batch = DecodeBatch(jnp.asarray([text[p]], jnp.int32), jnp.asarray([p], jnp.int32),
                             jnp.asarray([slot(p)], jnp.int32), bt, jnp.asarray([p + 1], jnp.int32),
                             jnp.zeros((1, n_pages), jnp.uint32), jnp.asarray([n_pages], jnp.int32))
-        logits, pages, ok = _decode(model, pages, tags, batch)
+        logits, pages, _ = _decode(model, pages, batch)
         got.append(np.asarray(logits)[0])
     got = np.stack(got)
     assert got.shape == ref.shape
@@ -242,13 +243,15 @@ def test_stale_page_aborts_only_that_request_on_the_sparse_path(eng):
     """The indexer keys share the latent rows' pages, so the page tags cover them: a request whose page is
     reallocated under it fails closed (its top-k reads nothing: length 0) and the others' tokens are unchanged."""
     e = eng
-    ps = [_prompt(n, seed=10 + n) for n in (64, 90, 72)]
+    ps = [_prompt(n, seed=10 + n) for n in (64, 70, 48)]  # 25 of the 29 decode pages: all three decode at once
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     clean = e.generate(ps, params)
     reqs = [Request(p, params) for p in ps]
     streams = [e.submit(r) for r in reqs]
     sched = e.scheduler
-    while sum(s.status.value == "decoding" for s in sched.running) < 3:
+    for _ in range(64):
+        if sum(s.status.value == "decoding" for s in sched.running) == 3:
+            break
         e.step()
     victim = next(s for s in sched.running if s.req.request_id == reqs[1].request_id)
     page, tag = victim.decode_pages[0]
