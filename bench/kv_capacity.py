@@ -41,7 +41,7 @@ MODELS = (
     ModelKV("tiny-mla", KVLayout.mla(num_layers=4, kv_lora_rank=64, qk_rope_head_dim=16)),
     ModelKV("glm-4.5", KVLayout.gqa(num_layers=92, kv_heads=8, head_dim=128)),
     ModelKV("glm-5.2", kv_layout(GLM52, 16, "bf16")),  # latent rows + FP8 (in an FP8 pool) indexer keys
-    ModelKV("glm-5.2-bf16idx", kv_layout(GLM52, 16, "bf16", "bf16")),  # indexer keys kept BF16 in an FP8 pool
+    ModelKV("glm-5.2-bf16idx", kv_layout(GLM52, 16, "fp8", "bf16")),  # indexer keys kept BF16 in an FP8 pool
 )
 
 
