@@ -33,9 +33,11 @@ long a context share the step, prefill chunks follow the step's token budget - a
 different program: other GEMM blocking (a 1-row decode is a matrix-vector product), another MoE algorithm
 (gathered experts below `n * k <= experts`, grouped matmul above), a longer attention reduction. Those move the
 last bits of the logits, bf16 activations make that an ulp of bf16, and at temperature > 0 over a flat
-distribution a sampled token flips within a few tokens (on the random tiny model, at the second token). Pinning
-every bucket to one shape (`batch_invariant_buckets`) makes a seeded request's tokens independent of its batch,
-at the price of running the largest program every step (tests/test_seeds.py checks exactly this).
+distribution a sampled token flips within a few tokens (random tiny model, bf16 / FP8 KV / INT4, one request
+alone vs among 15: at the second token; pinning the row bucket alone removed it there, pinning block table and
+chunk alone did not). Pinning every bucket to one shape (`batch_invariant_buckets`) makes a seeded request's
+tokens independent of its batch, at the price of running the largest program every step (tests/test_seeds.py
+checks exactly this).
 """
 from __future__ import annotations
 
