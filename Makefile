@@ -20,8 +20,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/jaxserve serve
 
+# Two processes: the HTTP server tests compile their engines in a fresh one. After ~650 tests in one process an XLA
+# compile on the server's engine thread segfaulted once (not reproduced alone; cause not found yet).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --ignore-glob='tests/test_server*'
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/test_server*.py
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
