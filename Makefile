@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-slow clean
+.PHONY: install serve test test-slow peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,20 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+# The bench's optional CPU peers (the "peers" extra; `make test` does not install it: the build takes minutes).
+# llama-cpp-python is built from its source here with CPU-only, -march=native flags: the peer should run as fast
+# as llama.cpp can on this CPU (AVX-512 etc.), and no GPU toolkit found on the machine may change what is measured.
+# Its source distribution also ships llama.cpp's GGUF converter, unpacked under .cache/peers/ for the bench.
+LLAMA_CPP_VERSION := 0.3.36
+PEERS_CACHE := .cache/peers
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_HIP=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF \
+	-DGGML_BLAS=OFF -DLLAVA_BUILD=OFF
+peers: $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --no-binary llama-cpp-python -e '.[test,peers]'
+	$(BIN)/python -m pip download --quiet --no-binary :all: --no-deps -d $(PEERS_CACHE) \
+		llama-cpp-python==$(LLAMA_CPP_VERSION)
+	tar -xzf $(PEERS_CACHE)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(PEERS_CACHE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,6 +1,7 @@
-"""Peer comparison: the same tiny model through transformers' generate() (PyTorch, CPU) vs jaxserve's Engine.
+"""Peer comparison: the same tiny model through transformers' generate() (PyTorch, CPU), llama.cpp and jaxserve.
 
-Usage: python bench/peer_transformers.py [--quick | --smoke] [--checkpoint DIR] --json OUT.json
+Usage: python bench/peer_transformers.py [--quick | --smoke] [--checkpoint DIR] [--torch-threads N]
+       [--llama-threads N] --json OUT.json
 
 The jaxserve model (checkpoints/tiny-kimi, or a random model of its architecture when absent) is exported to an
 HF folder with tools.train_tiny.export_hf (f32, the real transformers DeepseekV3 format) and loaded with
@@ -20,8 +21,11 @@ host work included) and its decode program alone: "engine step / minimal step", 
 step_batches (1, 8, 32). Context: the decode program and one layer's attention at contexts (1030, 2000) tokens,
 batch 1 and 16, and in the 2000-token bucket with the rows' lengths cut to 1030 (attention loops over live pages).
 The HF side's threads: `--torch-threads` (recorded); on a loaded shared host 1 thread ran 25x faster than 2.
-Not run here: llama.cpp (building llama-cpp-python takes the shared CPU for ~8 minutes); it is the issue's
-strongest CPU peer and remains to be added.
+llama.cpp (optional, `make peers`; bench/peer_llamacpp.py): the same HF folder converted to an f32 GGUF by the
+converter shipped with the pinned llama-cpp-python, run as llama.cpp's `deepseek2` with `--llama-threads` threads
+(default: torch's thread count) for prefill and decode; concurrency c = one context of c sequences decoded in one
+batch per step. It is timed, interleaved and compared with HF like the jaxserve configs; when it is not installed
+its rows say so ("llama_cpp.status" in the JSON) and the rest runs.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import common  # noqa: E402
+from bench import common, peer_llamacpp  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxserve.models import CausalLM  # noqa: E402
 
@@ -251,23 +255,40 @@ def agreement(ref: np.ndarray, got: np.ndarray) -> dict:
             "mean_common_prefix_frac": float(np.mean(prefix) / ref.shape[1])}
 
 
-def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict:
+def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True, llama_threads: int | None = None) -> dict:
     import torch
 
     host = machine()  # before the runs: its load average is the one at the start
     name, m32, m16 = bench_models(checkpoint)
+    llama = {"status": peer_llamacpp.status(), "threads": llama_threads or torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as td:
         hf = hf_model(m32, Path(td) / "hf")
+        if llama["status"] == "ok":
+            t0 = time.perf_counter()
+            gguf = peer_llamacpp.export_gguf(Path(td) / "hf", Path(td) / "model-f32.gguf")
+            llama["gguf_export_s"] = time.perf_counter() - t0
+            # each concurrency gets its own context (n_seq_max = c); the model file is read now, while td exists
+            llamas = {c: peer_llamacpp.LlamaCpp(gguf, peer_llamacpp.LlamaCppConfig(
+                rows=c, context=spec.prompt_len + spec.new_tokens, threads=llama["threads"]))
+                for c in spec.concurrency}
+            llama["version"] = peer_llamacpp.VERSION
+            llama["context_params"] = {c: m.params for c, m in llamas.items()}
+        else:
+            llamas = {}
     engines = {k: Engine(m32 if k == "f32" else m16, engine_config(k, spec), start=False) for k in spec.configs}
-    sides = ("hf", *engines)
+    sides = ("hf", *(("llama.cpp",) if llamas else ()), *engines)
+    peers = [s for s in sides if s != "hf"]
     rng = np.random.default_rng(spec.seed)
     rows = []
     for c in tqdm(spec.concurrency, desc="concurrency", disable=not progress):
         prompts = rng.integers(1, m32.cfg.vocab_size, size=(c, spec.prompt_len)).astype(np.int64)
 
         def call(side: str) -> tuple[float, np.ndarray]:
-            return run_hf(hf, prompts, spec.new_tokens) if side == "hf" else run_js(engines[side], prompts,
-                                                                                  spec.new_tokens)
+            if side == "hf":
+                return run_hf(hf, prompts, spec.new_tokens)
+            if side == "llama.cpp":
+                return llamas[c].generate(prompts, spec.new_tokens)
+            return run_js(engines[side], prompts, spec.new_tokens)
 
         outs = {s: call(s)[1] for s in sides}  # warm-up (compiles), and the outputs compared below
         times: dict[str, list[float]] = {s: [] for s in sides}
@@ -285,7 +306,10 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
                      "seconds": {s: common.spread(times[s]) for s in sides}, "seconds_raw": times,
                      "loadavg_per_rep": loads,
                      "jaxserve_over_hf": {s: tps[s] / tps["hf"] for s in engines},
-                     "agreement_vs_hf": {s: agreement(outs["hf"], outs[s]) for s in engines},
+                     "llama_cpp_over_hf": tps["llama.cpp"] / tps["hf"] if llamas else llama["status"],
+                     "jaxserve_over_llama_cpp": {s: tps[s] / tps["llama.cpp"] for s in engines} if llamas
+                     else llama["status"],
+                     "agreement_vs_hf": {s: agreement(outs["hf"], outs[s]) for s in peers},
                      "minimal_step_s": minimal, "engine_steps": steps,
                      "engine_step_over_minimal": {s: steps[s]["engine_step_s"]["median"] / minimal["median"]
                                                   for s in engines},
@@ -302,11 +326,16 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
                                                        for s in engines},
                           "decode_program_over_minimal": {s: steps[s]["decode_program_s"]["median"]
                                                           / minimal["median"] for s in engines}})
+    for m in llamas.values():
+        m.close()
     kind = "serving" if "serving" in engines else spec.configs[0]
     ctx_rows = context_times(m16 if kind == "serving" else m32, kind, spec)
     return {"bench": "peer_transformers", "model": name, "machine": host, "spec": asdict(spec),
             "cpu_figures": jax.default_backend() == "cpu", "torch_threads": torch.get_num_threads(),
+            "llama_cpp": llama,
             "configs": {"hf": "transformers generate(), f32, eager attention, greedy",
+                        "llama.cpp": "llama.cpp (llama-cpp-python low-level API), f32 GGUF, one batch of c"
+                                     " sequences per step, greedy argmax",
                         "f32": "jaxserve Engine, f32 weights, BF16 KV", "serving":
                         "jaxserve Engine, BF16 model, FP8 prefill / INT4 decode weights, FP8 KV"},
             "rows": rows, "step_rows": step_rows, "context_config": kind, "context_rows": ctx_rows,
@@ -314,21 +343,27 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
             "notes": "medians (min..max) of interleaved runs after a warm-up of both sides; wall time of the whole"
                      " call (prefill included); shared CPU host, load average per repetition recorded;"
                      " minimal_step_s: dense-KV jitted decode step of the f32 model (the lower bound);"
-                     " llama.cpp peer not run (its build would take the shared CPU for ~8 minutes)"}
+                     f" llama.cpp: {llama['status']}"}
 
 
 def table(r: dict) -> str:
     lines = [f"model: {r['model']}  (tokens/s, whole generate call)",
-             f"  {'conc':>4} {'hf':>9} {'js f32':>9} {'js serving':>11} {'f32/hf':>7} {'serv/hf':>8} "
-             f"{'agree f32':>10} {'agree serv':>11}"]
+             f"  {'conc':>4} {'hf':>9} {'llama.cpp':>10} {'js f32':>9} {'js serving':>11} {'f32/hf':>7} "
+             f"{'serv/hf':>8} {'serv/llama':>10} {'agree llama':>11} {'agree f32':>10} {'agree serv':>11}"]
     for row in r["rows"]:
         t, q, a = row["tokens_per_s"], row["jaxserve_over_hf"], row["agreement_vs_hf"]
+        ql = row["jaxserve_over_llama_cpp"] if isinstance(row["jaxserve_over_llama_cpp"], dict) else {}
         ag = lambda x: f"{x['rows_equal']}/{x['rows']} {x['token_match']:.2f}"  # noqa: E731
         g = lambda d, k, f: f(d[k]) if k in d else "-"  # noqa: E731 - a config may not have run
-        lines.append(f"  {row['concurrency']:>4} {t['hf']:>9.1f} {g(t, 'f32', '{:.1f}'.format):>9} "
-                     f"{g(t, 'serving', '{:.1f}'.format):>11} {g(q, 'f32', '{:.2f}'.format):>7} "
-                     f"{g(q, 'serving', '{:.2f}'.format):>8} {g(a, 'f32', ag):>10} {g(a, 'serving', ag):>11}")
-    lines.append("  agree: rows identical / fraction of token positions equal")
+        lines.append(f"  {row['concurrency']:>4} {t['hf']:>9.1f} {g(t, 'llama.cpp', '{:.1f}'.format):>10} "
+                     f"{g(t, 'f32', '{:.1f}'.format):>9} {g(t, 'serving', '{:.1f}'.format):>11} "
+                     f"{g(q, 'f32', '{:.2f}'.format):>7} {g(q, 'serving', '{:.2f}'.format):>8} "
+                     f"{g(ql, 'serving', '{:.2f}'.format):>10} {g(a, 'llama.cpp', ag):>11} {g(a, 'f32', ag):>10} "
+                     f"{g(a, 'serving', ag):>11}")
+    lines.append("  agree: rows identical / fraction of token positions equal (vs hf)")
+    lc = r["llama_cpp"]
+    lines.append(f"  llama.cpp: {lc['status']}" + (f", {lc['threads']} threads, GGUF export "
+                                                    f"{lc['gguf_export_s']:.1f} s" if lc["status"] == "ok" else ""))
     lines.append(f"  {'conc':>4} {'minimal ms':>11} " + " ".join(f"{'step ' + k + ' ms':>16} {'x min':>6}"
                                                             f" {'prog ms':>8}" for k in r["rows"][0]["engine_steps"]))
     for row in r["rows"]:
@@ -364,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch.set_num_threads for the HF side (default: torch's own, one per core); on a "
                          "loaded shared host 1 thread measured 25x faster than 2 (OpenMP threads wait on each other)")
+    ap.add_argument("--llama-threads", type=int, default=None,
+                    help="llama.cpp n_threads and n_threads_batch (default: the HF side's thread count)")
     ap.add_argument("--json", dest="json_out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.torch_threads:
@@ -373,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = SMOKE if args.smoke else QUICK if args.quick else BenchSpec()
     if args.concurrency:
         spec = replace(spec, concurrency=tuple(args.concurrency))
-    r = run(spec, args.checkpoint)
+    r = run(spec, args.checkpoint, llama_threads=args.llama_threads)
     return common.write_result(r, table(r), args.json_out)
 
 

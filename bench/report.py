@@ -146,16 +146,23 @@ def serving_section(r: dict) -> list[str]:
 
 
 def peer_section(r: dict) -> list[str]:
-    lines = ["## Peer: transformers generate() vs jaxserve Engine (`bench/peer_transformers.py`)", "",
+    lines = ["## Peer: transformers generate() and llama.cpp vs jaxserve Engine (`bench/peer_transformers.py`)", "",
              f"Model: {r['model']}; prompt {r['spec']['prompt_len']}, {r['spec']['new_tokens']} new tokens, greedy.",
-             "", "| concurrency | HF tok/s | jaxserve f32 | jaxserve serving | f32/HF | serving/HF | "
-                 "greedy agreement f32 (rows equal, token match) | serving |", "|---|---|---|---|---|---|---|---|"]
+             "", "| concurrency | HF tok/s | llama.cpp | jaxserve f32 | jaxserve serving | f32/HF | serving/HF | "
+                 "serving/llama.cpp | greedy agreement f32 (rows equal, token match) | serving | llama.cpp |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         t, q, a = row["tokens_per_s"], row["jaxserve_over_hf"], row["agreement_vs_hf"]
+        ql = row.get("jaxserve_over_llama_cpp")
+        ql = ql if isinstance(ql, dict) else {}  # a status string when llama.cpp did not run
         ag = lambda k: f"{a[k]['rows_equal']}/{a[k]['rows']}, {a[k]['token_match']:.2f}" if k in a else "-"  # noqa: E731
-        lines.append(f"| {row['concurrency']} | {_f(t['hf'])} | {_f(t.get('f32'))} | {_f(t.get('serving'))} | "
-                     f"{_f(q.get('f32'), 2)} | {_f(q.get('serving'), 2)} | {ag('f32')} | {ag('serving')} |")
-    return lines + ["", "Configs: " + "; ".join(f"{k}: {v}" for k, v in r["configs"].items()) + ".", ""]
+        lines.append(f"| {row['concurrency']} | {_f(t['hf'])} | {_f(t.get('llama.cpp'))} | {_f(t.get('f32'))} | "
+                     f"{_f(t.get('serving'))} | {_f(q.get('f32'), 2)} | {_f(q.get('serving'), 2)} | "
+                     f"{_f(ql.get('serving'), 2)} | {ag('f32')} | {ag('serving')} | {ag('llama.cpp')} |")
+    lc = r.get("llama_cpp", {"status": "not in this result"})
+    return lines + ["", "Configs: " + "; ".join(f"{k}: {v}" for k, v in r["configs"].items()) + ".",
+                    f"llama.cpp: {lc['status']}" + (f", {lc['threads']} threads" if "threads" in lc else "") + ".",
+                    ""]
 
 
 def roofline_section(r: dict) -> list[str]:

@@ -79,6 +79,15 @@ def test_peer_transformers(results: Path) -> None:
         assert positive(row["tokens_per_s"]["hf"]) and positive(row["tokens_per_s"]["f32"])
         a = row["agreement_vs_hf"]["f32"]
         assert a["rows"] == row["concurrency"] and 0 <= a["token_match"] <= 1
+    lc = r["llama_cpp"]  # optional peer (`make peers`): measured and compared when installed, else recorded absent
+    for row in r["rows"]:
+        if lc["status"] == "ok":
+            assert positive(row["tokens_per_s"]["llama.cpp"]) and positive(row["llama_cpp_over_hf"])
+            a = row["agreement_vs_hf"]["llama.cpp"]
+            assert a["rows"] == row["concurrency"] and 0 <= a["token_match"] <= 1
+            assert lc["context_params"][str(row["concurrency"])]["n_seq_max"] == row["concurrency"]
+        else:
+            assert "llama.cpp" not in row["tokens_per_s"] and row["llama_cpp_over_hf"] == lc["status"]
 
 
 def test_serving(results: Path) -> None:
