@@ -149,7 +149,7 @@ def test_engine_serves_a_quantized_checkpoint_per_phase(tmp_path):
     quantize_checkpoint(tmp_path / "jx", tmp_path / "q", QuantizeSpec())
     cfg = EngineConfig(kv_dtype="fp8", prefill_weights="fp8", decode_weights="int4", dtype="float32", page_size=4,
                        num_decode_pages=32, num_prefill_pages=32, max_batch=4, max_prefill_tokens=16,
-                       prefill_chunk=16, max_model_len=32)
+                       prefill_chunk=16, max_model_len=32, weight_layout="packed")  # stored formats stay packed
     e = Engine.from_checkpoint(tmp_path / "q", cfg, start=False)
     fmts = {ph: {m.fmt for _, m in nnx.iter_graph(nnx.merge(getattr(e.programs, ph).graphdef,
                                                                   getattr(e.programs, ph).state))

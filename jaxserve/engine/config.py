@@ -27,6 +27,10 @@ class EngineConfig:
     int4_group_size: int = 32
     quantize_attention: bool = False
     use_kernels: bool = False  # Pallas matmul kernels for quantized weights
+    # "packed": quantized weights stay packed in memory and are dequantized inside each matmul (kernels, or XLA);
+    # "compute": dequantized once at load into `dtype` (same values, more memory, no per-step unpack: for XLA on
+    # CPU, which has no INT4/FP8 matmul); "auto": "compute" on CPU devices without Pallas, "packed" elsewhere
+    weight_layout: Literal["auto", "packed", "compute"] = "auto"
     integrity: bool = True
     attention: str = "xla"
     page_size: int = 16
@@ -71,6 +75,8 @@ class EngineConfig:
         for p in ("prefill_weights", "decode_weights"):
             if getattr(self, p) not in ("bf16", "f32", "fp8", "int4"):
                 bad(p, "must be one of bf16, f32, fp8, int4")
+        if self.weight_layout not in ("auto", "packed", "compute"):
+            bad("weight_layout", "must be 'auto', 'packed' or 'compute'")
         if self.attention not in ("xla", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret"):
             bad("attention", "must be 'xla', 'pallas', 'pallas_tpu' or one of those + '_interpret'")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

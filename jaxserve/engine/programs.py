@@ -33,7 +33,7 @@ from jaxserve.models import CausalLM
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
 from jaxserve.models.sharded import shard_model, state_shardings
 from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_sharding
-from jaxserve.quant.apply import WeightFormat, quantize_model
+from jaxserve.quant.apply import WeightFormat, compute_layout, quantize_model
 
 
 def bucket(n: int, cap: int, floor: int = 1) -> int:
@@ -146,9 +146,15 @@ class Programs:
                                 backend)
 
         prefill_kv = "f32" if cfg.kv_dtype == "f32" else "bf16"  # prefill writes BF16 pages (f32 for reference runs)
-        self.prefill_phase = self._phase(_in_format(model, fmt(cfg.prefill_weights)), self.prefill_parallel,
+        self.weight_layout = {"prefill": weight_layout(cfg, p_dev), "decode": weight_layout(cfg, d_dev)}
+
+        def phase_model(m: CausalLM, name: str, weights: str) -> CausalLM:
+            out = _in_format(m, fmt(weights))
+            return compute_layout(out, _dtype_of(out)) if self.weight_layout[name] == "compute" else out
+
+        self.prefill_phase = self._phase(phase_model(model, "prefill", cfg.prefill_weights), self.prefill_parallel,
                                          kv_layout(model.cfg, cfg.page_size, prefill_kv), cfg.num_prefill_pages)
-        self.decode_phase = self._phase(_in_format(decode_model or model, fmt(cfg.decode_weights)),
+        self.decode_phase = self._phase(phase_model(decode_model or model, "decode", cfg.decode_weights),
                                         self.decode_parallel,
                                         kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype, cfg.index_kv_dtype),
                                         cfg.num_decode_pages)
@@ -281,6 +287,21 @@ class Programs:
                 tags = jnp.zeros((m,), jnp.uint32)
                 self._import.lower(d_pages, chunk, ids, tags, tags).compile()
         return None
+
+def weight_layout(cfg: EngineConfig, devices: list[jax.Device]) -> str:
+    """The phase's weight layout: cfg.weight_layout, with "auto" resolved to "compute" when the phase runs on CPU
+    devices without Pallas (XLA:CPU has no packed INT4/FP8 matmul: the packed path unpacks every used expert each
+    step, 2-8x a dense step on the embedded model), "packed" otherwise."""
+    if cfg.weight_layout != "auto":
+        return cfg.weight_layout
+    xla_only = not cfg.use_kernels and cfg.attention == "xla"
+    return "compute" if xla_only and all(d.platform == "cpu" for d in devices) else "packed"
+
+
+def _dtype_of(model: CausalLM) -> jnp.dtype:
+    """The model's activation dtype (its embedding table's)."""
+    return model.embed[...].dtype
+
 
 def _in_format(model: CausalLM, wf: WeightFormat) -> CausalLM:
     """`model` with its quantizable weights in wf.fmt; a weight already quantized differently is an error."""

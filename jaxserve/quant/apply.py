@@ -58,6 +58,30 @@ def quantize_model(model: nnx.Module, wf: WeightFormat) -> nnx.Module:
     return out
 
 
+def compute_layout(model: nnx.Module, dtype: jnp.dtype) -> nnx.Module:
+    """`model` (in place) with every quantized Linear / Experts weight dequantized once into `dtype`: the layout the
+    XLA matmul path computes with, for backends with no kernel for the packed format (CPU).
+
+    The values are the quantized format's own (the INT4 / FP8 grid times its scales, rounded to `dtype` exactly as
+    the packed XLA path rounds them before its matmul each step), so outputs match the packed path; what changes is
+    memory (dtype bytes per weight instead of 0.5 / 1) and that no step unpacks or rescales a weight again."""
+    from jaxserve.models.layers import Experts, Linear
+
+    dense = "f32" if jnp.dtype(dtype) == jnp.float32 else "bf16"
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, Linear) and module.fmt in ("fp8", "int4"):
+            w = formats.dequantize(module.weight[...], module.scale[...], module.fmt).astype(dtype)
+            module.weight, module.scale = nnx.Param(w), nnx.data(None)
+            module.fmt = dense
+        elif isinstance(module, Experts) and module.fmt in ("fp8", "int4"):
+            for name in ("gate", "up", "down"):
+                w = formats.dequantize(getattr(module, name)[...], getattr(module, f"{name}_scale")[...], module.fmt)
+                setattr(module, name, nnx.Param(w.astype(dtype)))
+                setattr(module, f"{name}_scale", nnx.data(None))
+            module.fmt = dense
+    return model
+
+
 def weight_bytes(model: nnx.Module, *, experts_only: bool = False) -> int:
     """Bytes of the model's parameters (quantized weights with their scales), optionally routed experts only."""
     _, state = nnx.split(model)
