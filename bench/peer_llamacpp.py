@@ -102,8 +102,9 @@ class LlamaCpp:
     def _decode(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, want: np.ndarray) -> np.ndarray:
         """One llama_decode over len(tokens) entries -> greedy next token of each entry with want=True, in order."""
         b, n = self.batch, len(tokens)
-        for i in range(n):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(tokens[i]), int(pos[i]), 1, int(want[i])
+        for field, values in (("token", tokens), ("pos", pos), ("n_seq_id", np.ones(n)), ("logits", want)):
+            np.ctypeslib.as_array(getattr(b, field), shape=(n,))[:] = values  # views of the C arrays
+        for i in range(n):  # seq_id is an array of per-entry arrays
             b.seq_id[i][0] = int(seq[i])
         b.n_tokens = n
         if (rc := self.lc.llama_decode(self.ctx, b)) != 0:
