@@ -242,3 +242,15 @@ def test_decode_batch_is_one_packed_upload_equal_to_the_per_row_build():
     assert list(np.asarray(top_p[2:])) == [1.0, 1.0] and not np.asarray(temp[2:]).any()
     rows.release(seqs[0])
     assert seqs[0].slot == -1
+
+
+def test_compile_first_covers_a_first_short_greedy_request(models):
+    """What `jaxserve serve` compiles before listening is exactly what its first short request runs: afterwards
+    that request traces (compiles) no program of its own."""
+    from jaxserve.engine import Engine, SamplingParams
+
+    e = Engine(models["deepseek_v3"], small_config(kv_dtype="fp8"), start=False, warmup="first")
+    assert dict(e.programs.compiles) == {"prefill": 1, "decode": 1, "handoff": 1}
+    out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    assert dict(e.programs.compiles) == {"prefill": 1, "decode": 1, "handoff": 1}

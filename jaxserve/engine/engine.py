@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Literal
 
 import jax.numpy as jnp
 
@@ -25,12 +26,17 @@ _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 class Engine:
     def __init__(self, model: CausalLM, cfg: EngineConfig, tokenizer: object | None = None, *,
-                 start: bool = True, warmup: bool = False, decode_model: CausalLM | None = None) -> None:
+                 start: bool = True, warmup: bool | Literal["first"] = False, decode_model: CausalLM | None = None
+                 ) -> None:
+        """warmup: True compiles the whole bucket grid (`Programs.warmup`), "first" only what a first short greedy
+        request runs, in parallel (`Programs.compile_first`), False nothing (programs compile on first use)."""
         self.cfg = cfg
         self.model_cfg = model.cfg  # no reference to `model` is kept: each phase holds its own formatted weights
         self.tokenizer = tokenizer
         self.programs = Programs(model, cfg, decode_model)
-        if warmup:
+        if warmup == "first":
+            self.programs.compile_first()
+        elif warmup:
             self.programs.warmup()
         self._queues: dict[str, queue.Queue[TokenEvent]] = {}
         self._qlock = threading.Lock()
@@ -48,7 +54,7 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, cfg: EngineConfig = EngineConfig(), *, start: bool = True,
-                        warmup: bool = False) -> Engine:
+                        warmup: bool | Literal["first"] = False) -> Engine:
         """Load a checkpoint (and its tokenizer, if the folder has one) straight onto each phase's mesh.
 
         Each phase restores only its own format: one stored by `jaxserve quantize` (fp8 / int4) is read as is;

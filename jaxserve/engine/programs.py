@@ -12,6 +12,7 @@ Shapes are bucketed (rows, chunk tokens, pages per row) to powers of two so stea
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import threading
@@ -262,31 +263,48 @@ class Programs:
             t = threading.Thread(target=self.warmup, args=(False,), name="jaxserve-warmup", daemon=True)
             t.start()
             return t
-        from jaxserve.engine.scheduler import dummy_decode, dummy_prefill  # the scheduler builds real batches
-
         c = self.cfg
         combos = [("decode", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
         combos += [("prefill", b, m, t) for b, t in c.prefill_shapes for m in c.prefill_page_buckets]
         combos += [("handoff", 0, m, 0) for m in c.prefill_page_buckets]
         combos.sort(key=lambda x: (max(x[1], 1) * max(x[3], 1) * x[2], x[0]))  # small (common) shapes first
+        for combo in tqdm(combos, desc="warm-up compiles", disable=not progress):
+            self._compile(*combo)
+        return None
+
+    def compile_first(self) -> None:
+        """Compile the programs a first short request runs (one row in the smallest prefill, hand-off and decode
+        buckets), each in its own thread: XLA compiles with the GIL released, so on a multi-core host the first
+        request waits for the slowest of them instead of their sum. Later calls with these shapes reuse them (an
+        ahead-of-time compile fills the jit cache)."""
+        c = self.cfg
+        first = [("prefill", 1, c.prefill_page_buckets[0], c.chunk_buckets[0]), ("decode", 1, c.page_buckets[0], 0),
+                 ("handoff", 0, c.prefill_page_buckets[0], 0)]
+        with concurrent.futures.ThreadPoolExecutor(len(first), thread_name_prefix="jaxserve-compile") as pool:
+            for f in [pool.submit(self._compile, *combo) for combo in first]:
+                f.result()
+
+    def _compile(self, kind: str, b: int, m: int, t: int) -> None:
+        """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched)."""
+        from jaxserve.engine.scheduler import dummy_decode, dummy_prefill  # the scheduler builds real batches
+
         spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the live pools may be donated meanwhile
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         p_ph, d_ph = self.prefill_phase, self.decode_phase
         p_pages, d_pages = spec(p_ph.pages), spec(d_ph.pages)
-        for kind, b, m, t in tqdm(combos, desc="warm-up compiles", disable=not progress):
-            if kind == "decode":
-                self._decode.lower(d_ph.state, d_pages, *dummy_decode(b, m)).compile()
-            elif kind == "prefill":
-                self._prefill.lower(p_ph.state, p_pages, *dummy_prefill(b, t, m)).compile()
-            else:
-                ids = jnp.zeros((m,), jnp.int32)
-                lowered = self._export.lower(p_pages, ids)
-                out = lowered.compile().output_shardings
-                chunk = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(
-                    d_ph.mesh, sh.spec if isinstance(sh, NamedSharding) else P())), lowered.out_info, out)
-                tags = jnp.zeros((m,), jnp.uint32)
-                self._import.lower(d_pages, chunk, ids, tags, tags).compile()
-        return None
+        if kind == "decode":
+            self._decode.lower(d_ph.state, d_pages, *dummy_decode(b, m)).compile()
+        elif kind == "prefill":
+            self._prefill.lower(p_ph.state, p_pages, *dummy_prefill(b, t, m)).compile()
+        else:
+            ids = jnp.zeros((m,), jnp.int32)
+            lowered = self._export.lower(p_pages, ids)
+            out = lowered.compile().output_shardings
+            chunk = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(
+                d_ph.mesh, sh.spec if isinstance(sh, NamedSharding) else P())), lowered.out_info, out)
+            tags = jnp.zeros((m,), jnp.uint32)
+            self._import.lower(d_pages, chunk, ids, tags, tags).compile()
+
 
 def weight_layout(cfg: EngineConfig, devices: list[jax.Device]) -> str:
     """The phase's weight layout: cfg.weight_layout, with "auto" resolved to "compute" when the phase runs on CPU

@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         # data-parallel replicas, each on its own slice of --devices devices
         engine = SessionRouter.replicas(checkpoint, engine_config(args), args.workers)
     else:
-        engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True)
+        # the first request's programs compile in parallel before the server listens (a restart loads them)
+        engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True, warmup="first")
     name = model_name(checkpoint)
     app_cfg = AppConfig(max_inflight=max_queue, max_body_bytes=args.max_body_bytes,
                         default_chat_max_tokens=args.default_max_tokens or DEFAULT_CHAT_MAX_TOKENS)
