@@ -2,6 +2,7 @@
 
     python -m tools.train_tiny OUT_HF_DIR --minutes 40 [--seed 0] [--steps N]
     python -m tools.train_tiny --evaluate CHECKPOINT_DIR     # converted checkpoint -> CHECKPOINT_DIR/eval.json
+    python -m tools.train_tiny --repetition CHECKPOINT_DIR   # distinct-n of greedy 128-token completions (JSON)
 
 The model is jaxserve's own `CausalLM` (MLA with q LoRA, sigmoid-routed MoE with score-correction bias, one
 dense first layer), trained in float32 with AdamW (linear warmup + cosine) on the stdlib corpus train split
@@ -249,6 +250,33 @@ def heldout_metrics(model: CausalLM, tokenizer: Tokenizer, window: int = 512, pr
     return {"heldout_loss_nats": total / n, "heldout_ppl": math.exp(total / n),
             "bits_per_byte": total / math.log(2) / n_bytes, "heldout_tokens": n, "heldout_bytes": n_bytes,
             "window": window}
+
+
+# Prompts of the repetition measure: openings of the kinds of code the corpus holds.
+REPETITION_PROMPTS = ("def ", "import os\n", "class Stack:\n", "for i in range(", "# Compute the ",
+                      "if __name__ == ", "def fibonacci(n):\n", "    return ")
+
+
+def distinct_n(ids: list[int], n: int) -> float:
+    """Distinct n-grams / n-grams of a token sequence (1.0: no n-gram repeats; low: the text loops)."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / max(len(grams), 1)
+
+
+def repetition_metrics(checkpoint_dir: str | Path, new_tokens: int = 128,
+                       prompts: tuple[str, ...] = REPETITION_PROMPTS) -> dict[str, Any]:
+    """Greedy `new_tokens`-token completions of `prompts` through jaxserve's Engine (f32 weights and KV, eos
+    ignored) -> {distinct_1/2/3: mean over prompts of distinct-n of each completion's new tokens, samples}."""
+    from jaxserve.engine import Engine, EngineConfig, SamplingParams
+
+    cfg = EngineConfig(kv_dtype="f32", prefill_weights="f32", decode_weights="f32", dtype="float32", max_batch=8)
+    engine = Engine.from_checkpoint(checkpoint_dir, cfg, start=False)
+    outs = engine.generate(list(prompts), SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    result: dict[str, Any] = {"new_tokens": new_tokens, "prompts": list(prompts)}
+    for n in (1, 2, 3):
+        result[f"distinct_{n}"] = float(np.mean([distinct_n(o.token_ids, n) for o in outs]))
+    result["samples"] = [p + o.text for p, o in zip(prompts, outs)]
+    return result
 
 
 # ---- training -----------------------------------------------------------------------------------------------------
@@ -547,6 +575,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, summary_path: str | Path | N
     result = heldout_metrics(model, tokenizer)
     n_sub, win = 16384, 512
     result["subset_ppl"] = heldout_subset_perplexity(model, tokenizer, n_sub, win)
+    result["repetition"] = {k: v for k, v in repetition_metrics(checkpoint_dir).items() if k != "samples"}
     result["subset"] = {"n_tokens": n_sub, "window": win, "definition": (
         "first n_tokens predictions of the held-out stream [eos] doc0 [eos] doc1 ... "
         "(jaxserve.eval.corpus.heldout_files order), windows of `window` predictions; "
@@ -567,8 +596,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop-after", type=int, default=None,
                         help="stop after this many steps without changing the schedule (replays a wall-time stop)")
     parser.add_argument("--evaluate", metavar="CHECKPOINT_DIR", help="score a converted checkpoint, write eval.json")
+    parser.add_argument("--repetition", metavar="CHECKPOINT_DIR",
+                        help="distinct-n of greedy 128-token completions of a converted checkpoint, with samples")
     parser.add_argument("--summary", help="with --evaluate: training_summary.json to copy numbers from")
     args = parser.parse_args(argv)
+    if args.repetition:
+        print(json.dumps(repetition_metrics(args.repetition), indent=1))
+        return
     if args.evaluate:
         print(json.dumps(evaluate_checkpoint(args.evaluate, args.summary), indent=1))
         return
