@@ -56,6 +56,8 @@ class EngineConfig:
     min_chunk_bucket: int = 16
     # decode page buckets per doubling: 1 = powers of two (up to 2x padding), 2 = also 1.5x powers of two (<= 1.33x)
     page_bucket_steps: int = 2
+    # dispatch decode step N+1 before reading step N's tokens (engine.scheduler "Overlap"); False: one step at a time
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> None:

@@ -162,6 +162,9 @@ class Programs:
         self.compiles: collections.Counter[str] = collections.Counter()
         pp, dp = self.prefill_parallel, self.decode_parallel
         rows_p, rows_d = pp.sharding(("batch",)), dp.sharding(("batch",))
+        # where decode batch arrays live: the scheduler uploads there, so batches built from the host and ones merged
+        # on the device with a running decode's tokens are placed alike and share one compiled program
+        self.decode_rows = rows_d
         ph, dh = self.prefill_phase, self.decode_phase
         # explicit layouts for every input: weights and pools as the rules say, batch arrays split by row (DP
         # attention) or replicated, so nothing is placed on a default device and resharded per call
@@ -211,8 +214,21 @@ class Programs:
 
     def run_decode(self, batch: DecodeBatch, samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:
         """-> (Sampled with numpy fields, ok [B] bool)."""
+        return self.read_decode(self.dispatch_decode(batch, samp))
+
+    def dispatch_decode(self, batch: DecodeBatch, samp: SamplingArrays) -> tuple[Sampled, jax.Array]:
+        """Enqueue one decode program and return at once: (Sampled, ok [B] bool) as device arrays, their copies to
+        the host already started. The pool is threaded through (donated in, the output kept), so every later
+        program on it (tag sync, hand-off, the next decode) runs after this one, in dispatch order."""
         ph = self.decode_phase
         sampled, ok, ph.pages = self._decode(ph.state, ph.pages, batch, samp)
+        for x in (sampled.tokens, sampled.logprobs, ok):
+            x.copy_to_host_async()
+        return sampled, ok
+
+    def read_decode(self, pending: tuple[Sampled, jax.Array]) -> tuple[Sampled, np.ndarray]:
+        """Wait for a dispatched decode: -> (Sampled with numpy fields, ok [B] bool)."""
+        sampled, ok = pending
         return jax.tree.map(np.asarray, sampled), np.asarray(ok)
 
     def sync_tags(self, prefill_alloc: PageAllocator, decode_alloc: PageAllocator) -> None:
@@ -293,7 +309,8 @@ class Programs:
         p_ph, d_ph = self.prefill_phase, self.decode_phase
         p_pages, d_pages = spec(p_ph.pages), spec(d_ph.pages)
         if kind == "decode":
-            self._decode.lower(d_ph.state, d_pages, *dummy_decode(b, m)).compile()
+            self._decode.lower(d_ph.state, d_pages, *jax.device_put(dummy_decode(b, m), self.decode_rows)
+                               ).compile()
         elif kind == "prefill":
             self._prefill.lower(p_ph.state, p_pages, *dummy_prefill(b, t, m)).compile()
         else:

@@ -8,9 +8,21 @@ and `abort`, which only touch a locked inbox.
 Failures are contained per request: a KV tag mismatch (prefill, hand-off or decode) or an allocator error in one
 request's bookkeeping ends that request with its error (`_fail`), drops prefix-cache entries whose pages no longer
 hold their tag on the device, and the step goes on for everyone else.
+
+Overlap (`EngineConfig.overlap`): the decode of step N+1 is dispatched before step N's tokens are read, so the host's
+work for a step (intake, prefill, hand-offs, building the next batch, stop strings) runs while the device decodes.
+A row that was in N takes N's sampled token on the device (`_unpack_decode_after`), its position and seed step one
+ahead; a row that joined since takes its host token. Rows that end at N for certain (max_tokens, context) are left
+out of N+1; a row that ends at N otherwise (stop token, stop string, a failed tag check, an abort) was also in N+1,
+and N+1's result for it is dropped. Its pages are freed after N is read, when N+1 is already queued: programs run in
+dispatch order on the threaded pool, so N+1's write into such a page lands before the tag sync that zeroes it, and
+long before any new owner's (re-tagged) write or read. Batches with a row that needs host-side per-token state
+(`Sequence.special`: penalties, min_tokens, a grammar, top logprobs), DP attention, and steps whose next page
+cannot be had without a preemption run one step at a time (dispatch, read, then the next).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections import deque
@@ -80,6 +92,7 @@ class Stats:
     finished: int = 0
     aborted: int = 0
     steps: int = 0
+    overlapped: int = 0  # decode steps dispatched before the previous one was read
 
 
 def dummy_prefill(b: int, t: int, m: int) -> tuple[PrefillBatch, SamplingArrays]:
@@ -174,22 +187,55 @@ def _samp_arrays(seqs: list[Sequence | None], extras: _Extras = _Extras()) -> Sa
 
 
 # packed decode upload: int32 columns, then the block table and expected tags (M each)
-_COLS = ("tokens", "positions", "slots", "lengths", "num_pages", "temperature", "top_k", "top_p", "seed", "step")
+_COLS = ("tokens", "positions", "slots", "lengths", "num_pages", "temperature", "top_k", "top_p", "seed", "step",
+         "src")
 
 
-@functools.partial(jax.jit, static_argnames=("m",))
-def _unpack_decode(packed: jax.Array, m: int) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
-    """packed [B, 10 + 2m] int32 (one host->device upload) -> (DecodeBatch, sampling columns) on device.
-
-    Columns: _COLS (temperature and top_p are f32 bits, seed uint32 bits), block table [m], expected tags [m]
-    (uint32 bits)."""
+def _split_packed(packed: jax.Array, m: int) -> tuple[DecodeBatch, tuple[jax.Array, ...], jax.Array]:
     col = {name: packed[:, i] for i, name in enumerate(_COLS)}
     f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
     u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731
     n = len(_COLS)
     batch = DecodeBatch(col["tokens"], col["positions"], col["slots"], packed[:, n:n + m], col["lengths"],
                         u32(packed[:, n + m:n + 2 * m]), col["num_pages"])
-    return batch, (f32(col["temperature"]), col["top_k"], f32(col["top_p"]), u32(col["seed"]), col["step"])
+    return batch, (f32(col["temperature"]), col["top_k"], f32(col["top_p"]), u32(col["seed"]), col["step"]), \
+        col["src"]
+
+
+@functools.partial(jax.jit, static_argnames=("m",))
+def _unpack_decode(packed: jax.Array, m: int) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
+    """packed [B, 11 + 2m] int32 (one host->device upload) -> (DecodeBatch, sampling columns) on device.
+
+    Columns: _COLS (temperature and top_p are f32 bits, seed uint32 bits; src is read by `_unpack_decode_after`
+    only), block table [m], expected tags [m] (uint32 bits)."""
+    batch, cols, _ = _split_packed(packed, m)
+    return batch, cols
+
+
+@functools.partial(jax.jit, static_argnames=("m",))
+def _unpack_decode_after(packed: jax.Array, prev_tokens: jax.Array, m: int
+                         ) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
+    """As `_unpack_decode`, for a batch dispatched while the previous decode is still running: a row whose src
+    column is >= 0 takes prev_tokens[src] (prev_tokens [B_prev] int32, that decode's sampled tokens, still on the
+    device) as its input token; src -1 keeps the packed token (a row that joined since)."""
+    batch, cols, src = _split_packed(packed, m)
+    prev = prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)]
+    return dataclasses.replace(batch, tokens=jnp.where(src >= 0, prev, batch.tokens)), cols
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A dispatched decode not read yet: its device outputs, and (sequence, DecodeRows slot, batch row, the
+    sequence's preemption count) per row, to recognise rows that ended meanwhile."""
+
+    pending: tuple[Sampled, jax.Array]
+    rows: list[tuple[Sequence, int, int, int]]
+    top_n: int
+
+
+def _live(seq: Sequence, slot: int, preemptions: int) -> bool:
+    """The row is still the same decoding sequence it was at dispatch."""
+    return seq.status is Status.DECODING and seq.slot == slot and seq.preemptions == preemptions
 
 
 class DecodeRows:
@@ -249,16 +295,25 @@ class DecodeRows:
             self._free.append(seq.slot)
             seq.slot = -1
 
-    def packed(self, idx: np.ndarray, b: int, m: int) -> np.ndarray:
-        """The decode batch of rows `idx` [n] padded to b rows and m pages: [b, 10 + 2m] int32 (see _unpack_decode).
-        Padding rows: slot -1, lengths 0, null pages, tags 0, greedy."""
+    def packed(self, idx: np.ndarray, b: int, m: int, ahead: np.ndarray | None = None,
+               src: np.ndarray | None = None) -> np.ndarray:
+        """The decode batch of rows `idx` [n] padded to b rows and m pages: [b, 11 + 2m] int32 (see _unpack_decode).
+        Padding rows: slot -1, lengths 0, null pages, tags 0, greedy, src -1.
+
+        ahead [n] int32 (0/1): 1 for a row already in the decode in flight, whose host state is one token behind:
+        position and seed step one further. src [n] int32: that row's batch row in the decode in flight, -1 for
+        the host's last token (`_unpack_decode_after`)."""
         # a fresh buffer each step: on CPU the upload may alias host memory, so a reused one could change under
         # an array still in flight
         buf = np.zeros((b, len(_COLS) + 2 * m), np.int32)
         n, ps, c = len(idx), self.page_size, len(_COLS)
+        ahead = np.zeros(n, np.int32) if ahead is None else ahead
         buf[n:, 2] = -1
         buf[n:, 7] = np.float32(1.0).view(np.int32)
-        pos = self.length[idx]
+        buf[:, 10] = -1
+        if src is not None:
+            buf[:n, 10] = src
+        pos = self.length[idx] + ahead
         tables = self.tables[idx, :m]
         page = np.take_along_axis(tables, (pos // ps)[:, None], axis=1)[:, 0]
         buf[:n, 0] = self.last[idx]
@@ -270,7 +325,7 @@ class DecodeRows:
         buf[:n, 6] = self.top_k[idx]
         buf[:n, 7] = self.top_p[idx].view(np.int32)
         buf[:n, 8] = self.seed[idx].view(np.int32)
-        buf[:n, 9] = self.step[idx]
+        buf[:n, 9] = self.step[idx] + ahead
         buf[:n, c:c + m] = tables
         buf[:n, c + m:] = self.tags[idx, :m].view(np.int32)
         return buf
@@ -299,6 +354,7 @@ class Scheduler:
         self._order = 0
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
+        self._inflight: _InFlight | None = None  # the decode dispatched but not read yet (overlap)
         self._lock = threading.Lock()
         self.eos = set(model_cfg.eos_token_ids)
         if tokenizer is not None:
@@ -524,7 +580,17 @@ class Scheduler:
 
     # ---- decode -------------------------------------------------------------------------------------------
     def _decode_step(self) -> None:
-        cfg, ps = self.cfg, self.cfg.page_size
+        """Read the decode in flight (if any) and dispatch the next; with overlap, the next is dispatched first."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            ahead = self._dispatch_ahead(prev)
+            self._collect(prev)  # blocks on the device; `ahead` is already queued behind it
+            if ahead is not None:
+                self.stats.overlapped += 1
+                self._inflight = ahead
+                return
+        # one step at a time: nothing is in flight from here on
+        ps = self.cfg.page_size
         for seq in [s for s in self.running if s.status is Status.DECODING]:
             if seq.status is Status.DECODING and seq.decode_len == len(seq.decode_pages) * ps:
                 self._guarded(seq, self._grow, seq)  # may preempt the youngest rows, this one included
@@ -533,19 +599,62 @@ class Scheduler:
             return
         if self.ranks > 1:
             ready.sort(key=lambda s: s.rank)  # each rank's rows are one contiguous block of the batch
+        flight = self._dispatch(ready)
+        if self.cfg.overlap and self.ranks == 1 and not flight.top_n and not any(s.special for s in ready):
+            self._inflight = flight  # read in the next step, after the step after it is dispatched
+        else:
+            self._collect(flight)
+
+    def _dispatch_ahead(self, prev: _InFlight) -> _InFlight | None:
+        """Dispatch the decode after `prev` before reading it, or None when that cannot be exact (a row needs host
+        state per token, or a page the next position needs is not free without a preemption)."""
+        ps = self.cfg.page_size
+        live = {id(seq): row for seq, slot, row, pre in prev.rows if _live(seq, slot, pre)}
+        decoding = [s for s in self.running if s.status is Status.DECODING]
+        if any(s.special for s in decoding):
+            return None
+        ready: list[Sequence] = []
+        ahead: list[int] = []
+        for seq in decoding:
+            a = int(id(seq) in live)
+            p = seq.req.params
+            if a and (len(seq.generated) + 1 >= p.max_tokens or seq.decode_len + 2 >= self.cfg.max_model_len):
+                continue  # `prev` ends it for certain (_accept's length checks, one token on)
+            ready.append(seq)
+            ahead.append(a)
+        if not ready:
+            return None
+        for seq, a in zip(ready, ahead):
+            if seq.decode_len + a == len(seq.decode_pages) * ps:  # the position it writes opens a page
+                pages = self._allocate(self.decode_alloc, 1, evict=False, rank=seq.rank)
+                if pages is None:
+                    return None  # the plain path grows with preemption, after `prev` is read
+                seq.decode_pages += pages
+                self.rows.add_page(seq, *pages[0])
+        src = [live[id(s)] if a else -1 for s, a in zip(ready, ahead)]
+        return self._dispatch(ready, np.asarray(ahead, np.int32), np.asarray(src, np.int32), prev)
+
+    def _dispatch(self, ready: list[Sequence], ahead: np.ndarray | None = None, src: np.ndarray | None = None,
+                  prev: _InFlight | None = None) -> _InFlight:
+        """Upload and enqueue one decode of `ready` (see DecodeRows.packed for ahead / src; `prev` is the decode in
+        flight whose tokens the ahead rows take). Returns without waiting for the device."""
+        cfg = self.cfg
         n = len(ready)
         B, place = self._rank_rows([s.rank for s in ready], cfg.row_buckets)
-        pos = np.asarray(place, np.int64)
         idx = np.fromiter((s.slot for s in ready), np.int64, n)
         M = cfg.pick(cfg.page_buckets, int(self.rows.num_pages[idx].max()))
         self.programs.sync_tags(self.prefill_alloc, self.decode_alloc)
         if self.ranks == 1:
-            packed = self.rows.packed(idx, B, M)
+            packed = self.rows.packed(idx, B, M, ahead, src)
         else:
             ranks = np.fromiter((s.rank for s in ready), np.int64, n)
             packed = np.concatenate([self.rows.packed(idx[ranks == r], B // self.ranks, M)
                                      for r in range(self.ranks)])
-        batch, cols = _unpack_decode(jnp.asarray(packed), M)  # one upload for the whole batch
+        packed = jax.device_put(packed, self.programs.decode_rows)  # one upload for the whole batch
+        if prev is None:
+            batch, cols = _unpack_decode(packed, M)
+        else:
+            batch, cols = _unpack_decode_after(packed, prev.pending[0].tokens, M)
         mode = sampling_mode(zip(self.rows.temperature[idx].tolist(), self.rows.top_k[idx].tolist(),
                                  self.rows.top_p[idx].tolist()))
         by_row: list[Sequence | None] = [None] * B
@@ -553,20 +662,31 @@ class Scheduler:
             by_row[i] = seq
         extras = self._extras(by_row) if self.rows.special[idx].any() else _Extras()
         samp = SamplingArrays(*cols, adjust=extras.adjust, mask=extras.mask, mode=mode, top_n=extras.top_n)
-        out, ok = self.programs.run_decode(batch, samp)
-        sampled, logprobs = out.tokens, out.logprobs
-        good = ok[pos].astype(bool)
+        pending = self.programs.dispatch_decode(batch, samp)
+        return _InFlight(pending, [(seq, seq.slot, i, seq.preemptions) for i, seq in zip(place, ready)],
+                         extras.top_n)
+
+    def _collect(self, flight: _InFlight) -> None:
+        """Read a dispatched decode and accept its tokens. Rows that ended (or were aborted) since it was
+        dispatched are dropped: their slot may already be another sequence's."""
+        out, ok = self.programs.read_decode(flight.pending)
+        keep = [(seq, slot, i) for seq, slot, i, pre in flight.rows if _live(seq, slot, pre)]
+        if not keep:
+            return
+        slots = np.fromiter((slot for _, slot, _ in keep), np.int64, len(keep))
+        at = np.fromiter((i for _, _, i in keep), np.int64, len(keep))
+        good = ok[at].astype(bool)
         rows = self.rows
-        rows.length[idx[good]] += 1
-        rows.last[idx] = sampled[pos]
-        rows.step[idx] += 1
-        for i, seq, tok, lp, fine in zip(place, ready, sampled[pos].tolist(), logprobs[pos].tolist(),
-                                         good.tolist()):
+        rows.length[slots[good]] += 1
+        rows.last[slots] = out.tokens[at]
+        rows.step[slots] += 1
+        for (seq, _, i), tok, lp, fine in zip(keep, out.tokens[at].tolist(), out.logprobs[at].tolist(),
+                                              good.tolist()):
             if not fine:
                 self._fail(seq, self._integrity_error(seq, "decode"))
                 continue
             seq.decode_len += 1
-            self._accept(seq, tok, lp, _top(out, i, seq) if extras.top_n else ())
+            self._accept(seq, tok, lp, _top(out, i, seq) if flight.top_n else ())
 
     def _grow(self, seq: Sequence) -> bool:
         """One more decode page for seq; preempts the youngest decoding sequences if the pool is full."""
