@@ -58,17 +58,17 @@ def steady_decode(engine: object, prompts: list[list[int]], max_tokens: int) -> 
     while sum(s.status is Status.DECODING for s in sched.running) < len(prompts):
         engine.step()
     captured: list[DecodeCall] = []
-    real = engine.programs.run_decode
+    real = engine.programs.dispatch_decode  # the scheduler enqueues decodes through it (run_decode also waits)
 
-    def capture(batch, samp):  # noqa: ANN001, ANN202 - the run_decode signature
+    def capture(batch, samp):  # noqa: ANN001, ANN202 - the dispatch_decode signature
         captured.append(DecodeCall(batch, samp))
         return real(batch, samp)
 
-    engine.programs.run_decode = capture
+    engine.programs.dispatch_decode = capture
     try:
         engine.step()
     finally:
-        engine.programs.run_decode = real
+        del engine.programs.dispatch_decode
     return captured[0]
 
 
