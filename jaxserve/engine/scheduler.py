@@ -381,7 +381,8 @@ class Scheduler:
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> None:
-        """One scheduling iteration: intake, aborts, admission, a prefill batch, hand-offs, a decode batch."""
+        """One scheduling iteration: intake, aborts, admission, a prefill batch, hand-offs, a decode batch (with
+        overlap: the next decode is dispatched, then the one dispatched last step is read)."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, set()
