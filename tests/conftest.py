@@ -7,3 +7,15 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Drop every module's compiled programs when it ends. Each XLA:CPU executable holds its own memory mappings;
+    kept alive by jit caches across ~700 tests, one process nears the kernel's 65,530-mapping limit, and a late
+    compile aborted (twice, in different tests that pass alone)."""
+    yield
+    jax.clear_caches()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -16,8 +17,8 @@ from jaxserve.models import CausalLM
 from jaxserve.models.layers import Experts, Linear
 
 INT4 = dict(kv_dtype="fp8", prefill_weights="fp8", decode_weights="int4")
-# INT4 unpacking: a logical shift of the packed uint8 nibbles (the only u8 shifts in a decode program)
-_U8_SHIFT = re.compile(r"= u8\[[\d,]*\]\S* shift-right-logical\(")
+# a uint8 parameter of the compiled program: a page pool's bit patterns, or a packed INT4 weight
+_U8_PARAM = re.compile(r"= u8\[[\d,]*\]\S* parameter\(")
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +65,20 @@ def test_compute_layout_gives_the_packed_layouts_tokens(model, bf16_model, dtype
         assert s["decode_pages_used"] == 0 and s["prefill_pages_used"] == s["prefix_cache_pages"]
 
 
-def test_compute_layout_decode_program_unpacks_nothing(model):
-    """The packed INT4 decode program shifts uint8 nibbles apart every step (negative control); the compute one
-    has no such op and holds no uint8 weight."""
-    def hlo(layout: str) -> str:
+def test_compute_layout_decode_program_reads_no_packed_weight(model):
+    """The packed INT4 decode program takes uint8 weight parameters and unpacks them each step (negative control);
+    the compute one takes no uint8 parameter but the page pools' own bit patterns, and holds no uint8 weight."""
+    def count(layout: str) -> tuple[int, int, int]:
         pr = Programs(model, small_config(**INT4, weight_layout=layout))
         ph = pr.decode_phase
-        return pr._decode.lower(ph.state, ph.pages, *dummy_decode(4, 8)).compile().as_text()
+        hlo = pr._decode.lower(ph.state, ph.pages, *dummy_decode(4, 8)).compile().as_text()
+        pool_u8 = sum(x.dtype == jnp.uint8 for x in jax.tree.leaves(ph.pages))
+        weight_u8 = sum(x.dtype == jnp.uint8 for x in jax.tree.leaves(ph.state))
+        entry = hlo[hlo.index("\nENTRY "):]
+        entry = entry[:entry.index("\n}\n")]  # the program's own parameters, not its fused computations'
+        return len(_U8_PARAM.findall(entry)), pool_u8, weight_u8
 
-    assert _U8_SHIFT.search(hlo("packed"))
-    assert not _U8_SHIFT.search(hlo("compute"))
+    params, pools, weights = count("packed")
+    assert weights > 0 and params == pools + weights
+    params, pools, weights = count("compute")
+    assert weights == 0 and params == pools
