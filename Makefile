@@ -20,8 +20,9 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/jaxserve serve
 
-# Two processes: the HTTP server tests compile their engines in a fresh one. After ~650 tests in one process an XLA
-# compile on the server's engine thread segfaulted once (not reproduced alone; cause not found yet).
+# Two processes: the HTTP server tests compile their engines in a fresh one. Late XLA compiles crashed twice in one
+# long process (likely the 65,530 memory-mapping limit: every live executable holds mappings; tests/conftest.py now
+# drops each module's compiled programs).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --ignore-glob='tests/test_server*'
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/test_server*.py
