@@ -70,8 +70,7 @@ def compute_layout(model: nnx.Module, dtype: jnp.dtype) -> nnx.Module:
     dense = "f32" if jnp.dtype(dtype) == jnp.float32 else "bf16"
     for _, module in nnx.iter_graph(model):
         if isinstance(module, Linear) and module.fmt in ("fp8", "int4"):
-            w = formats.dequantize(module.weight[...], module.scale[...], module.fmt).astype(dtype)
-            module.weight, module.scale = nnx.Param(w), nnx.data(None)
+            module.weight, module.scale = nnx.Param(module.dense_weight().astype(dtype)), nnx.data(None)
             module.fmt = dense
         elif isinstance(module, Experts) and module.fmt in ("fp8", "int4"):
             for name in ("gate", "up", "down"):
