@@ -601,7 +601,7 @@ class Scheduler:
         if self.ranks > 1:
             ready.sort(key=lambda s: s.rank)  # each rank's rows are one contiguous block of the batch
         flight = self._dispatch(ready)
-        if self.cfg.overlap and self.ranks == 1 and not flight.top_n and not any(s.special for s in ready):
+        if self.cfg.overlap and self.ranks == 1 and not any(s.special for s in ready):  # top logprobs: special
             self._inflight = flight  # read in the next step, after the step after it is dispatched
         else:
             self._collect(flight)
@@ -618,9 +618,8 @@ class Scheduler:
         ahead: list[int] = []
         for seq in decoding:
             a = int(id(seq) in live)
-            p = seq.req.params
-            if a and (len(seq.generated) + 1 >= p.max_tokens or seq.decode_len + 2 >= self.cfg.max_model_len):
-                continue  # `prev` ends it for certain (_accept's length checks, one token on)
+            if a and self._at_length_limit(seq, pending=1):
+                continue  # `prev`'s token ends it for certain
             ready.append(seq)
             ahead.append(a)
         if not ready:
@@ -743,9 +742,7 @@ class Scheduler:
             delta, seq.text_sent = seq.text[seq.text_sent:end], end
         if done and reason is None:
             reason = "stop"
-        if reason is None and len(seq.generated) >= p.max_tokens:
-            reason = "length"
-        if reason is None and seq.decode_len + 1 >= self.cfg.max_model_len:
+        if reason is None and self._at_length_limit(seq):
             reason = "length"
         if reason is not None and seq.decoder is not None and reason != "stop":
             seq.text += seq.decoder.flush()
@@ -755,6 +752,12 @@ class Scheduler:
         self.emit(TokenEvent(seq.req.request_id, token_id=token, logprob=logprob, text=delta, top_logprobs=top))
         if reason is not None:
             self._finish(seq, reason)
+
+    def _at_length_limit(self, seq: Sequence, pending: int = 0) -> bool:
+        """seq ends by length (max_tokens, or the context window) once its accepted tokens plus `pending` tokens
+        read but not accepted yet are in (`_accept` after a token; the overlap's look-ahead with pending=1)."""
+        return len(seq.generated) + pending >= seq.req.params.max_tokens or \
+            seq.decode_len + pending + 1 >= self.cfg.max_model_len
 
     # ---- failures -----------------------------------------------------------------------------------------
     def _integrity_error(self, seq: Sequence, where: str) -> KVIntegrityError:
