@@ -10,6 +10,8 @@ dense first layer), trained in float32 with AdamW (linear warmup + cosine) on th
 random fixed-length windows. Experts are balanced the DeepSeek-V3 aux-loss-free way: after each step every MoE
 layer's `router_bias` moves by +/- `bias_rate` toward equal load. The run stops by wall time: the first steps are
 timed and the cosine schedule is fitted to the steps that fit `--minutes` (`--steps N` fixes it instead).
+`--extra-fraction F` draws that share of the rows from `tools.extra_corpus` (pinned dependencies' sources); the
+held-out split is the stdlib one either way.
 
 The export inverts `jaxserve.convert`: [in, out] -> [out, in], stacked experts -> per-expert HF modules, and the
 half-split RoPE rows of q_b_proj / kv_a_proj_with_mqa back to interleaved order (`rope_interleave: true`).
@@ -39,6 +41,7 @@ from jaxserve.checkpoint import model_params
 from jaxserve.config import ModelConfig, from_hf_config
 from jaxserve.models import CausalLM, forward
 from jaxserve.tokenizer import Tokenizer
+from tools import extra_corpus
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi-tokenizer"
 EOS = "<|endoftext|>"
@@ -97,6 +100,7 @@ class TrainConfig:
     evals: int = 4  # subset evaluations during training
     eval_tokens: int = 16384
     eval_window: int = 512
+    extra_fraction: float = 0.0  # share of batch rows drawn from `tools.extra_corpus` (0: the stdlib split only)
 
 
 def hf_config_dict(size: ModelSize) -> dict[str, Any]:
@@ -184,10 +188,22 @@ def heldout_stream(tokenizer: Tokenizer, max_tokens: int | None = None) -> tuple
     return token_stream(texts, tokenizer, eos_id, max_tokens), sum(len(t.encode("utf-8")) for t in texts)
 
 
-def sample_batch(tokens: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int) -> np.ndarray:
-    """Random windows of the train stream -> [batch_size, seq_len + 1] int32 (inputs [:, :-1], targets [:, 1:])."""
-    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
-    return np.stack([tokens[s:s + seq_len + 1] for s in starts])
+def sample_batch(tokens: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int,
+                 extra: np.ndarray | None = None, extra_fraction: float = 0.0) -> np.ndarray:
+    """Random windows of the train stream -> [batch_size, seq_len + 1] int32 (inputs [:, :-1], targets [:, 1:]).
+
+    extra [M] int32: a second stream; each row comes from it with probability extra_fraction. Without it the
+    draws are those of the stdlib-only runs (the shipped checkpoint replays).
+    """
+    if extra is None or extra_fraction <= 0.0:
+        starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+        return np.stack([tokens[s:s + seq_len + 1] for s in starts])
+    rows = []
+    for use_extra in rng.random(batch_size) < extra_fraction:
+        stream = extra if use_extra else tokens
+        s = int(rng.integers(0, len(stream) - seq_len - 1))
+        rows.append(stream[s:s + seq_len + 1])
+    return np.stack(rows)
 
 
 # ---- evaluation ---------------------------------------------------------------------------------------------------
@@ -434,11 +450,12 @@ def merged(graphdef: nnx.GraphDef, template: nnx.State, params: dict) -> CausalL
 
 
 def train(size: ModelSize, tcfg: TrainConfig, train_tokens: np.ndarray, eval_tokens: np.ndarray | None = None,
-          progress: bool = True) -> tuple[CausalLM, dict[str, Any]]:
+          progress: bool = True, extra_tokens: np.ndarray | None = None) -> tuple[CausalLM, dict[str, Any]]:
     """Train from scratch; stops at the scheduled step count or the wall-time budget, whichever comes first.
 
     train_tokens [N] int32: the train stream. eval_tokens [M] int32 or None: a held-out stream scored `evals`
-    times during training. -> (trained model, summary dict: steps, tokens, wall time, losses, evals, loads).
+    times during training. extra_tokens [K] int32 or None: the extra stream (`tcfg.extra_fraction` of the rows).
+    -> (trained model, summary dict: steps, tokens, wall time, losses, evals, loads).
     """
     raw, cfg, model = build_model(size, tcfg.seed)
     graphdef, template = nnx.split(model)
@@ -461,7 +478,8 @@ def train(size: ModelSize, tcfg: TrainConfig, train_tokens: np.ndarray, eval_tok
     step = 0
     while step < total_steps and time.perf_counter() - t0 < budget and step != tcfg.stop_after:
         lr = learning_rate(step, total_steps, tcfg)
-        batch = jnp.asarray(sample_batch(train_tokens, rng, tcfg.batch_size, tcfg.seq_len))
+        batch = jnp.asarray(sample_batch(train_tokens, rng, tcfg.batch_size, tcfg.seq_len, extra_tokens,
+                                         tcfg.extra_fraction))
         params, opt_state, metrics = step_fn(params, opt_state, batch, jnp.float32(lr))
         loss = float(metrics["loss"])  # blocks: step timing below is real
         losses.append(loss)
@@ -492,7 +510,8 @@ def train(size: ModelSize, tcfg: TrainConfig, train_tokens: np.ndarray, eval_tok
     summary = {
         "model_size": asdict(size), "train_config": asdict(tcfg), "parameters": n_params,
         "scheduled_steps": total_steps, "steps": step, "tokens_seen": step * tcfg.batch_size * tcfg.seq_len,
-        "train_stream_tokens": int(len(train_tokens)), "wall_seconds": wall,
+        "train_stream_tokens": int(len(train_tokens)),
+        "extra_stream_tokens": int(len(extra_tokens)) if extra_tokens is not None else 0, "wall_seconds": wall,
         "final_train_loss_last50": float(np.mean(losses[-50:])) if losses else None,
         "first_loss": losses[0] if losses else None, "evals": evals,
         # Fraction of each MoE layer's routed token-slots that went to each expert, on the last batch.
@@ -598,6 +617,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--evaluate", metavar="CHECKPOINT_DIR", help="score a converted checkpoint, write eval.json")
     parser.add_argument("--repetition", metavar="CHECKPOINT_DIR",
                         help="distinct-n of greedy 128-token completions of a converted checkpoint, with samples")
+    parser.add_argument("--extra-fraction", type=float, default=TrainConfig.extra_fraction,
+                        help="share of batch rows drawn from tools.extra_corpus (pinned dependencies' sources)")
     parser.add_argument("--summary", help="with --evaluate: training_summary.json to copy numbers from")
     args = parser.parse_args(argv)
     if args.repetition:
@@ -609,15 +630,21 @@ def main(argv: list[str] | None = None) -> None:
     if not args.out_dir:
         parser.error("out_dir is required unless --evaluate is given")
     tcfg = replace(TrainConfig(), minutes=args.minutes, seed=args.seed, steps=args.steps,
-                   stop_after=args.stop_after)
+                   stop_after=args.stop_after, extra_fraction=args.extra_fraction)
     size = ModelSize()
     tokenizer = Tokenizer(TOKENIZER_DIR)
     eos_id = tokenizer.token_to_id(EOS)
     t0 = time.perf_counter()
     train_tokens = token_stream(corpus.read_texts(corpus.train_files()), tokenizer, eos_id)
     sub_tokens, _ = heldout_stream(tokenizer, max_tokens=tcfg.eval_tokens + 1)
+    extra_tokens = None
+    if tcfg.extra_fraction > 0.0:
+        files, dropped = extra_corpus.extra_files()
+        extra_tokens = token_stream(corpus.read_texts(files), tokenizer, eos_id)
+        print(f"extra stream: {len(extra_tokens)} tokens, {len(files)} files, dropped {dropped}, "
+              f"sha256 {extra_corpus.fingerprint(files)}")
     print(f"train stream: {len(train_tokens)} tokens ({time.perf_counter() - t0:.1f} s to tokenize)")
-    model, summary = train(size, tcfg, train_tokens, sub_tokens[:tcfg.eval_tokens + 1])
+    model, summary = train(size, tcfg, train_tokens, sub_tokens[:tcfg.eval_tokens + 1], extra_tokens=extra_tokens)
     final = heldout_metrics(model, tokenizer)
     summary["heldout"] = final
     summary["subset_ppl_in_memory"] = heldout_subset_perplexity(model, tokenizer, tcfg.eval_tokens, tcfg.eval_window)
