@@ -170,6 +170,26 @@ def test_grouped_linear_dispatch_matches_reference(fmt: str, use_kernel: bool) -
     _check(out, x, wq, scale, gs, fmt)
 
 
+@pytest.mark.parametrize("m, group_sizes", [
+    (1024, [300, 0, 1, 127, 128, 129, 200, 100]),  # prefill-sized: 128-row tiles, groups around a tile edge
+    (512, [0, 0, 0, 512, 0, 0, 0, 0]),  # every row in one expert
+])
+def test_xla_grouped_matmul_at_prefill_sizes(m: int, group_sizes: list[int]) -> None:
+    rng = np.random.default_rng(m)
+    gs = np.asarray(group_sizes, np.int32)
+    assert ops.xla_tile_rows(m, len(gs)) > ops.XLA_MIN_TILE_ROWS  # the large-tile case is the one under test
+    wq, scale = _experts(rng, len(gs), 128, 64, "int4", 32)
+    x = jnp.asarray(rng.standard_normal((m, 128)), jnp.bfloat16)
+    _check(ops.grouped_linear(x, wq, scale, jnp.asarray(gs), "int4"), x, wq, scale, gs, "int4")
+
+
+def test_xla_tile_rows_follow_the_mean_group() -> None:
+    assert ops.xla_tile_rows(32, 8) == ops.XLA_MIN_TILE_ROWS  # decode at batch 16, top-2: tiny groups
+    assert ops.xla_tile_rows(1024, 8) == ops.XLA_MAX_TILE_ROWS  # a 512-token prefill step
+    assert ops.xla_tile_rows(512, 8) == 64
+    assert ops.xla_tile_rows(2048 * 8, 384) == 32  # Kimi's 384 experts at 2048 tokens
+
+
 def test_bad_format_and_shapes_raise_typed_errors() -> None:
     x = jnp.ones((4, 64), jnp.bfloat16)
     w = jnp.ones((2, 64, 8), jnp.bfloat16)

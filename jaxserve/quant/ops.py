@@ -85,12 +85,20 @@ def _unbits(a: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
 
 
-XLA_TILE_ROWS = 16  # rows per expert tile on the XLA path: decode-sized groups waste little padding
+XLA_MIN_TILE_ROWS = 16  # rows per expert tile on the XLA path at decode sizes: small groups waste little padding
+XLA_MAX_TILE_ROWS = 128  # ... and the cap at prefill sizes, where each loop trip's fixed cost is worth amortizing
+
+
+def xla_tile_rows(m: int, experts: int) -> int:
+    """Rows per tile for M sorted rows over E experts: the power of two at or below the mean group (M / E),
+    clamped to [XLA_MIN_TILE_ROWS, XLA_MAX_TILE_ROWS] -> int. A static choice: M and E are shapes."""
+    mean = max(1, m // max(1, experts))
+    return min(XLA_MAX_TILE_ROWS, max(XLA_MIN_TILE_ROWS, 1 << (mean.bit_length() - 1)))
 
 
 def _grouped_tiles(x: jax.Array, w: jax.Array, scale: jax.Array | None, group_sizes: jax.Array, fmt: str
                    ) -> jax.Array:
-    """The XLA grouped matmul: each group's rows in whole tiles of XLA_TILE_ROWS (as moe_gmm lays them out), a
+    """The XLA grouped matmul: each group's rows in whole tiles of `xla_tile_rows` (as moe_gmm lays them out), a
     sequential loop over the used tiles only, each reading (and dequantizing) only its own expert's weight and
     writing its rows straight into the [M, N] output.
 
@@ -102,7 +110,8 @@ def _grouped_tiles(x: jax.Array, w: jax.Array, scale: jax.Array | None, group_si
     """
     m, _ = x.shape
     n = w.shape[2]
-    layout = tile_layout(group_sizes, m, XLA_TILE_ROWS)
+    rows = xla_tile_rows(m, w.shape[0])
+    layout = tile_layout(group_sizes, m, rows)
     # used tiles come first: tile_group is -1 only past the last group's padded end
     n_used = jnp.sum(layout.tile_group >= 0)
     # the loop slices one expert out of integer bits: XLA:CPU upcasts a bf16/fp8 dynamic-slice to f32 and then
@@ -115,9 +124,9 @@ def _grouped_tiles(x: jax.Array, w: jax.Array, scale: jax.Array | None, group_si
     s_bits = None if scale is None else _bits(scale, live)
 
     def tile(t: jax.Array, out: jax.Array) -> jax.Array:
-        lo = t * XLA_TILE_ROWS
-        src = jax.lax.dynamic_slice_in_dim(layout.row_src, lo, XLA_TILE_ROWS)
-        valid = jax.lax.dynamic_slice_in_dim(layout.row_valid, lo, XLA_TILE_ROWS)
+        lo = t * rows
+        src = jax.lax.dynamic_slice_in_dim(layout.row_src, lo, rows)
+        valid = jax.lax.dynamic_slice_in_dim(layout.row_valid, lo, rows)
         xt = jnp.where(valid[:, None], x[src], 0).astype(x.dtype)
         e = layout.tile_group[t]
         we = _dense_weight(_unbits(w_bits[e], w.dtype), None if scale is None else _unbits(s_bits[e], scale.dtype),
