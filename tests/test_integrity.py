@@ -305,21 +305,24 @@ def test_handoff_of_an_overwritten_page_is_verified_on_the_decode_side(eng):
     eng.scheduler.prefix_cache.clear()
     reqs = fresh(ps)
     real = eng.programs.handoff
-    hit = []
+    hit, shared = [], []
 
-    def hooked(src, dst, src_tags, dst_tags):
+    def hooked(src, dst, src_tags, dst_tags, groups=None):
         victim = next((s for s in eng.scheduler.running if s.req.request_id == reqs[2].request_id), None)
-        if victim is not None and not hit and [p for p, _ in victim.prefill_pages] == list(src):
-            stray_write(eng.programs, "prefill", src[1], stale(src_tags[1]))  # races the transfer
-            hit.append((src[1], src_tags[1]))
-        return real(src, dst, src_tags, dst_tags)
+        mine = [p for p, _ in victim.prefill_pages] if victim is not None else []
+        if mine and not hit and set(mine) <= set(src):  # the hand-off may carry the other requests too
+            i = list(src).index(mine[1])
+            stray_write(eng.programs, "prefill", src[i], stale(src_tags[i]))  # races the transfer
+            hit.append((src[i], src_tags[i]))
+            shared.append(len([p for p, d in zip(src, dst) if d >= 0]) > len(mine))
+        return real(src, dst, src_tags, dst_tags, groups)
 
     eng.programs.handoff = hooked
     try:
         got = run(eng, reqs)
     finally:
         eng.programs.handoff = real
-    assert hit
+    assert hit and shared == [True]  # the hand-off carried the other requests' pages too: they must be unharmed
     assert len(got[reqs[2].request_id][0]) <= 1  # at most the first token, sampled by prefill before the fault
     assert hit[0] not in {(e.page, e.tag) for e in eng.scheduler.prefix_cache.entries.values()}  # dropped
     assert_contained(eng, got, clean, {reqs[2].request_id}, [r.request_id for r in clean_reqs])
@@ -491,3 +494,8 @@ def test_handoff_chunk_tags_are_verified_on_the_decode_side():
     bad = insert_pages(dst, chunk, ids, jnp.array([3, 5, 0], jnp.uint32), new)  # page 2 no longer holds tag 5
     np.testing.assert_array_equal(np.asarray(bad.tags), 0)
     np.testing.assert_array_equal(np.asarray(bad.latent), np.asarray(dst.latent))
+    # two requests in one hand-off (groups 0 and 1): the mismatch fails request 1 only
+    two = insert_pages(dst, chunk, ids, jnp.array([3, 5, 0], jnp.uint32), new, jnp.array([0, 1, 0], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(two.tags), [0, 0, 0, 0, 0, 21])
+    np.testing.assert_array_equal(np.asarray(two.latent[:, 5]), np.asarray(chunk.latent[:, 0]))
+    np.testing.assert_array_equal(np.asarray(two.latent[:, 3]), np.asarray(dst.latent[:, 3]))

@@ -396,7 +396,7 @@ def pages_to_fp8(src: KVPages, page_ids: jax.Array, index_dtype: KVDtype | None 
 
 @jax.jit
 def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array, expected_src_tags: jax.Array | None = None,
-                 dst_tags: jax.Array | None = None) -> KVPages:
+                 dst_tags: jax.Array | None = None, groups: jax.Array | None = None) -> KVPages:
     """Prefill -> decode hand-off, step 2 (on the decode device): write chunk's n pages at dst_page_ids [n] int32.
 
     Layouts must match (same dtype). A negative dst page id is padding and writes nothing. Bits are copied as
@@ -405,8 +405,9 @@ def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array, expected
     Integrity (both given, and the pools carry tags): expected_src_tags [n] uint32 are the host's tags of the
     source pages, compared here, on the decode side, with the tags the chunk carried over (live entries only:
     dst id >= 0). Match: the pages are written and dst_tags [n] uint32 (their decode-pool tags) stamped. Any
-    mismatch: no page is written and the destination tags are stamped 0, so the owner's first decode check
-    fails closed (no host round trip here).
+    mismatch: no page of its group is written and the group's destination tags are stamped 0, so the owner's first
+    decode check fails closed (no host round trip here). groups [n] int32 in [0, n): the request each page belongs
+    to, so one hand-off can carry several requests and a mismatch fails only its own (None: one group).
     """
     if dst.layout != chunk.layout:
         raise ConfigError("insert_pages: chunk layout differs from the pool's", value=(chunk.layout, dst.layout),
@@ -416,7 +417,9 @@ def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array, expected
     ids = jnp.where(live, ids, dst.num_pages)  # out of bounds -> dropped
     tags = dst.tags
     if tags is not None and chunk.tags is not None and expected_src_tags is not None and dst_tags is not None:
-        ok = jnp.all(~live | (chunk.tags == expected_src_tags.astype(chunk.tags.dtype)))
+        bad = live & (chunk.tags != expected_src_tags.astype(chunk.tags.dtype))
+        group = jnp.zeros_like(ids) if groups is None else groups.astype(jnp.int32)
+        ok = ~jax.ops.segment_max(bad.astype(jnp.int32), group, num_segments=ids.shape[0]).astype(bool)[group]
         tags = stamp_tags(tags, ids, jnp.where(ok, dst_tags.astype(tags.dtype), 0))
         ids = jnp.where(ok, ids, dst.num_pages)  # a failed chunk writes no KV
     put = lambda pool, c: None if pool is None else pool.at[:, ids].set(c, mode="drop")  # noqa: E731

@@ -243,27 +243,32 @@ class Programs:
         """A host copy of one pool's device tags [pages] uint32 ("prefill" | "decode"); for failure handling."""
         return np.asarray((self.prefill_phase if phase == "prefill" else self.decode_phase).pages.tags)
 
-    def handoff(self, src_pages: list[int], dst_pages: list[int], src_tags: list[int], dst_tags: list[int]
-                ) -> None:
+    def handoff(self, src_pages: list[int], dst_pages: list[int], src_tags: list[int], dst_tags: list[int],
+                groups: list[int] | None = None) -> None:
         """Copy prefill pages to decode pages (FP8 conversion when the decode pool is FP8). Padded to a power of
         two: padding reads the null page and writes nowhere. The source pages' device tags travel with the chunk
-        and are compared with `src_tags` on the decode side (`insert_pages`): on a mismatch nothing is written
-        and the destination pages get tag 0, so the owner fails its first decode check. Call `sync_tags` first."""
+        and are compared with `src_tags` on the decode side (`insert_pages`): on a mismatch nothing of that
+        request is written and its destination pages get tag 0, so the owner fails its first decode check.
+        groups: the request (0, 1, ...) each page belongs to when one hand-off carries several (None: one request).
+        Call `sync_tags` first."""
         n = self.cfg.pick(self.cfg.prefill_page_buckets, len(src_pages))
         src = np.zeros(n, np.int32)
         dst = np.full(n, -1, np.int32)
         s_tags = np.zeros(n, np.uint32)
         d_tags = np.zeros(n, np.uint32)
+        group = np.zeros(n, np.int32)
         src[: len(src_pages)] = src_pages
         dst[: len(dst_pages)] = dst_pages
         s_tags[: len(src_tags)] = src_tags
         d_tags[: len(dst_tags)] = dst_tags
+        if groups is not None:
+            group[: len(groups)] = groups
         chunk = self._export(self.prefill_phase.pages, jnp.asarray(src))
         # disaggregated: the compact chunk crosses from the prefill devices to the decode devices
         mesh = self.decode_phase.mesh
         chunk = jax.device_put(chunk, jax.tree.map(lambda x: _on_mesh(x, mesh), chunk))
         self.decode_phase.pages = self._import(self.decode_phase.pages, chunk, jnp.asarray(dst), jnp.asarray(s_tags),
-                                               jnp.asarray(d_tags))
+                                               jnp.asarray(d_tags), jnp.asarray(group))
 
     def warmup(self, progress: bool = True, *, background: bool = False) -> threading.Thread | None:
         """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages,
@@ -320,7 +325,7 @@ class Programs:
             chunk = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(
                 d_ph.mesh, sh.spec if isinstance(sh, NamedSharding) else P())), lowered.out_info, out)
             tags = jnp.zeros((m,), jnp.uint32)
-            self._import.lower(d_pages, chunk, ids, tags, tags).compile()
+            self._import.lower(d_pages, chunk, ids, tags, tags, ids).compile()
 
 
 def weight_layout(cfg: EngineConfig, devices: list[jax.Device]) -> str:

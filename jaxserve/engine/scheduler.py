@@ -547,9 +547,9 @@ class Scheduler:
                 if seq.computed == seq.target:
                     self._guarded(seq, self._complete_prefill, seq, int(out.tokens[i]), float(out.logprobs[i]),
                                   _top(out, i, seq))
-        for seq in [s for s in self.running if s.status is Status.PREFILLING and s.computed == s.target
-                    and not s.decode_pages]:
-            self._guarded(seq, self._handoff, seq)  # retried each step while the decode pool is full
+        # every prefilled sequence moves to the decode pool together (retried each step while that pool is full)
+        self._handoffs([s for s in self.running if s.status is Status.PREFILLING and s.computed == s.target
+                        and not s.decode_pages])
 
     def _extras(self, seqs: list[Sequence | None]) -> _Extras:
         return _extras(seqs, self.model_cfg.vocab_size, self.eos, self.grammar)
@@ -557,17 +557,39 @@ class Scheduler:
     def _complete_prefill(self, seq: Sequence, token: int, logprob: float, top: tuple = ()) -> None:
         if self.prefix_caches:
             self.prefix_caches[seq.rank].insert(seq.tokens[: seq.target], seq.prefill_pages, seq.req.cache_salt)
-        seq.pending = (token, logprob, top)
-        self._handoff(seq)
+        seq.pending = (token, logprob, top)  # the first token; emitted once the hand-off is done
 
-    def _handoff(self, seq: Sequence) -> None:
-        pages = self._allocate(self.decode_alloc, len(seq.prefill_pages), evict=False, rank=seq.rank)
-        if pages is None:
-            return
-        # tags first: the import verifies the source tags and stamps the new pages' (0 if the check fails)
-        self.programs.sync_tags(self.prefill_alloc, self.decode_alloc)
-        self.programs.handoff([p for p, _ in seq.prefill_pages], [p for p, _ in pages],
-                              [t for _, t in seq.prefill_pages], [t for _, t in pages])
+    def _handoffs(self, seqs: list[Sequence]) -> None:
+        """Move prefilled sequences to the decode pool: decode pages for each (one that gets none waits for the
+        next step), then one hand-off program per group of sequences up to the largest page bucket. Each sequence's
+        pages are tag-checked as their own group, so a stray write fails only its owner."""
+        moving: list[tuple[Sequence, list[tuple[int, int]]]] = []
+        for seq in seqs:
+            try:
+                pages = self._allocate(self.decode_alloc, len(seq.prefill_pages), evict=False, rank=seq.rank)
+            except (PageAllocatorError, KVIntegrityError) as err:  # this request's bookkeeping only
+                self._fail(seq, err)
+                continue
+            if pages is not None:
+                moving.append((seq, pages))
+        cap = self.cfg.prefill_page_buckets[-1]
+        while moving:
+            group, n = [], 0
+            while moving and n + len(moving[0][1]) <= cap:
+                n += len(moving[0][1])
+                group.append(moving.pop(0))
+            # tags first: the import verifies the source tags and stamps the new pages' (0 if the check fails)
+            self.programs.sync_tags(self.prefill_alloc, self.decode_alloc)
+            self.programs.handoff([p for seq, _ in group for p, _ in seq.prefill_pages],
+                                  [p for _, pages in group for p, _ in pages],
+                                  [t for seq, _ in group for _, t in seq.prefill_pages],
+                                  [t for _, pages in group for _, t in pages],
+                                  [g for g, (seq, _) in enumerate(group) for _ in seq.prefill_pages])
+            for seq, pages in group:
+                self._guarded(seq, self._handed_off, seq, pages)
+
+    def _handed_off(self, seq: Sequence, pages: list[tuple[int, int]]) -> None:
+        """Bookkeeping after seq's pages were copied to `pages` of the decode pool: it decodes from now on."""
         self._release(self.prefill_alloc, seq.prefill_pages)
         seq.prefill_pages = []
         seq.decode_pages = pages
