@@ -166,9 +166,12 @@ def _blockwise(qg: jax.Array, load, positions: jax.Array, ctx_lens: jax.Array, n
 
     qg [B, T, Hkv, G, Dk] f32; load(cols [block_pages] int32 table columns, i loop index) -> (k [B, bk, Hkv, Dk],
     v [B, bk, Hkv, Dv]) f32; ctx_lens already clipped. -> [B, T, Hkv, G, Dv] f32.
+    The loop works on [B, Hkv, T * G, ...]: each block is two plain batched matmuls. (The 5-D einsums over
+    [B, T, Hkv, G, ...] ran 3x slower on XLA:CPU: 24 vs 7.8 ms for 256 queries x 4 heads over 2000 keys.)
     """
-    b, t, hkv, g, _ = qg.shape
+    b, t, hkv, g, dk = qg.shape
     bk = block_pages * page_size
+    q = jnp.moveaxis(qg, 2, 1).reshape(b, hkv, t * g, dk)  # row t * G + g: query token t, head g of its group
     # trip count from the batch's real context: the last key any query can see, not the table width
     limit = jnp.minimum(jnp.max(positions) + 1, jnp.max(ctx_lens))
     n_blocks = jnp.clip(-(-limit // bk), 0, -(-num_table_pages // block_pages))
@@ -178,22 +181,25 @@ def _blockwise(qg: jax.Array, load, positions: jax.Array, ctx_lens: jax.Array, n
         cols = i * block_pages + jnp.arange(block_pages, dtype=jnp.int32)
         # columns past the table read its last entry; their keys sit past every ctx_len and are masked
         k, v = load(jnp.minimum(cols, num_table_pages - 1), i)
+        k, v = jnp.moveaxis(k, 2, 1), jnp.moveaxis(v, 2, 1)  # [B, Hkv, bk, D]
         kpos = i * bk + jnp.arange(bk, dtype=jnp.int32)
-        mask = _visible(kpos, positions, ctx_lens)[:, :, None, None, :]  # [B, T, 1, 1, bk]
-        logits = jnp.einsum("btkgd,bskd->btkgs", qg, k, precision=_HI) * softmax_scale
+        visible = _visible(kpos, positions, ctx_lens)[:, None, :, None, :]  # [B, 1, T, 1, bk]
+        mask = jnp.broadcast_to(visible, (b, 1, t, g, bk)).reshape(b, 1, t * g, bk)
+        logits = jnp.einsum("bkqd,bksd->bkqs", q, k, precision=_HI) * softmax_scale
         logits = jnp.where(mask, logits, -jnp.inf)
         m_next = jnp.maximum(m, logits.max(axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no key seen yet: keep exp() finite
         corr = jnp.exp(m - m_safe)
         p = jnp.exp(logits - m_safe[..., None])  # masked entries are exp(-inf) = 0
-        v = jnp.where((kpos[None, :] < ctx_lens[:, None])[:, :, None, None], v, 0.0)  # NaN past ctx_len
-        acc = corr[..., None] * acc + jnp.einsum("btkgs,bskd->btkgd", p, v, precision=_HI)
+        v = jnp.where((kpos[None, :] < ctx_lens[:, None])[:, None, :, None], v, 0.0)  # NaN past ctx_len
+        acc = corr[..., None] * acc + jnp.einsum("bkqs,bksd->bkqd", p, v, precision=_HI)
         return acc, m_next, corr * l + p.sum(axis=-1)
 
-    init = (jnp.zeros((b, t, hkv, g, value_dim), jnp.float32), jnp.full((b, t, hkv, g), -jnp.inf, jnp.float32),
-            jnp.zeros((b, t, hkv, g), jnp.float32))
+    init = (jnp.zeros((b, hkv, t * g, value_dim), jnp.float32), jnp.full((b, hkv, t * g), -jnp.inf, jnp.float32),
+            jnp.zeros((b, hkv, t * g), jnp.float32))
     acc, _, l = lax.fori_loop(0, n_blocks, body, init)
-    return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return jnp.moveaxis(out.reshape(b, hkv, t, g, value_dim), 1, 2)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_pages", "value_dtype", "layer"))
