@@ -20,6 +20,8 @@ at each concurrency, against the engine's steady-state decode step (one `Engine.
 host work included) and its decode program alone: "engine step / minimal step", at each concurrency and at
 step_batches (1, 8, 32). Context: the decode program and one layer's attention at contexts (1030, 2000) tokens,
 batch 1 and 16, and in the 2000-token bucket with the rows' lengths cut to 1030 (attention loops over live pages).
+Prefill: one prompt of each of prefill_lengths (256, 2000) with one new token, interleaved: prompt tokens/s of the
+whole call, and the longest length's over the shortest's.
 The HF side's threads: `--torch-threads` (recorded); on a loaded shared host 1 thread ran 25x faster than 2.
 llama.cpp (optional, `make peers`; bench/peer_llamacpp.py): the same HF folder converted to an f32 GGUF by the
 converter shipped with the pinned llama-cpp-python, run as llama.cpp's `deepseek2` with `--llama-threads` threads
@@ -64,11 +66,12 @@ class BenchSpec:
     step_batches: tuple[int, ...] = (1, 8, 32)  # engine step / minimal step at these batch sizes
     contexts: tuple[int, ...] = (1030, 2000)  # decode program at these context lengths (serving config) ...
     context_batches: tuple[int, ...] = (1, 16)  # ... and these batch sizes
+    prefill_lengths: tuple[int, ...] = (256, 2000)  # one prompt of each length, 1 new token: prefill tokens/s
 
 
 QUICK = BenchSpec(prompt_len=32, new_tokens=16, reps=2)
 SMOKE = BenchSpec(concurrency=(1, 2), prompt_len=8, new_tokens=4, reps=1, configs=("f32",), step_reps=2,
-                  step_batches=(1, 2), contexts=(20, 40), context_batches=(2,))
+                  step_batches=(1, 2), contexts=(20, 40), context_batches=(2,), prefill_lengths=(16, 40))
 
 
 def machine() -> dict:
@@ -247,6 +250,32 @@ def context_times(model: CausalLM, kind: str, spec: BenchSpec) -> list[dict]:
     return out
 
 
+def prefill_times(model: CausalLM, kind: str, spec: BenchSpec) -> dict:
+    """Prompt tokens/s of one request per length of spec.prefill_lengths (1 new token, so the call is its prefill:
+    chunks of the default prefill_chunk, each attending to everything before it), interleaved, fresh random
+    prompts each time (no prefix cache). -> {rows: [{prompt_len, seconds, tokens_per_s}], longest_over_shortest}."""
+    window = max(spec.prefill_lengths) + 16
+    pages = -(-window // 16) + 8
+    cfg = replace(engine_config(kind, spec), max_batch=1, max_model_len=window, num_decode_pages=pages,
+                  num_prefill_pages=pages)
+    engine = Engine(model, cfg, start=False)
+    rng = np.random.default_rng(spec.seed + 1)
+    prompt = lambda n: rng.integers(1, model.cfg.vocab_size, size=(1, n))  # noqa: E731
+    for n in spec.prefill_lengths:
+        run_js(engine, prompt(n), 1)  # compiles this length's buckets
+    times: dict[int, list[float]] = {n: [] for n in spec.prefill_lengths}
+    loads = []
+    for _ in range(max(3, spec.reps)):
+        for n in spec.prefill_lengths:
+            times[n].append(run_js(engine, prompt(n), 1)[0])
+        loads.append(os.getloadavg()[0])
+    engine.close()
+    rows = [{"prompt_len": n, "seconds": common.spread(ts), "tokens_per_s": n / statistics.median(ts)}
+            for n, ts in times.items()]
+    return {"config": kind, "prefill_chunk": cfg.prefill_chunk, "rows": rows, "loadavg_per_rep": loads,
+            "longest_over_shortest": rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]}
+
+
 def agreement(ref: np.ndarray, got: np.ndarray) -> dict:
     """Rows equal, and the mean common-prefix length as a fraction of the tokens."""
     same = ref == got
@@ -330,6 +359,7 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True, llama_t
         m.close()
     kind = "serving" if "serving" in engines else spec.configs[0]
     ctx_rows = context_times(m16 if kind == "serving" else m32, kind, spec)
+    prefill = prefill_times(m16 if kind == "serving" else m32, kind, spec)
     return {"bench": "peer_transformers", "model": name, "machine": host, "spec": asdict(spec),
             "cpu_figures": jax.default_backend() == "cpu", "torch_threads": torch.get_num_threads(),
             "llama_cpp": llama,
@@ -339,6 +369,7 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True, llama_t
                         "f32": "jaxserve Engine, f32 weights, BF16 KV", "serving":
                         "jaxserve Engine, BF16 model, FP8 prefill / INT4 decode weights, FP8 KV"},
             "rows": rows, "step_rows": step_rows, "context_config": kind, "context_rows": ctx_rows,
+            "prefill": prefill,
             "loadavg_at_end": os.getloadavg(),
             "notes": "medians (min..max) of interleaved runs after a warm-up of both sides; wall time of the whole"
                      " call (prefill included); shared CPU host, load average per repetition recorded;"
@@ -386,6 +417,10 @@ def table(r: dict) -> str:
                      f"{row['pages_bucket']:>6} {ms(row, 'decode_program_s'):>10.2f} "
                      f"{ms(row, 'same_bucket_as_longest_s'):>17.2f} {ms(row, 'attention_layer_s'):>13.3f} "
                      f"{ms(row, 'attention_layer_same_bucket_s'):>17.3f}")
+    pf = r["prefill"]
+    lines.append(f"  {pf['config']} prefill (one prompt, chunks of {pf['prefill_chunk']}): " + ", ".join(
+        f"{row['prompt_len']} tokens {row['tokens_per_s']:.0f} tok/s" for row in pf["rows"])
+        + f"; longest / shortest {pf['longest_over_shortest']:.2f}")
     return "\n".join(lines)
 
 

@@ -160,9 +160,19 @@ def peer_section(r: dict) -> list[str]:
                      f"{_f(t.get('serving'))} | {_f(q.get('f32'), 2)} | {_f(q.get('serving'), 2)} | "
                      f"{_f(ql.get('serving'), 2)} | {ag('f32')} | {ag('serving')} | {ag('llama.cpp')} |")
     lc = r.get("llama_cpp", {"status": "not in this result"})
-    return lines + ["", "Configs: " + "; ".join(f"{k}: {v}" for k, v in r["configs"].items()) + ".",
-                    f"llama.cpp: {lc['status']}" + (f", {lc['threads']} threads" if "threads" in lc else "") + ".",
-                    ""]
+    lines += ["", "Configs: " + "; ".join(f"{k}: {v}" for k, v in r["configs"].items()) + ".",
+              f"llama.cpp: {lc['status']}" + (f", {lc['threads']} threads" if "threads" in lc else "") + ".", ""]
+    if "context_rows" in r:
+        lines += ["| decode program, " + r["context_config"] + " | batch | context | ms |", "|---|---|---|---|"]
+        lines += [f"| | {row['batch']} | {row['context']} | {_f(row['decode_program_s']['median'] * 1e3, 2)} |"
+                  for row in r["context_rows"]]
+        lines.append("")
+    if "prefill" in r:
+        pf = r["prefill"]
+        lines += [f"Prefill ({pf['config']}, one prompt, chunks of {pf['prefill_chunk']}): " + ", ".join(
+            f"{row['prompt_len']} tokens {_f(row['tokens_per_s'])} tok/s" for row in pf["rows"])
+            + f"; longest / shortest {_f(pf['longest_over_shortest'], 2)}.", ""]
+    return lines
 
 
 def roofline_section(r: dict) -> list[str]:

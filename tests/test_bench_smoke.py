@@ -88,6 +88,9 @@ def test_peer_transformers(results: Path) -> None:
             assert lc["context_params"][str(row["concurrency"])]["n_seq_max"] == row["concurrency"]
         else:
             assert "llama.cpp" not in row["tokens_per_s"] and row["llama_cpp_over_hf"] == lc["status"]
+    pf = r["prefill"]
+    assert [row["prompt_len"] for row in pf["rows"]] == list(r["spec"]["prefill_lengths"])
+    assert all(positive(row["tokens_per_s"]) for row in pf["rows"]) and positive(pf["longest_over_shortest"])
 
 
 def test_serving(results: Path) -> None:
