@@ -53,8 +53,8 @@ def test_every_pallas_call_of_both_programs_uses_one_backend(model, attention, b
         mods = [m for _, m in nnx.iter_graph(nnx.merge(ph.graphdef, ph.state)) if hasattr(m, "use_kernel")]
         assert mods and all(m.backend == backend and m.use_kernel for m in mods)
     ph, dh = pr.prefill_phase, pr.decode_phase
-    prefill = pr._prefill.trace(ph.state, ph.pages, *dummy_prefill(2, 16, 8)).jaxpr.jaxpr
-    decode = pr._decode.trace(dh.state, dh.pages, *dummy_decode(2, 8)).jaxpr.jaxpr
+    prefill = pr._prefill.trace(ph.params, ph.pages, *dummy_prefill(2, 16, 8)).jaxpr.jaxpr
+    decode = pr._decode.trace(dh.params, dh.pages, *dummy_decode(2, 8)).jaxpr.jaxpr
     for jaxpr in (prefill, decode):
         calls = _pallas_calls(jaxpr)
         names = {str(c["name"] or "") + str(c["grid_mapping"].grid) for c in calls}

@@ -19,9 +19,9 @@ def _compiled(e, phase: str) -> str:
     p = e.programs
     if phase == "decode":
         ph = p.decode_phase
-        return p._decode.lower(ph.state, ph.pages, *dummy_decode(ROWS, PAGES)).compile().as_text()
+        return p._decode.lower(ph.params, ph.pages, *dummy_decode(ROWS, PAGES)).compile().as_text()
     ph = p.prefill_phase
-    return p._prefill.lower(ph.state, ph.pages, *dummy_prefill(ROWS, CHUNK, PAGES)).compile().as_text()
+    return p._prefill.lower(ph.params, ph.pages, *dummy_prefill(ROWS, CHUNK, PAGES)).compile().as_text()
 
 
 def _check(text: str, tokens: int, n_layers: int, n_dense: int, n_moe: int, vocab: int) -> None:

@@ -71,7 +71,7 @@ def test_prefill_and_handoff_convert_no_pool(models, arch, kv_dtype):
     assert ph.pages.layout.storage_dtype == jnp.uint16
     elems = _layer_elems(ph.pages.layout, NUM_PAGES)
     batch, samp = dummy_prefill(4, 16, 8)
-    hlo = pr._prefill.lower(ph.state, ph.pages, batch, samp).compile().as_text()
+    hlo = pr._prefill.lower(ph.params, ph.pages, batch, samp).compile().as_text()
     assert pool_sized_converts(hlo, NUM_PAGES, elems) == []
     page_ids = jnp.zeros((8,), jnp.int32)
     hlo = pr._export.lower(ph.pages, page_ids).compile().as_text()
@@ -86,7 +86,7 @@ def test_prefill_and_handoff_convert_no_pool(models, arch, kv_dtype):
 def _decode_hlo(pr: Programs) -> str:
     ph = pr.decode_phase
     batch, samp = dummy_decode(4, 8)
-    return pr._decode.lower(ph.state, ph.pages, batch, samp).compile().as_text()
+    return pr._decode.lower(ph.params, ph.pages, batch, samp).compile().as_text()
 
 
 @pytest.mark.parametrize("arch,kv_dtype", [("deepseek_v3", "fp8"), ("deepseek_v3", "bf16"), ("glm4_moe", "fp8")])
@@ -139,7 +139,7 @@ def test_decode_attention_reads_page_blocks_in_a_loop(models, arch, kv_dtype):
     assert block < m  # the check needs more than one block
     ph = pr.decode_phase
     batch, samp = dummy_decode(b, m)
-    hlo = pr._decode.lower(ph.state, ph.pages, batch, samp).compile().as_text()
+    hlo = pr._decode.lower(ph.params, ph.pages, batch, samp).compile().as_text()
     assert len(re.findall(r"= \(.*?\) while\(", hlo)) >= lay.num_layers  # one attention loop per layer at least
     one_block = b * block * lay.page_size * per_token
     assert 0 < largest(hlo, "gather", page) <= one_block and largest(hlo, "convert") < b * m * lay.page_size * per_token
@@ -161,10 +161,10 @@ def test_greedy_decode_has_no_vocabulary_sort(models):
     batch, samp = dummy_decode(4, 8)
     assert samp.mode == "greedy"  # an all-greedy (here all-padding) batch picks the greedy program
     vocab = pr.model_cfg.vocab_size
-    assert vocab_sorts(pr._decode.lower(ph.state, ph.pages, batch, samp).compile().as_text(), vocab) == []
+    assert vocab_sorts(pr._decode.lower(ph.params, ph.pages, batch, samp).compile().as_text(), vocab) == []
     for mode, sorts in (("top_k", False), ("full", True)):  # the general program still sorts: the check can fail
         s = dataclasses.replace(samp, temperature=jnp.ones_like(samp.temperature), mode=mode)
-        hlo = pr._decode.lower(ph.state, ph.pages, batch, s).compile().as_text()
+        hlo = pr._decode.lower(ph.params, ph.pages, batch, s).compile().as_text()
         assert bool(vocab_sorts(hlo, vocab)) == sorts, mode
 
 

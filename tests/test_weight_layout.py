@@ -71,7 +71,7 @@ def test_compute_layout_decode_program_reads_no_packed_weight(model):
     def count(layout: str) -> tuple[int, int, int]:
         pr = Programs(model, small_config(**INT4, weight_layout=layout))
         ph = pr.decode_phase
-        hlo = pr._decode.lower(ph.state, ph.pages, *dummy_decode(4, 8)).compile().as_text()
+        hlo = pr._decode.lower(ph.params, ph.pages, *dummy_decode(4, 8)).compile().as_text()
         pool_u8 = sum(x.dtype == jnp.uint8 for x in jax.tree.leaves(ph.pages))
         weight_u8 = sum(x.dtype == jnp.uint8 for x in jax.tree.leaves(ph.state))
         entry = hlo[hlo.index("\nENTRY "):]
