@@ -244,13 +244,17 @@ def test_decode_batch_is_one_packed_upload_equal_to_the_per_row_build():
     assert seqs[0].slot == -1
 
 
-def test_compile_first_covers_a_first_short_greedy_request(models):
-    """What `jaxserve serve` compiles before listening is exactly what its first short request runs: afterwards
-    that request traces (compiles) no program of its own."""
+def test_compile_first_covers_a_first_short_request(models):
+    """What `jaxserve serve` compiles before listening (greedy) and right after (sampled, in the background) is
+    exactly what its first short request runs: afterwards that request traces (compiles) no program of its own."""
     from jaxserve.engine import Engine, SamplingParams
 
     e = Engine(models["deepseek_v3"], small_config(kv_dtype="fp8"), start=False, warmup="first")
-    assert dict(e.programs.compiles) == {"prefill": 1, "decode": 1, "handoff": 1}
+    e.background_compile.join()  # then the same prefill and decode shapes with sampling ("full" mode)
+    assert dict(e.programs.compiles) == {"prefill": 2, "decode": 2, "handoff": 1}
     out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
-    assert dict(e.programs.compiles) == {"prefill": 1, "decode": 1, "handoff": 1}
+    # what an OpenAI client sends by default: temperature 1, top_p 1
+    out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=3))[0]
+    assert len(out.token_ids) == 4
+    assert dict(e.programs.compiles) == {"prefill": 2, "decode": 2, "handoff": 1}

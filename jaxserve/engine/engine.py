@@ -28,14 +28,17 @@ class Engine:
     def __init__(self, model: CausalLM, cfg: EngineConfig, tokenizer: object | None = None, *,
                  start: bool = True, warmup: bool | Literal["first"] = False, decode_model: CausalLM | None = None
                  ) -> None:
-        """warmup: True compiles the whole bucket grid (`Programs.warmup`), "first" only what a first short greedy
-        request runs, in parallel (`Programs.compile_first`), False nothing (programs compile on first use)."""
+        """warmup: True compiles the whole bucket grid (`Programs.warmup`), "first" what a first short greedy
+        request runs, in parallel, and then its sampled programs in the background (`Programs.compile_first`),
+        False nothing (programs compile on first use)."""
         self.cfg = cfg
         self.model_cfg = model.cfg  # no reference to `model` is kept: each phase holds its own formatted weights
         self.tokenizer = tokenizer
         self.programs = Programs(model, cfg, decode_model)
+        # warmup="first": the sampled programs keep compiling here while the engine serves (join to wait)
+        self.background_compile: threading.Thread | None = None
         if warmup == "first":
-            self.programs.compile_first()
+            self.background_compile = self.programs.compile_first()
         elif warmup:
             self.programs.warmup()
         self._queues: dict[str, queue.Queue[TokenEvent]] = {}

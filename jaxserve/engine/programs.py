@@ -307,20 +307,35 @@ class Programs:
             self._compile(*combo)
         return None
 
-    def compile_first(self) -> None:
+    def compile_first(self, *, sampled: bool = True) -> threading.Thread | None:
         """Compile the programs a first short request runs (one row in the smallest prefill, hand-off and decode
         buckets), each in its own thread: XLA compiles with the GIL released, so on a multi-core host the first
         request waits for the slowest of them instead of their sum. Later calls with these shapes reuse them (an
-        ahead-of-time compile fills the jit cache)."""
+        ahead-of-time compile fills the jit cache).
+
+        These are the greedy programs. With `sampled`, the same prefill and decode shapes in the "full" sampling
+        mode (what a request with the OpenAI defaults, temperature 1 and top_p 1, runs) then compile in a
+        background thread, returned (None without `sampled`): the server listens meanwhile."""
         c = self.cfg
         first = [("prefill", 1, c.prefill_page_buckets[0], c.chunk_buckets[0]), ("decode", 1, c.page_buckets[0], 0),
                  ("handoff", 0, c.prefill_page_buckets[0], 0)]
         with concurrent.futures.ThreadPoolExecutor(len(first), thread_name_prefix="jaxserve-compile") as pool:
             for f in [pool.submit(self._compile, *combo) for combo in first]:
                 f.result()
+        if not sampled:
+            return None
 
-    def _compile(self, kind: str, b: int, m: int, t: int) -> None:
-        """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched)."""
+        def rest() -> None:
+            for kind, b, m, t in first[:2]:
+                self._compile(kind, b, m, t, mode="full")
+
+        thread = threading.Thread(target=rest, name="jaxserve-compile-sampled", daemon=True)
+        thread.start()
+        return thread
+
+    def _compile(self, kind: str, b: int, m: int, t: int, mode: str = "greedy") -> None:
+        """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched);
+        mode: the sampling mode of the prefill / decode program (`sampling.sampling_mode`)."""
         from jaxserve.engine.scheduler import dummy_decode, dummy_prefill  # the scheduler builds real batches
 
         spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the live pools may be donated meanwhile
@@ -328,10 +343,11 @@ class Programs:
         p_ph, d_ph = self.prefill_phase, self.decode_phase
         p_pages, d_pages = spec(p_ph.pages), spec(d_ph.pages)
         if kind == "decode":
-            self._decode.lower(d_ph.params, d_pages, *jax.device_put(dummy_decode(b, m), self.decode_rows)
-                               ).compile()
+            batch, samp = jax.device_put(dummy_decode(b, m), self.decode_rows)
+            self._decode.lower(d_ph.params, d_pages, batch, dataclasses.replace(samp, mode=mode)).compile()
         elif kind == "prefill":
-            self._prefill.lower(p_ph.params, p_pages, *dummy_prefill(b, t, m)).compile()
+            batch, samp = dummy_prefill(b, t, m)
+            self._prefill.lower(p_ph.params, p_pages, batch, dataclasses.replace(samp, mode=mode)).compile()
         else:
             ids = jnp.zeros((m,), jnp.int32)
             lowered = self._export.lower(p_pages, ids)
