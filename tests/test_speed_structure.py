@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -245,12 +246,13 @@ def test_decode_batch_is_one_packed_upload_equal_to_the_per_row_build():
 
 
 def test_compile_first_covers_a_first_short_request(models):
-    """What `jaxserve serve` compiles before listening (greedy) and right after (sampled, in the background) is
+    """What `jaxserve serve` compiles before listening (greedy) and once idle (sampled, in the background) is
     exactly what its first short request runs: afterwards that request traces (compiles) no program of its own."""
     from jaxserve.engine import Engine, SamplingParams
 
     e = Engine(models["deepseek_v3"], small_config(kv_dtype="fp8"), start=False, warmup="first")
-    e.background_compile.join()  # then the same prefill and decode shapes with sampling ("full" mode)
+    assert dict(e.programs.compiles) == {"prefill": 1, "decode": 1, "handoff": 1}
+    e.compile_deferred()  # what the loop runs when idle: the same prefill and decode shapes, sampled ("full" mode)
     assert dict(e.programs.compiles) == {"prefill": 2, "decode": 2, "handoff": 1}
     out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
@@ -258,3 +260,22 @@ def test_compile_first_covers_a_first_short_request(models):
     out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=3))[0]
     assert len(out.token_ids) == 4
     assert dict(e.programs.compiles) == {"prefill": 2, "decode": 2, "handoff": 1}
+
+
+def test_deferred_compiles_start_when_the_engine_is_idle(models):
+    """The running engine starts its deferred compiles in a background thread once idle, and keeps serving."""
+    from jaxserve.engine import Engine, SamplingParams
+
+    e = Engine(models["deepseek_v3"], small_config(kv_dtype="fp8"), warmup="first")
+    try:
+        out = e.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+        assert len(out.token_ids) == 2
+        deadline = time.monotonic() + 60
+        while e.background_compile is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        e.background_compile.join()
+        assert e.deferred_compiles == [] and e.programs.compiles["decode"] == 2
+        out = e.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0))[0]
+        assert len(out.token_ids) == 2 and e.programs.compiles["decode"] == 2
+    finally:
+        e.close()

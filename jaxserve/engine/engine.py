@@ -6,7 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +22,7 @@ from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
 from jaxserve.models import CausalLM
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+IDLE_COMPILE_S = 1.0  # deferred compiles start after the loop has had no work for this long
 
 
 class Engine:
@@ -29,16 +30,19 @@ class Engine:
                  start: bool = True, warmup: bool | Literal["first"] = False, decode_model: CausalLM | None = None
                  ) -> None:
         """warmup: True compiles the whole bucket grid (`Programs.warmup`), "first" what a first short greedy
-        request runs, in parallel, and then its sampled programs in the background (`Programs.compile_first`),
-        False nothing (programs compile on first use)."""
+        request runs, in parallel (`Programs.compile_first`), and its sampled programs later, in a background thread
+        once the engine is idle (`compile_deferred`), False nothing (programs compile on first use)."""
         self.cfg = cfg
         self.model_cfg = model.cfg  # no reference to `model` is kept: each phase holds its own formatted weights
         self.tokenizer = tokenizer
         self.programs = Programs(model, cfg, decode_model)
-        # warmup="first": the sampled programs keep compiling here while the engine serves (join to wait)
+        # compiles left for when the engine is idle (warmup="first": the sampled first-request programs), and the
+        # thread that runs them once the loop has been idle for IDLE_COMPILE_S (join it to wait)
+        self.deferred_compiles: list[Callable[[], None]] = []
         self.background_compile: threading.Thread | None = None
         if warmup == "first":
-            self.background_compile = self.programs.compile_first()
+            self.programs.compile_first()
+            self.deferred_compiles.append(self.programs.compile_first_sampled)
         elif warmup:
             self.programs.warmup()
         self._queues: dict[str, queue.Queue[TokenEvent]] = {}
@@ -256,11 +260,28 @@ class Engine:
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler._finish(seq, "error", err)
 
+    def compile_deferred(self) -> None:
+        """Run the deferred compiles now, in this thread (the loop starts them itself when idle)."""
+        while True:
+            try:
+                compile_one = self.deferred_compiles.pop(0)  # atomic: the loop's thread may be popping too
+            except IndexError:
+                return
+            compile_one()
+
     def _loop(self) -> None:
+        idle_since = time.monotonic()
         while not self._stop.is_set():
             if self.scheduler.has_work():
                 self.step()
+                idle_since = time.monotonic()
             else:
+                if self.deferred_compiles and self.background_compile is None and \
+                        time.monotonic() - idle_since >= IDLE_COMPILE_S:
+                    # idle, not at start-up's first request: tracing and compiling would slow it down
+                    self.background_compile = threading.Thread(target=self.compile_deferred, daemon=True,
+                                                               name="jaxserve-compile-deferred")
+                    self.background_compile.start()
                 self._wake.wait(0.05)
                 self._wake.clear()
 

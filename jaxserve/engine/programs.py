@@ -307,31 +307,25 @@ class Programs:
             self._compile(*combo)
         return None
 
-    def compile_first(self, *, sampled: bool = True) -> threading.Thread | None:
-        """Compile the programs a first short request runs (one row in the smallest prefill, hand-off and decode
-        buckets), each in its own thread: XLA compiles with the GIL released, so on a multi-core host the first
-        request waits for the slowest of them instead of their sum. Later calls with these shapes reuse them (an
-        ahead-of-time compile fills the jit cache).
-
-        These are the greedy programs. With `sampled`, the same prefill and decode shapes in the "full" sampling
-        mode (what a request with the OpenAI defaults, temperature 1 and top_p 1, runs) then compile in a
-        background thread, returned (None without `sampled`): the server listens meanwhile."""
-        c = self.cfg
-        first = [("prefill", 1, c.prefill_page_buckets[0], c.chunk_buckets[0]), ("decode", 1, c.page_buckets[0], 0),
-                 ("handoff", 0, c.prefill_page_buckets[0], 0)]
-        with concurrent.futures.ThreadPoolExecutor(len(first), thread_name_prefix="jaxserve-compile") as pool:
-            for f in [pool.submit(self._compile, *combo) for combo in first]:
+    def compile_first(self) -> None:
+        """Compile the programs a first short greedy request runs (one row in the smallest prefill, hand-off and
+        decode buckets), each in its own thread: XLA compiles with the GIL released, so on a multi-core host the
+        first request waits for the slowest of them instead of their sum. Later calls with these shapes reuse them
+        (an ahead-of-time compile fills the jit cache). `compile_first_sampled` does the same shapes with sampling."""
+        with concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="jaxserve-compile") as pool:
+            for f in [pool.submit(self._compile, *combo) for combo in self._first_shapes()]:
                 f.result()
-        if not sampled:
-            return None
 
-        def rest() -> None:
-            for kind, b, m, t in first[:2]:
-                self._compile(kind, b, m, t, mode="full")
+    def compile_first_sampled(self) -> None:
+        """The prefill and decode of `compile_first`'s shapes in the "full" sampling mode: what a request with the
+        OpenAI defaults (temperature 1, top_p 1) runs."""
+        for kind, b, m, t in self._first_shapes()[:2]:
+            self._compile(kind, b, m, t, mode="full")
 
-        thread = threading.Thread(target=rest, name="jaxserve-compile-sampled", daemon=True)
-        thread.start()
-        return thread
+    def _first_shapes(self) -> list[tuple[str, int, int, int]]:
+        c = self.cfg
+        return [("prefill", 1, c.prefill_page_buckets[0], c.chunk_buckets[0]), ("decode", 1, c.page_buckets[0], 0),
+                ("handoff", 0, c.prefill_page_buckets[0], 0)]
 
     def _compile(self, kind: str, b: int, m: int, t: int, mode: str = "greedy") -> None:
         """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched);
