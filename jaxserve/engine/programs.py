@@ -28,7 +28,7 @@ from tqdm import tqdm
 from jaxserve.cache import KVLayout, KVPages, PageAllocator, init_pages, insert_pages, pages_to_fp8
 from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.sampling import Sampled, SamplingArrays, sample
+from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
@@ -76,9 +76,9 @@ class Phase:
     pages_sharding: KVPages
     state_sharding: nnx.State
 
-    @property
+    @functools.cached_property
     def params(self) -> list[jax.Array]:
-        return jax.tree.leaves(self.state)
+        return jax.tree.leaves(self.state)  # once: the weights never change
 
     def params_of(self, leaves: list[jax.Array]) -> nnx.State:
         """The state rebuilt from `params`-shaped leaves (inside a traced program)."""
@@ -185,7 +185,6 @@ class Programs:
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
                                in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d),
                                out_shardings=(rows_d, rows_d, dh.pages_sharding))
-        self._params = {"prefill": ph.params, "decode": dh.params}  # flattened once: the weights never change
         self._export = jax.jit(self._export_fn)
         self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=dh.pages_sharding)
 
@@ -223,7 +222,7 @@ class Programs:
     def run_prefill(self, batch: PrefillBatch, samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:
         """-> (Sampled with numpy fields, ok [B] bool: the row's pages passed the tag check)."""
         ph = self.prefill_phase
-        sampled, ok, ph.pages = self._prefill(self._params["prefill"], ph.pages, batch, samp)
+        sampled, ok, ph.pages = self._prefill(ph.params, ph.pages, batch, samp)
         return jax.tree.map(np.asarray, sampled), np.asarray(ok)
 
     def run_decode(self, batch: DecodeBatch, samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:
@@ -235,7 +234,7 @@ class Programs:
         the host already started. The pool is threaded through (donated in, the output kept), so every later
         program on it (tag sync, hand-off, the next decode) runs after this one, in dispatch order."""
         ph = self.decode_phase
-        sampled, ok, ph.pages = self._decode(self._params["decode"], ph.pages, batch, samp)
+        sampled, ok, ph.pages = self._decode(ph.params, ph.pages, batch, samp)
         for x in (sampled.tokens, sampled.logprobs, ok):
             x.copy_to_host_async()
         return sampled, ok
@@ -312,8 +311,9 @@ class Programs:
         decode buckets), each in its own thread: XLA compiles with the GIL released, so on a multi-core host the
         first request waits for the slowest of them instead of their sum. Later calls with these shapes reuse them
         (an ahead-of-time compile fills the jit cache). `compile_first_sampled` does the same shapes with sampling."""
-        with concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="jaxserve-compile") as pool:
-            for f in [pool.submit(self._compile, *combo) for combo in self._first_shapes()]:
+        shapes = self._first_shapes()
+        with concurrent.futures.ThreadPoolExecutor(len(shapes), thread_name_prefix="jaxserve-compile") as pool:
+            for f in [pool.submit(self._compile, *combo) for combo in shapes]:
                 f.result()
 
     def compile_first_sampled(self) -> None:
@@ -327,7 +327,7 @@ class Programs:
         return [("prefill", 1, c.prefill_page_buckets[0], c.chunk_buckets[0]), ("decode", 1, c.page_buckets[0], 0),
                 ("handoff", 0, c.prefill_page_buckets[0], 0)]
 
-    def _compile(self, kind: str, b: int, m: int, t: int, mode: str = "greedy") -> None:
+    def _compile(self, kind: str, b: int, m: int, t: int, mode: SamplingMode = "greedy") -> None:
         """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched);
         mode: the sampling mode of the prefill / decode program (`sampling.sampling_mode`)."""
         from jaxserve.engine.scheduler import dummy_decode, dummy_prefill  # the scheduler builds real batches

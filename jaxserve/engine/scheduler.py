@@ -565,17 +565,14 @@ class Scheduler:
         pages are tag-checked as their own group, so a stray write fails only its owner."""
         moving: list[tuple[Sequence, list[tuple[int, int]]]] = []
         for seq in seqs:
-            try:
-                pages = self._allocate(self.decode_alloc, len(seq.prefill_pages), evict=False, rank=seq.rank)
-            except (PageAllocatorError, KVIntegrityError) as err:  # this request's bookkeeping only
-                self._fail(seq, err)
-                continue
-            if pages is not None:
+            pages = self._guarded(seq, lambda s=seq: self._allocate(self.decode_alloc, len(s.prefill_pages),
+                                                                    evict=False, rank=s.rank))
+            if pages is not None:  # None: no room yet, or the request failed
                 moving.append((seq, pages))
-        cap = self.cfg.prefill_page_buckets[-1]
+        cap = self.cfg.prefill_page_buckets[-1]  # one sequence's pages always fit (max_pages_per_seq)
         while moving:
             group, n = [], 0
-            while moving and n + len(moving[0][1]) <= cap:
+            while moving and (not group or n + len(moving[0][1]) <= cap):
                 n += len(moving[0][1])
                 group.append(moving.pop(0))
             # tags first: the import verifies the source tags and stamps the new pages' (0 if the check fails)
@@ -786,12 +783,14 @@ class Scheduler:
         return KVIntegrityError(f"KV page tags of request {seq.req.request_id!r} no longer match the device's at "
                                 f"{where}; aborted (fail closed)", value=seq.req.request_id, param="request_id")
 
-    def _guarded(self, seq: Sequence, fn: Callable[..., object], *args: object) -> None:
-        """Run one request's bookkeeping step; an allocator or integrity error ends that request only."""
+    def _guarded(self, seq: Sequence, fn: Callable[..., object], *args: object) -> object | None:
+        """Run one request's bookkeeping step -> its result; an allocator or integrity error ends that request only
+        (-> None)."""
         try:
-            fn(*args)
+            return fn(*args)
         except (PageAllocatorError, KVIntegrityError) as err:
             self._fail(seq, err)
+            return None
 
     def _fail(self, seq: Sequence, err: JaxserveError) -> None:
         """End seq with `err` (its pages return); after a tag mismatch, drop the prefix-cache entries whose pages
