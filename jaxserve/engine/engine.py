@@ -279,9 +279,10 @@ class Engine:
                 if self.deferred_compiles and self.background_compile is None and \
                         time.monotonic() - idle_since >= IDLE_COMPILE_S:
                     # idle, not at start-up's first request: tracing and compiling would slow it down
-                    self.background_compile = threading.Thread(target=self.compile_deferred, daemon=True,
-                                                               name="jaxserve-compile-deferred")
-                    self.background_compile.start()
+                    thread = threading.Thread(target=self.compile_deferred, daemon=True,
+                                              name="jaxserve-compile-deferred")
+                    thread.start()
+                    self.background_compile = thread  # published only once started: callers may join it at once
                 self._wake.wait(0.05)
                 self._wake.clear()
 
