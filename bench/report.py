@@ -129,6 +129,33 @@ def quality_section(r: dict) -> list[str]:
     return lines
 
 
+def flop_bounds_section(r: dict) -> list[str]:
+    c1, c2 = r["decode_contexts"]
+    t1, t2 = r["prefill_lengths"]
+    f = r["matmul_flops_per_token"]
+    lines = ["## What the context goals allow (`bench/flop_bounds.py`)", "",
+             f"Per token the embedded model's matmuls do {f['all'] / 1e6:.2f} MFLOP ({f['lm_head'] / 1e6:.2f} of them "
+             "lm_head); attention adds a fixed amount per (query, context token) pair. At equal FLOP rates:", "",
+             f"| attention form | FLOP/pair | decode step {c2} / {c1} | attention rate the 1.5x goal needs | "
+             f"prefill tok/s {t2} / {t1} | attention rate the 0.8x goal needs |", "|---|---|---|---|---|---|"]
+    for form, b in r["bounds"].items():
+        lines.append(f"| {form} | {b['attention_flops_per_pair']:,} | {b['decode_step_ratio']:.3f} | "
+                     f"<= {b['decode_goal_needs_attention_rate_at_most']:.2f}x the matmuls' | "
+                     f"{b['prefill_tok_s_ratio']:.3f} | >= {b['prefill_goal_needs_attention_rate_at_least']:.2f}x |")
+    m = r.get("measured")
+    if m:
+        rate = r["bounds"]["absorbed"].get("measured_attention_rate", {})
+        lines += ["", "Measured (" + m["source"] + "): decode program " +
+                  ", ".join(f"batch {b} {v:.2f}" for b, v in m["decode_program_ratio"].items()) +
+                  f"; prefill {m.get('prefill_tok_s_ratio', float('nan')):.2f}. The programs use the absorbed form; "
+                  "read through it, attention runs at " +
+                  ", ".join(f"{v:.2f}x (decode, batch {b})" for b, v in rate.get("decode", {}).items()) +
+                  (f", {rate['prefill']:.2f}x (prefill)" if rate.get("prefill") else "") + " the matmuls' FLOP rate."]
+    return lines + ["", "So on this model the decode goal takes attention slower than the matmuls per FLOP, or the "
+                        "matmuls several times faster relative to it; the prefill goal takes attention faster per "
+                        "FLOP than it already runs.", ""]
+
+
 def serving_section(r: dict) -> list[str]:
     s = r["summary"]
     lines = ["## HTTP serving (`bench/serving.py`)", "",
@@ -210,6 +237,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "peer_transformers": ("peer_transformers.json", peer_section),
     "roofline": ("roofline.json", roofline_section),
     "quality": ("quality.json", quality_section),
+    "flop_bounds": ("flop_bounds.json", flop_bounds_section),
 }
 
 
