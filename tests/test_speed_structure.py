@@ -247,19 +247,32 @@ def test_decode_batch_is_one_packed_upload_equal_to_the_per_row_build():
 
 def test_compile_first_covers_a_first_short_request(models):
     """What `jaxserve serve` compiles before listening (greedy) and once idle (sampled, in the background) is
-    exactly what its first short request runs: afterwards that request traces (compiles) no program of its own."""
+    exactly what its first short request runs: afterwards that request traces (compiles) no program of its own,
+    and XLA compiles nothing else for it either (batch unpacking, tag syncs, host -> device copies)."""
     from jaxserve.engine import Engine, SamplingParams
 
     e = Engine(models["deepseek_v3"], small_config(kv_dtype="fp8"), start=False, warmup="first")
     assert dict(e.programs.compiles) == {"prefill": 1, "decode": 1, "handoff": 1}
     e.compile_deferred()  # what the loop runs when idle: the same prefill and decode shapes, sampled ("full" mode)
     assert dict(e.programs.compiles) == {"prefill": 2, "decode": 2, "handoff": 1}
-    out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
-    assert len(out.token_ids) == 4
-    # what an OpenAI client sends by default: temperature 1, top_p 1
-    out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=3))[0]
-    assert len(out.token_ids) == 4
+    compiled: list[str] = []
+
+    def listener(event: str, seconds: float, **_: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4
+        # what an OpenAI client sends by default: temperature 1, top_p 1
+        out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0,
+                                                           seed=3))[0]
+        assert len(out.token_ids) == 4
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
     assert dict(e.programs.compiles) == {"prefill": 2, "decode": 2, "handoff": 1}
+    assert compiled == []
 
 
 def test_deferred_compiles_start_when_the_engine_is_idle(models):

@@ -6,6 +6,7 @@ from jaxserve.cache.pages import (
     KVLayout,
     KVPages,
     PageAllocator,
+    compile_tag_sync,
     convert_pages_to_fp8,
     dequantize_fp8,
     gather_index_keys,
@@ -21,7 +22,8 @@ from jaxserve.cache.pages import (
 )
 
 __all__ = [
-    "FP8_MAX", "NULL_PAGE", "KVLayout", "KVPages", "PageAllocator", "check_tags", "convert_pages_to_fp8",
+    "FP8_MAX", "NULL_PAGE", "KVLayout", "KVPages", "PageAllocator", "check_tags", "compile_tag_sync",
+    "convert_pages_to_fp8",
     "dequantize_fp8", "gather_index_keys", "gather_latent_rows", "gather_tokens", "guard_tables", "init_pages",
     "insert_pages", "integrity_errors", "mask_outputs", "page_tags_at", "pages_to_fp8", "quantize_fp8", "stamp_tags",
     "write_index_keys", "write_tokens",

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -498,6 +499,15 @@ def _scatter_tags(device_tags: jax.Array, pages: jax.Array, tags: jax.Array) -> 
     return device_tags.at[pages].set(tags, mode="drop")
 
 
+def compile_tag_sync(device_tags: jax.Array, sizes: Sequence[int]) -> None:
+    """Compile the tag scatter of `PageAllocator.sync_device_tags` for these (power-of-two) update lengths, on a
+    scratch array shaped and placed like `device_tags` [num_pages] uint32: nothing live is touched."""
+    num_pages = device_tags.shape[0]
+    for n in sizes:
+        scratch = jax.device_put(np.zeros(device_tags.shape, np.uint32), device_tags.sharding)
+        _scatter_tags(scratch, jax.device_put(np.full(n, num_pages, np.int32)), jax.device_put(np.zeros(n, np.uint32)))
+
+
 @dataclass
 class PageAllocator:
     """Host-side page allocator with refcounts and per-page generation tags.
@@ -633,7 +643,7 @@ class PageAllocator:
     def device_tags(self) -> jax.Array:
         """Full upload of `live_tags` [num_pages] uint32 (once, at start-up); clears the dirty set."""
         self._dirty.clear()
-        return jnp.asarray(self.live_tags)
+        return jax.device_put(self.live_tags)
 
     def take_dirty(self) -> tuple[np.ndarray, np.ndarray]:
         """(pages [n] int32, live tags [n] uint32: 0 for a freed page) changed since the last sync; clears the set."""
@@ -653,4 +663,4 @@ class PageAllocator:
         pad = n - pages.size
         pages = np.concatenate([pages, np.full(pad, self.num_pages, np.int32)])
         tags = np.concatenate([tags, np.zeros(pad, np.uint32)])
-        return _scatter_tags(device_tags, jnp.asarray(pages), jnp.asarray(tags))
+        return _scatter_tags(device_tags, jax.device_put(pages), jax.device_put(tags))

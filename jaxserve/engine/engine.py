@@ -3,6 +3,7 @@
 (tests, benchmarks)."""
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -16,7 +17,7 @@ from jaxserve.checkpoint import load
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
-from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler import Scheduler, compile_unpack
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
 from jaxserve.models import CausalLM
@@ -40,16 +41,17 @@ class Engine:
         # thread that runs them once the loop has been idle for IDLE_COMPILE_S (join it to wait)
         self.deferred_compiles: list[Callable[[], None]] = []
         self.background_compile: threading.Thread | None = None
-        if warmup == "first":
-            self.programs.compile_first()
-            self.deferred_compiles.append(self.programs.compile_first_sampled)
-        elif warmup:
-            self.programs.warmup()
         self._queues: dict[str, queue.Queue[TokenEvent]] = {}
         self._qlock = threading.Lock()
         eos = tuple(dict.fromkeys(tuple(model.cfg.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", ()))))
         self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, eos) if tokenizer is not None else None
         self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer, self.grammar)
+        if warmup == "first":
+            self.programs.compile_first(extra=[functools.partial(compile_unpack, self.programs.decode_rows,
+                                                                 cfg.row_buckets[0], cfg.page_buckets[0])])
+            self.deferred_compiles.append(self.programs.compile_first_sampled)
+        elif warmup:
+            self.programs.warmup()
         self._wake = threading.Event()
         self._step_lock = threading.Lock()  # the scheduler is single-threaded: one step at a time, any caller
         self._stop = threading.Event()

@@ -16,6 +16,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -25,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from jaxserve.cache import KVLayout, KVPages, PageAllocator, init_pages, insert_pages, pages_to_fp8
+from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, init_pages, insert_pages, pages_to_fp8
 from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
@@ -56,6 +57,7 @@ def kv_layout(cfg: ModelConfig, page_size: int, dtype: str, index_dtype: str | N
 
 
 POOL_FIELDS = tuple(POOL_AXES)
+FIRST_TAG_SYNCS = (1, 2, 4, 8)  # changed-page counts (padded to powers of two) a first short request syncs
 
 
 def _path(p: tuple) -> str:
@@ -276,12 +278,12 @@ class Programs:
         d_tags[: len(dst_tags)] = dst_tags
         if groups is not None:
             group[: len(groups)] = groups
-        chunk = self._export(self.prefill_phase.pages, jnp.asarray(src))
+        chunk = self._export(self.prefill_phase.pages, jax.device_put(src))
         # disaggregated: the compact chunk crosses from the prefill devices to the decode devices
         mesh = self.decode_phase.mesh
         chunk = jax.device_put(chunk, jax.tree.map(lambda x: _on_mesh(x, mesh), chunk))
-        self.decode_phase.pages = self._import(self.decode_phase.pages, chunk, jnp.asarray(dst), jnp.asarray(s_tags),
-                                               jnp.asarray(d_tags), jnp.asarray(group))
+        self.decode_phase.pages = self._import(self.decode_phase.pages, chunk, jax.device_put(dst), jax.device_put(s_tags),
+                                               jax.device_put(d_tags), jax.device_put(group))
 
     def warmup(self, progress: bool = True, *, background: bool = False) -> threading.Thread | None:
         """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages,
@@ -306,14 +308,19 @@ class Programs:
             self._compile(*combo)
         return None
 
-    def compile_first(self) -> None:
+    def compile_first(self, extra: Sequence[Callable[[], None]] = ()) -> None:
         """Compile the programs a first short greedy request runs (one row in the smallest prefill, hand-off and
         decode buckets), each in its own thread: XLA compiles with the GIL released, so on a multi-core host the
         first request waits for the slowest of them instead of their sum. Later calls with these shapes reuse them
-        (an ahead-of-time compile fills the jit cache). `compile_first_sampled` does the same shapes with sampling."""
-        shapes = self._first_shapes()
-        with concurrent.futures.ThreadPoolExecutor(len(shapes), thread_name_prefix="jaxserve-compile") as pool:
-            for f in [pool.submit(self._compile, *combo) for combo in shapes]:
+        (an ahead-of-time compile fills the jit cache). `compile_first_sampled` does the same shapes with sampling.
+        Also in the pool: the tag syncs of the first requests (`FIRST_TAG_SYNCS`) and `extra` (the scheduler's own
+        small jits), so that request compiles nothing at all."""
+        jobs = [functools.partial(self._compile, *combo) for combo in self._first_shapes()]
+        jobs += [functools.partial(compile_tag_sync, ph.pages.tags, FIRST_TAG_SYNCS)
+                 for ph in (self.prefill_phase, self.decode_phase)]
+        jobs += list(extra)
+        with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="jaxserve-compile") as pool:
+            for f in [pool.submit(job) for job in jobs]:
                 f.result()
 
     def compile_first_sampled(self) -> None:

@@ -155,28 +155,28 @@ def _extras(seqs: list[Sequence | None], vocab: int, eos: set[int], grammar: Gra
             if pairs:
                 bias_ids[i, :len(pairs)] = [t for t, _ in pairs]
                 bias[i, :len(pairs)] = [b for _, b in pairs]
-        adjust = LogitAdjust(*(jnp.asarray(a) for a in (history, prompt_len, rep, freq, pres, bias_ids, bias)))
+        adjust = LogitAdjust(*jax.device_put((history, prompt_len, rep, freq, pres, bias_ids, bias)))
     mask = None
     if grammar is not None and any(s.matcher is not None for s in live):
         m = np.full((B, grammar.words), -1, np.int32)
         for i, s in enumerate(seqs):
             if s is not None and s.matcher is not None:
                 m[i] = grammar.bitmask(s.matcher)
-        mask = jnp.asarray(m)
+        mask = jax.device_put(m)
     top_n = min(TOP_LOGPROBS_MAX, vocab) if any(s.req.params.top_logprobs for s in live) else 0
     return _Extras(adjust, mask, top_n)
 
 
 def _samp_arrays(seqs: list[Sequence | None], extras: _Extras = _Extras()) -> SamplingArrays:
     def col(f, dtype):  # noqa: ANN001
-        return jnp.asarray(np.array([f(s) if s is not None else 0 for s in seqs], dtype))
+        return jax.device_put(np.array([f(s) if s is not None else 0 for s in seqs], dtype))
 
     mode = sampling_mode((s.req.params.temperature, s.req.params.top_k, s.req.params.top_p) for s in seqs
                          if s is not None)
     return SamplingArrays(
         temperature=col(lambda s: s.req.params.temperature, np.float32),
         top_k=col(lambda s: s.req.params.top_k, np.int32),
-        top_p=jnp.asarray(np.array([s.req.params.top_p if s is not None else 1.0 for s in seqs], np.float32)),
+        top_p=jax.device_put(np.array([s.req.params.top_p if s is not None else 1.0 for s in seqs], np.float32)),
         seed=col(lambda s: request_seed(s.req), np.uint32),
         step=col(lambda s: len(s.generated), np.int32),
         adjust=extras.adjust,
@@ -221,6 +221,14 @@ def _unpack_decode_after(packed: jax.Array, prev_tokens: jax.Array, m: int
     batch, cols, src = _split_packed(packed, m)
     prev = prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)]
     return dataclasses.replace(batch, tokens=jnp.where(src >= 0, prev, batch.tokens)), cols
+
+
+def compile_unpack(rows: jax.sharding.Sharding, b: int, m: int) -> None:
+    """Run `_unpack_decode` and `_unpack_decode_after` once on zeros of b rows and m pages placed on `rows` (where
+    decode batches live), so a first request's decode steps compile neither."""
+    packed = jax.device_put(np.zeros((b, len(_COLS) + 2 * m), np.int32), rows)
+    _unpack_decode(packed, m)
+    _unpack_decode_after(packed, jax.device_put(np.zeros((b,), np.int32), rows), m)
 
 
 @dataclass(frozen=True)
@@ -532,8 +540,7 @@ class Scheduler:
                 tables[i, :used] = pages[:used]
                 tags[i, :used] = [t for _, t in seq.prefill_pages[:used]]
                 ctx[i], chunk[i], used_pages[i] = start + n, n, used
-            batch = PrefillBatch(*(jnp.asarray(a) for a in (tokens, positions, slots, tables, ctx, chunk, tags,
-                                                            used_pages)))
+            batch = PrefillBatch(*jax.device_put((tokens, positions, slots, tables, ctx, chunk, tags, used_pages)))
             by_row: list[Sequence | None] = [None] * B
             for i, (seq, _, _) in zip(place, rows):
                 by_row[i] = seq
