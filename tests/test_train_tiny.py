@@ -78,3 +78,15 @@ def test_transformers_loads_export_with_same_logits(exported):
         ref = hf(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
     got = np.asarray(forward(model, jnp.asarray(tokens)))
     assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-4
+
+
+def test_fixed_steps_are_not_cut_by_the_default_wall_time():
+    """`--steps N` alone runs its whole cosine schedule; the 40-minute default only applies to a fitted schedule,
+    and an explicit --minutes still bounds either."""
+    from tools.train_tiny import TrainConfig, wall_budget
+
+    assert wall_budget(None, 2300) is None
+    assert wall_budget(None, None) == TrainConfig.minutes
+    assert wall_budget(100.0, 1624) == 100.0
+    with pytest.raises(ValueError, match="fixed step count"):
+        TrainConfig(minutes=None)

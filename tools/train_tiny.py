@@ -9,7 +9,8 @@ dense first layer), trained in float32 with AdamW (linear warmup + cosine) on th
 (`jaxserve.eval.corpus`), tokenized with `checkpoints/tiny-kimi-tokenizer`, documents joined with `<|endoftext|>`,
 random fixed-length windows. Experts are balanced the DeepSeek-V3 aux-loss-free way: after each step every MoE
 layer's `router_bias` moves by +/- `bias_rate` toward equal load. The run stops by wall time: the first steps are
-timed and the cosine schedule is fitted to the steps that fit `--minutes` (`--steps N` fixes it instead).
+timed and the cosine schedule is fitted to the steps that fit `--minutes` (`--steps N` fixes it instead, and then
+runs to its end unless `--minutes` is given too).
 `--extra-fraction F` draws that share of the rows from `tools.extra_corpus` (pinned dependencies' sources); the
 held-out split is the stdlib one either way.
 
@@ -79,10 +80,11 @@ class ModelSize:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation and data settings. minutes: wall-time budget of the training loop (evaluations included)."""
+    """Optimisation and data settings. minutes: wall-time budget of the training loop (evaluations included);
+    None: no wall-time stop (a fixed `steps` schedule runs to its end)."""
 
     seed: int = 0
-    minutes: float = 40.0
+    minutes: float | None = 40.0
     steps: int | None = None  # None: fit the schedule to `minutes` after timing `calib_steps` steps
     stop_after: int | None = None  # stop after this many steps, schedule unchanged (replays a wall-time stop)
     batch_size: int = 8
@@ -101,6 +103,10 @@ class TrainConfig:
     eval_tokens: int = 16384
     eval_window: int = 512
     extra_fraction: float = 0.0  # share of batch rows drawn from `tools.extra_corpus` (0: the stdlib split only)
+
+    def __post_init__(self) -> None:
+        if self.minutes is None and self.steps is None:
+            raise ValueError("TrainConfig: minutes=None (no wall-time stop) needs a fixed step count (steps)")
 
 
 def hf_config_dict(size: ModelSize) -> dict[str, Any]:
@@ -465,7 +471,7 @@ def train(size: ModelSize, tcfg: TrainConfig, train_tokens: np.ndarray, eval_tok
     opt_state = tx.init(params)
     step_fn = make_train_step(graphdef, template, tx, tcfg.bias_rate)
     rng = np.random.default_rng(tcfg.seed)
-    budget = tcfg.minutes * 60.0
+    budget = math.inf if tcfg.minutes is None else tcfg.minutes * 60.0
     total_steps = tcfg.steps if tcfg.steps is not None else 10**9  # fixed after calibration
     t0 = time.perf_counter()
     calib_start: float | None = None
@@ -606,10 +612,20 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, summary_path: str | Path | N
     return result
 
 
+def wall_budget(minutes: float | None, steps: int | None) -> float | None:
+    """The run's wall-time budget in minutes from the CLI: as given; else none for a fixed --steps schedule (it used
+    to inherit the 40-minute default and stop at step 912 of 2300), the default when the schedule is fitted to it."""
+    if minutes is not None:
+        return minutes
+    return None if steps is not None else TrainConfig.minutes
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", help="HF output folder")
-    parser.add_argument("--minutes", type=float, default=TrainConfig.minutes)
+    parser.add_argument("--minutes", type=float, default=None,
+                        help=f"wall-time budget (default: {TrainConfig.minutes:g} when the schedule is fitted to it; "
+                             "none with --steps, so a fixed schedule is never cut short)")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--steps", type=int, default=None, help="fixed step count (default: fit to --minutes)")
     parser.add_argument("--stop-after", type=int, default=None,
@@ -629,7 +645,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.out_dir:
         parser.error("out_dir is required unless --evaluate is given")
-    tcfg = replace(TrainConfig(), minutes=args.minutes, seed=args.seed, steps=args.steps,
+    tcfg = replace(TrainConfig(), minutes=wall_budget(args.minutes, args.steps), seed=args.seed, steps=args.steps,
                    stop_after=args.stop_after, extra_fraction=args.extra_fraction)
     size = ModelSize()
     tokenizer = Tokenizer(TOKENIZER_DIR)
