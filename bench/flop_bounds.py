@@ -114,11 +114,11 @@ def measured(peer: Path) -> dict | None:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "tiny-kimi")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "flop_bounds.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cfg, model = jaxserve.load(args.checkpoint)
     flops = matmul_flops(model)
     forms = ("absorbed", "plain") if cfg.is_mla else ("gqa",)

@@ -114,3 +114,37 @@ def test_report(results: Path) -> None:
     for fname, title in wanted.items():  # the benches above that ran (this test may run alone) get a section
         assert (title in text) == (results / fname).exists()
     assert "unexpected schema" not in text
+
+
+EMBEDDED = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi"
+
+
+@pytest.mark.skipif(not (EMBEDDED / "jaxserve.json").exists(), reason="checkpoints/tiny-kimi not present")
+def test_flop_bounds(results: Path) -> None:
+    """The parameter-tree FLOP count equals a count by hand from the config, and each bound and 'needs' rate solves
+    the cost model it states (F + A c per decode row; prefill tokens over their causal pairs)."""
+    from jaxserve.checkpoint import load_config
+
+    out = results / "flop_bounds.json"
+    assert load("flop_bounds").main(["--checkpoint", str(EMBEDDED), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    c = load_config(EMBEDDED)
+    h, n = c.hidden_size, c.num_heads
+    attn = (h * c.q_lora_rank + c.q_lora_rank * n * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+            + h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * n * (c.qk_nope_head_dim + c.v_head_dim)
+            + n * c.v_head_dim * h)
+    dense = 3 * h * c.intermediate_size
+    moe = 3 * h * c.moe_intermediate_size * (c.num_experts_per_tok + c.n_shared_experts) + h * c.n_routed_experts
+    n_dense = c.mlp_layer_types.count("dense")
+    f = 2 * (c.num_layers * attn + n_dense * dense + (c.num_layers - n_dense) * moe + h * c.vocab_size)
+    assert r["matmul_flops_per_token"] == {"all": f, "lm_head": 2 * h * c.vocab_size}
+    b = r["bounds"]["absorbed"]
+    a = c.num_layers * n * (4 * c.kv_lora_rank + 2 * c.qk_rope_head_dim)
+    assert b["attention_flops_per_pair"] == a
+    assert b["decode_step_ratio"] == pytest.approx((f + 2000 * a) / (f + 1030 * a))
+    rate = b["decode_goal_needs_attention_rate_at_most"]  # attention that slow gives exactly the goal
+    assert (f + 2000 * a / rate) / (f + 1030 * a / rate) == pytest.approx(1.5)
+    rate, fp, head = b["prefill_goal_needs_attention_rate_at_least"], f - 2 * h * c.vocab_size, 2 * h * c.vocab_size
+    per_token = lambda t: fp + head / t + a * (t + 1) / 2 / rate  # noqa: E731
+    assert per_token(256) / per_token(2000) == pytest.approx(0.8)
+    assert "context goals allow" in load("report").build(results)
