@@ -68,8 +68,9 @@ def attention_flops_per_pair(cfg: ModelConfig, form: str) -> int:
     return per * cfg.num_layers
 
 
-def bounds(cfg: ModelConfig, flops: dict[str, int], form: str) -> dict:
-    """The ideal ratios at equal FLOP rates, for one attention form."""
+def bounds(cfg: ModelConfig, flops: dict[str, int], form: str, seen: dict | None) -> dict:
+    """The ideal ratios at equal FLOP rates, for one attention form; with `seen` (`measured`), the attention rate
+    its ratios imply."""
     a = attention_flops_per_pair(cfg, form)
     f, head = flops["all"], flops["lm_head"]
     c1, c2 = DECODE_CONTEXTS
@@ -88,14 +89,18 @@ def bounds(cfg: ModelConfig, flops: dict[str, int], form: str) -> dict:
         g1, g2 = (f - head) + head / t1, (f - head) + head / t2
         return a * (ratio * (t2 + 1) - (t1 + 1)) / (2 * (g1 - ratio * g2))
 
-    return {"attention_flops_per_pair": a,
-            "decode_goal_needs_attention_rate_at_most": decode_rate(1.5),
-            "prefill_goal_needs_attention_rate_at_least": prefill_rate(0.8),
-            "rate_of": {"decode": decode_rate, "prefill": prefill_rate},
+    out = {"attention_flops_per_pair": a,
+           "decode_goal_needs_attention_rate_at_most": decode_rate(1.5),
+           "prefill_goal_needs_attention_rate_at_least": prefill_rate(0.8),
             "decode_flops_per_row": {str(c1): f + a * c1, str(c2): f + a * c2},
             "decode_step_ratio": (f + a * c2) / (f + a * c1),
             "prefill_flops_per_token": {str(t1): prefill_per_token(t1), str(t2): prefill_per_token(t2)},
             "prefill_tok_s_ratio": prefill_per_token(t1) / prefill_per_token(t2)}
+    if seen:
+        out["measured_attention_rate"] = {
+            "decode": {k: decode_rate(v) for k, v in seen["decode_program_ratio"].items() if v > 1},
+            "prefill": prefill_rate(seen["prefill_tok_s_ratio"]) if "prefill_tok_s_ratio" in seen else None}
+    return out
 
 
 def measured(peer: Path) -> dict | None:
@@ -122,19 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg, model = jaxserve.load(args.checkpoint)
     flops = matmul_flops(model)
     forms = ("absorbed", "plain") if cfg.is_mla else ("gqa",)
+    m = measured(ROOT / "bench" / "results" / "peer_transformers.json")
     result = {"checkpoint": str(args.checkpoint.resolve().relative_to(ROOT)) if args.checkpoint.resolve().is_relative_to(ROOT)
               else str(args.checkpoint), "machine": common.machine(),
               "matmul_flops_per_token": flops, "decode_contexts": DECODE_CONTEXTS, "prefill_lengths": PREFILL_LENGTHS,
               "goals": {"decode_step_ratio": 1.5, "prefill_tok_s_ratio": 0.8},
-              "bounds": {form: bounds(cfg, flops, form) for form in forms},
-              "measured": measured(ROOT / "bench" / "results" / "peer_transformers.json")}
-    m = result["measured"]
-    for b in result["bounds"].values():  # what the measured ratios say of attention's relative FLOP rate
-        rate_of = b.pop("rate_of")
-        if m:
-            b["measured_attention_rate"] = {
-                "decode": {k: rate_of["decode"](v) for k, v in m["decode_program_ratio"].items() if v > 1},
-                "prefill": rate_of["prefill"](m["prefill_tok_s_ratio"]) if "prefill_tok_s_ratio" in m else None}
+              "bounds": {form: bounds(cfg, flops, form, m) for form in forms}, "measured": m}
     c1, c2 = DECODE_CONTEXTS
     t1, t2 = PREFILL_LENGTHS
     lines = [f"per-token matmul FLOPs {flops['all'] / 1e6:.2f} M (lm_head {flops['lm_head'] / 1e6:.2f} M)",

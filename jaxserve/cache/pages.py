@@ -503,9 +503,9 @@ def compile_tag_sync(device_tags: jax.Array, sizes: Sequence[int]) -> None:
     """Compile the tag scatter of `PageAllocator.sync_device_tags` for these (power-of-two) update lengths, on a
     scratch array shaped and placed like `device_tags` [num_pages] uint32: nothing live is touched."""
     num_pages = device_tags.shape[0]
-    for n in sizes:
-        scratch = jax.device_put(np.zeros(device_tags.shape, np.uint32), device_tags.sharding)
-        _scatter_tags(scratch, jax.device_put(np.full(n, num_pages, np.int32)), jax.device_put(np.zeros(n, np.uint32)))
+    scratch = jax.device_put(np.zeros(device_tags.shape, np.uint32), device_tags.sharding)
+    for n in sizes:  # each scatter donates its input: the next one takes its output, placed alike
+        scratch = _scatter_tags(scratch, *jax.device_put((np.full(n, num_pages, np.int32), np.zeros(n, np.uint32))))
 
 
 @dataclass

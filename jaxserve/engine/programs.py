@@ -282,8 +282,8 @@ class Programs:
         # disaggregated: the compact chunk crosses from the prefill devices to the decode devices
         mesh = self.decode_phase.mesh
         chunk = jax.device_put(chunk, jax.tree.map(lambda x: _on_mesh(x, mesh), chunk))
-        self.decode_phase.pages = self._import(self.decode_phase.pages, chunk, jax.device_put(dst), jax.device_put(s_tags),
-                                               jax.device_put(d_tags), jax.device_put(group))
+        self.decode_phase.pages = self._import(self.decode_phase.pages, chunk,
+                                               *jax.device_put((dst, s_tags, d_tags, group)))
 
     def warmup(self, progress: bool = True, *, background: bool = False) -> threading.Thread | None:
         """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages,
