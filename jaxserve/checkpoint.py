@@ -127,7 +127,9 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding
     elif weights in stored:
         spec = stored[weights]
         params_dir = checkpoint_dir / spec["dir"]
-        wf = WeightFormat(weights, int(spec["group_size"]), bool(spec["attention"]))
+        # checkpoints written before int4_scope existed hold every MLP projection in INT4
+        wf = WeightFormat(weights, int(spec["group_size"]), bool(spec["attention"]),
+                          int4_scope=spec.get("int4_scope", "mlps"))
         abstract = nnx.eval_shape(lambda: quantize_model(CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), wf))
     else:
         raise CheckpointError(f"checkpoint {checkpoint_dir} has no {weights!r} weights; it has "

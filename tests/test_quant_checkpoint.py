@@ -106,7 +106,28 @@ def test_decode_only_and_attention(ckpt, tmp_path):
     _, m = load(out, weights="int4")
     lin = {".".join(map(str, p)): x for p, x in nnx.iter_graph(m) if isinstance(x, Linear)}
     assert lin["layers.0.attn.kv_b"].fmt == "int4" and lin["layers.0.attn.q_a"].fmt == "int4"
-    assert lin["layers.0.mlp.gate"].fmt == "int4"
+    # INT4 covers the routed experts only by default (Kimi's recipe): the dense MLP and shared experts stay BF16
+    assert lin["layers.0.mlp.gate"].fmt == "bf16" and lin["layers.1.mlp.shared.up"].fmt == "bf16"
+    assert all(m.fmt == "int4" for m in _modules(m, Experts))
+
+
+def test_int4_scope_mlps_and_manifests_without_a_scope(ckpt, tmp_path):
+    out = tmp_path / "q"
+    assert main(["quantize", str(ckpt), str(out), "--prefill-weights", "none", "--int4-scope", "mlps",
+                 "--no-progress"]) == 0
+    man = json.loads((out / "jaxserve.json").read_text())
+    assert man["formats"]["int4"]["int4_scope"] == "mlps"
+    _, m = load(out, weights="int4")
+    lin = {".".join(map(str, p)): x for p, x in nnx.iter_graph(m) if isinstance(x, Linear)}
+    assert lin["layers.0.mlp.gate"].fmt == "int4" and lin["layers.1.mlp.shared.up"].fmt == "int4"
+    assert lin["layers.0.attn.kv_b"].fmt == "bf16"
+    _, base = load(ckpt)
+    want = model_params(quantize_model(base, WeightFormat("int4", 32, int4_scope="mlps")))
+    # a checkpoint quantized before the scope was recorded held every MLP projection in INT4, and still loads
+    del man["formats"]["int4"]["int4_scope"]
+    (out / "jaxserve.json").write_text(json.dumps(man))
+    got = model_params(load(out, weights="int4")[1])
+    assert got.keys() == want.keys() and all(np.array_equal(_bits(got[k]), _bits(want[k])) for k in got)
 
 
 def test_errors(ckpt, quantized, tmp_path, capsys):

@@ -131,27 +131,38 @@ def test_pack_unpack_is_identity(half_k: int, n: int, seed: int) -> None:
     np.testing.assert_array_equal(np.asarray(formats.unpack_int4(formats.pack_int4(jnp.asarray(q)))), q)
 
 
-@pytest.mark.parametrize("path, default, with_attention", [
-    ("layers.3.mlp.experts.gate", True, True),
-    ("layers.3.mlp.experts.down", True, True),
-    ("layers.3.mlp.shared.up", True, True),
-    ("layers.3.mlp.shared_experts.down", True, True),
-    ("layers.0.mlp.gate", True, True),
-    ("layers.0.mlp.down", True, True),
-    ("layers.0.attn.q_b", False, True),
-    ("layers.0.attn.kv_a", False, True),
-    ("layers.0.attn.o", False, True),
-    ("layers.0.attn.q_a_norm", False, False),
-    ("layers.0.attn.kv_a_norm.scale", False, False),
-    ("layers.1.mlp.router", False, False),
-    ("layers.1.mlp.router.e_score_correction_bias", False, False),
-    ("layers.1.mlp.e_score_correction_bias", False, False),
-    ("layers.1.input_norm", False, False),
-    ("embed", False, False),
-    ("embed.embedding", False, False),
-    ("lm_head", False, False),
-    ("final_norm", False, False),
+# (path, fp8, int4 default scope "experts", int4 scope "mlps"); attention=True adds the attention projections
+@pytest.mark.parametrize("path, fp8, int4, int4_mlps", [
+    ("layers.3.mlp.experts.gate", True, True, True),
+    ("layers.3.mlp.experts.down", True, True, True),
+    ("layers.3.mlp.shared.up", True, False, True),
+    ("layers.3.mlp.shared_experts.down", True, False, True),
+    ("layers.0.mlp.gate", True, False, True),
+    ("layers.0.mlp.down", True, False, True),
+    ("layers.0.attn.q_b", False, False, False),
+    ("layers.0.attn.kv_a", False, False, False),
+    ("layers.0.attn.o", False, False, False),
+    ("layers.0.attn.q_a_norm", False, False, False),
+    ("layers.0.attn.kv_a_norm.scale", False, False, False),
+    ("layers.1.mlp.router", False, False, False),
+    ("layers.1.mlp.router.e_score_correction_bias", False, False, False),
+    ("layers.1.mlp.e_score_correction_bias", False, False, False),
+    ("layers.1.input_norm", False, False, False),
+    ("embed", False, False, False),
+    ("embed.embedding", False, False, False),
+    ("lm_head", False, False, False),
+    ("final_norm", False, False, False),
 ])
-def test_quantizable_rule(path: str, default: bool, with_attention: bool) -> None:
-    assert formats.quantizable(path) is default
-    assert formats.quantizable(path, attention=True) is with_attention
+def test_quantizable_rule(path: str, fp8: bool, int4: bool, int4_mlps: bool) -> None:
+    assert formats.quantizable(path, "fp8") is fp8
+    assert formats.quantizable(path, "int4") is int4
+    assert formats.quantizable(path, "int4", int4_scope="mlps") is int4_mlps
+    projection = ".attn." in path and "norm" not in path
+    for fmt in ("fp8", "int4"):
+        assert formats.quantizable(path, fmt, attention=True) is (formats.quantizable(path, fmt) or projection)
+
+
+def test_unknown_int4_scope_is_refused() -> None:
+    with pytest.raises(ConfigError, match="int4_scope") as e:
+        formats.quantizable("layers.3.mlp.experts.gate", "int4", int4_scope="shared")
+    assert e.value.value == "shared"

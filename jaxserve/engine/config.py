@@ -25,6 +25,7 @@ class EngineConfig:
     prefill_weights: str = "fp8"
     decode_weights: str = "int4"
     int4_group_size: int = 32
+    int4_scope: str = "experts"  # "experts": routed experts only (Kimi's INT4 recipe); "mlps": every MLP projection
     quantize_attention: bool = False
     use_kernels: bool = False  # Pallas matmul kernels for quantized weights
     # "packed": quantized weights stay packed in memory and are dequantized inside each matmul (kernels, or XLA);

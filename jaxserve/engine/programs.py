@@ -157,7 +157,7 @@ class Programs:
 
         def fmt(name: str) -> WeightFormat:
             return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret,
-                                backend)
+                                backend, cfg.int4_scope)
 
         prefill_kv = "f32" if cfg.kv_dtype == "f32" else "bf16"  # prefill writes BF16 pages (f32 for reference runs)
         self.weight_layout = {"prefill": weight_layout(cfg, p_dev), "decode": weight_layout(cfg, d_dev)}

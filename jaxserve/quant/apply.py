@@ -14,7 +14,8 @@ from jaxserve.quant import formats
 class WeightFormat:
     """fmt: "bf16" | "f32" | "fp8" | "int4"; attention: also quantize attention projections;
     use_kernel/interpret: Pallas kernels for the quantized matmuls (interpret on CPU); backend: their tiling,
-    "gpu" (Triton) or "tpu" (Mosaic)."""
+    "gpu" (Triton) or "tpu" (Mosaic); int4_scope: which MLP tensors INT4 covers, "experts" (routed experts, as
+    Kimi's INT4 checkpoints) or "mlps" (shared experts and dense MLPs too; see `formats.INT4_SCOPES`)."""
 
     fmt: str = "bf16"
     group_size: int = 32
@@ -22,10 +23,19 @@ class WeightFormat:
     use_kernel: bool = False
     interpret: bool = False
     backend: str = "gpu"
+    int4_scope: str = "experts"
+
+    def __post_init__(self) -> None:
+        formats.check_fmt(self.fmt)
+        formats.check_int4_scope(self.int4_scope)
 
 
 def _path(p: tuple) -> str:
     return ".".join(str(x) for x in p)
+
+
+def _in_scope(name: str, wf: WeightFormat) -> bool:
+    return formats.quantizable(name, wf.fmt, attention=wf.attention, int4_scope=wf.int4_scope)
 
 
 def quantize_model(model: nnx.Module, wf: WeightFormat) -> nnx.Module:
@@ -41,7 +51,7 @@ def quantize_model(model: nnx.Module, wf: WeightFormat) -> nnx.Module:
         if isinstance(module, Linear):
             name = _path(path)
             module.use_kernel, module.interpret, module.backend = wf.use_kernel, wf.interpret, wf.backend
-            if quantized and module.fmt in ("bf16", "f32") and formats.quantizable(name, attention=wf.attention) \
+            if quantized and module.fmt in ("bf16", "f32") and _in_scope(name, wf) \
                     and module.weight.shape[0] % (wf.group_size if wf.fmt == "int4" else 1) == 0:
                 w, s = formats.quantize(module.weight[...].astype(jnp.float32), wf.fmt, wf.group_size)
                 module.weight = nnx.Param(w)

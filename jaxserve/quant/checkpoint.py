@@ -36,12 +36,14 @@ QUANTIZED_FORMATS = ("fp8", "int4")
 @dataclass(frozen=True)
 class QuantizeSpec:
     """weights: the decode format; prefill_weights: the prefill format (None: write the decode format only);
-    group_size: INT4 group along the input dim; attention: also quantize the attention projections."""
+    group_size: INT4 group along the input dim; attention: also quantize the attention projections;
+    int4_scope: "experts" (routed experts only, Kimi's INT4 recipe) or "mlps" (shared experts, dense MLPs too)."""
 
     weights: str = "int4"
     prefill_weights: str | None = "fp8"
     group_size: int = 32
     attention: bool = False
+    int4_scope: str = "experts"
 
     def __post_init__(self) -> None:
         for param in ("weights", "prefill_weights"):
@@ -52,6 +54,7 @@ class QuantizeSpec:
         if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 2:
             raise ConfigError(f"--group-size must be a positive even integer, got {self.group_size!r}",
                               value=self.group_size, param="group_size")
+        formats.check_int4_scope(self.int4_scope)
 
     def roles(self) -> dict[str, str]:
         """{fmt: "prefill" | "decode" | "prefill+decode"} in writing order (prefill first)."""
@@ -80,13 +83,13 @@ def quantize_checkpoint(src: str | Path, out: str | Path, spec: QuantizeSpec = Q
     formats: dict[str, dict] = {}
     with partial_output(out) as partial:
         for fmt, role in spec.roles().items():
-            wf = WeightFormat(fmt, spec.group_size, spec.attention)
+            wf = WeightFormat(fmt, spec.group_size, spec.attention, int4_scope=spec.int4_scope)
             qmodel = _quantize(model, wf)
             trees = group_trees(qmodel)
             for group in tqdm(manifest["groups"], desc=f"write {fmt}", unit="group", disable=not progress):
                 save_group(partial / format_dir(fmt) / group, trees[group])
             formats[fmt] = {"dir": format_dir(fmt), "role": role, "group_size": spec.group_size,
-                            "attention": spec.attention, "bytes": weight_bytes(qmodel),
+                            "attention": spec.attention, "int4_scope": spec.int4_scope, "bytes": weight_bytes(qmodel),
                             "expert_bytes": weight_bytes(qmodel, experts_only=True)}
             del qmodel, trees
         for f in src.iterdir():
@@ -105,7 +108,8 @@ def _quantize(model: CausalLM, wf: WeightFormat) -> CausalLM:
     if wf.fmt == "int4":
         for path, module in nnx.iter_graph(model):
             name = ".".join(str(p) for p in path)
-            if isinstance(module, Linear) and formats.quantizable(name, attention=wf.attention) \
+            if isinstance(module, Linear) and formats.quantizable(name, wf.fmt, attention=wf.attention,
+                                                                            int4_scope=wf.int4_scope) \
                     and module.weight.shape[0] % wf.group_size:
                 raise ConfigError(f"--group-size {wf.group_size} does not divide the input dim "
                                   f"{module.weight.shape[0]} of {name}", value=wf.group_size, param="group_size")
@@ -135,12 +139,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=32, help="INT4 group size along the input dim")
     p.add_argument("--prefill-weights", default="fp8", help="prefill weight format: fp8 | int4 | none")
     p.add_argument("--attention", action="store_true", help="also quantize attention projections")
+    p.add_argument("--int4-scope", default="experts", choices=sorted(formats.INT4_SCOPES),
+                   help="INT4 tensors: routed experts only (Kimi's INT4 recipe) or every MLP projection")
     p.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     prefill = None if args.prefill_weights == "none" else args.prefill_weights
-    spec = QuantizeSpec(args.weights, prefill, args.group_size, args.attention)
+    spec = QuantizeSpec(args.weights, prefill, args.group_size, args.attention, args.int4_scope)
     manifest = quantize_checkpoint(args.checkpoint, args.out_dir, spec, progress=not args.no_progress)
     print(memory_table(manifest))
     print(f"wrote {args.out_dir}")

@@ -250,8 +250,25 @@ def quant_kind(param_path: str) -> str | None:
     return None
 
 
-def quantizable(param_path: str, *, attention: bool = False) -> bool:
-    """Whether the tensor at `param_path` gets FP8/INT4: experts, shared experts and dense MLPs always,
-    attention projections only with `attention=True`; never embeddings, norms, router, biases, lm_head."""
+# What each quantized format covers by default. INT4 follows Kimi K2-Thinking / K2.5 / K2.6's compressed-tensors recipe
+# (its `ignore` list keeps attention, shared experts and the dense MLPs in BF16): routed experts only. FP8 follows
+# the FP8 block checkpoints (DeepSeek-V3 / Kimi K2 / GLM): every MLP projection.
+INT4_SCOPES: Final = {"experts": ("experts",), "mlps": ("experts", "shared_experts", "dense_mlp")}
+FP8_KINDS: Final = ("experts", "shared_experts", "dense_mlp")
+
+
+def check_int4_scope(scope: str) -> str:
+    if scope not in INT4_SCOPES:
+        raise ConfigError(f"int4_scope must be one of {sorted(INT4_SCOPES)}, got {scope!r}", value=scope,
+                          param="int4_scope")
+    return scope
+
+
+def quantizable(param_path: str, fmt: str, *, attention: bool = False, int4_scope: str = "experts") -> bool:
+    """Whether the tensor at `param_path` gets `fmt` ("fp8" | "int4"): FP8 for every MLP projection (routed,
+    shared, dense); INT4 for the kinds of `int4_scope` ("experts": routed experts only, Kimi's INT4 recipe;
+    "mlps": as FP8); attention projections too with `attention=True`; never embeddings, norms, router, biases,
+    lm_head."""
     kind = quant_kind(param_path)
-    return kind in ("experts", "shared_experts", "dense_mlp") or (attention and kind == "attention")
+    kinds = INT4_SCOPES[check_int4_scope(int4_scope)] if fmt == "int4" else FP8_KINDS
+    return kind in kinds or (attention and kind == "attention")
