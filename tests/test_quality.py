@@ -50,12 +50,13 @@ def test_greedy_agreement():
     assert g == {"identical_fraction": 7 / 8, "prefix_fraction": (2 / 4 + 1) / 2, "n_tokens": 8}
 
 
-# Measured on checkpoints/tiny-kimi (2048 held-out tokens, 8 windows x 256, as below; deterministic on CPU):
-# INT4 g32 weights vs BF16: top-1 0.9546, mean KL 0.0044, ppl 59.13 -> 59.03;
-# FP8 KV vs BF16 KV:        top-1 0.9731, mean KL 0.0019, ppl 59.13 -> 59.21.
-# KL bounds are tightened to ~2x the measurement; INT4 top-1 stays at the goal (0.95), which it clears narrowly.
-INT4_TOP1_MIN, INT4_KL_MAX = 0.95, 0.01
-FP8KV_TOP1_MIN, FP8KV_KL_MAX = 0.96, 0.005
+# Measured on checkpoints/tiny-kimi (2048 held-out tokens, 8 windows x 256, as below; deterministic on CPU), the
+# 2,300-step model (held-out 1.56 bits/byte; the 583-step one it replaced gave INT4 0.9546 / FP8 KV 0.9731):
+# INT4 g32 routed experts vs BF16: top-1 0.9644, mean KL 0.0026, ppl 34.86 -> 34.81;
+# FP8 KV vs BF16 KV:               top-1 0.9580, mean KL 0.0054, ppl 34.86 -> 34.93.
+# KL bounds are ~2x the measurement; INT4 top-1 stays at the goal (0.95), FP8 KV top-1 about 1% under its measure.
+INT4_TOP1_MIN, INT4_KL_MAX = 0.95, 0.006
+FP8KV_TOP1_MIN, FP8KV_KL_MAX = 0.95, 0.011
 
 
 @needs_embedded

@@ -168,22 +168,25 @@ class QualitySpec:
 
 
 # (name, weights, kv) configurations scored teacher-forced, and the pairs compared (reference first)
+# "int4_mlps": INT4 on every MLP projection (int4_scope "mlps"), beside the routed-experts-only default
 CONFIGS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "bf16"), "int4": ("int4", "bf16"),
-           "bf16+fp8kv": ("bf16", "fp8"), "int4+fp8kv": ("int4", "fp8")}
+           "int4_mlps": ("int4_mlps", "bf16"), "bf16+fp8kv": ("bf16", "fp8"), "int4+fp8kv": ("int4", "fp8")}
 PAIRS = (("bf16", "fp8", "BF16 vs FP8 weights"), ("fp8", "int4", "FP8 vs INT4 weights"),
-         ("bf16", "int4", "BF16 vs INT4 weights"), ("bf16", "bf16+fp8kv", "BF16 vs FP8 KV"),
+         ("bf16", "int4", "BF16 vs INT4 weights"),
+         ("bf16", "int4_mlps", "BF16 vs INT4, all MLPs"), ("bf16", "bf16+fp8kv", "BF16 vs FP8 KV"),
          ("bf16", "int4+fp8kv", "BF16 vs decode (INT4 + FP8 KV)"))
 
 
 def format_models(checkpoint: str | Path, group_size: int) -> dict[str, CausalLM]:
-    """{"bf16", "fp8", "int4"} -> model: the checkpoint's stored format when it has one (a `jaxserve quantize`
-    output), else quantize_model of its BF16 weights."""
+    """{"bf16", "fp8", "int4", "int4_mlps"} -> model: the checkpoint's stored format when it has one (a `jaxserve
+    quantize` output), else quantize_model of its BF16 weights; "int4_mlps" is always quantized here."""
     have = load_formats(checkpoint)
     _, base = load(checkpoint)
     out = {"bf16": base}
     for fmt in ("fp8", "int4"):
         out[fmt] = load(checkpoint, weights=fmt)[1] if fmt in have else \
             quantize_model(base, WeightFormat(fmt, group_size))
+    out["int4_mlps"] = quantize_model(base, WeightFormat("int4", group_size, int4_scope="mlps"))
     return out
 
 
