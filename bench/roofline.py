@@ -3,9 +3,9 @@ step time, and jaxserve's measured step time against it.
 
 Usage: python bench/roofline.py [--quick | --smoke] [--checkpoint DIR] --json OUT.json
 
-Bytes per step = weights read + KV read. Weights: everything the step touches in the step's format (FP8/INT4
-apply, as in jaxserve.quant, to routed experts, shared experts and dense MLPs; attention, router, norms and
-lm_head stay BF16; of the embedding table only the batch's rows), with routed experts either all or only the
+Bytes per step = weights read + KV read. Weights: everything the step touches in the step's format (as in
+jaxserve.quant: FP8 on routed experts, shared experts and dense MLPs, INT4 on routed experts only; the rest,
+attention, router, norms and lm_head stay BF16; of the embedding table only the batch's rows), with routed experts either all or only the
 activated ones: under uniform routing a batch of B tokens with top-k of E experts touches
 E * (1 - (1 - k/E)^B) distinct experts per layer in expectation. KV: batch * context * KVLayout.bytes_per_token.
 Bandwidth: a jitted sum over a large f32 array (read-only) and a jitted x + 1 (read + write), median of reps.
@@ -138,18 +138,22 @@ def step_bytes(groups: dict[str, int], hidden: int, experts: int, k: int, moe_la
 
 
 def kimi_groups(s: KimiShapes, fmt: str) -> dict[str, int]:
-    """Kimi K2.6 bytes by group in decode format `fmt` (MLP weights in fmt, everything else BF16)."""
-    def mat_bytes(k: int, n: int, count: int) -> int:
+    """Kimi K2.6 bytes by group in decode format `fmt` (the MLP weights its default scope covers in fmt: INT4 the
+    routed experts only, FP8 every MLP; everything else BF16)."""
+    def mat_bytes(k: int, n: int, count: int, path: str = "layers.1.mlp.experts.gate") -> int:
         sds = jax.ShapeDtypeStruct((1, k, n), jnp.bfloat16)
-        w, sc = jax.eval_shape(lambda x: formats.quantize(x, fmt, 32), sds)
+        f = fmt if fmt == "bf16" or formats.quantizable(path, fmt) else "bf16"
+        w, sc = jax.eval_shape(lambda x: formats.quantize(x, f, 32), sds)
         return count * formats.weight_bytes(w, sc)
 
     moe = s.layers - s.dense_layers
     attn = (s.hidden * s.q_lora + s.q_lora * s.heads * (s.qk_nope + s.qk_rope) + s.hidden * (s.kv_lora + s.qk_rope)
             + s.kv_lora * s.heads * (s.qk_nope + s.v_head) + s.heads * s.v_head * s.hidden)
     routed = moe * (2 * mat_bytes(s.hidden, s.expert_inter, s.experts) + mat_bytes(s.expert_inter, s.hidden, s.experts))
-    shared = moe * s.shared * (2 * mat_bytes(s.hidden, s.expert_inter, 1) + mat_bytes(s.expert_inter, s.hidden, 1))
-    dense = s.dense_layers * (2 * mat_bytes(s.hidden, s.dense_inter, 1) + mat_bytes(s.dense_inter, s.hidden, 1))
+    sh, de = "layers.1.mlp.shared.up", "layers.0.mlp.up"
+    shared = moe * s.shared * (2 * mat_bytes(s.hidden, s.expert_inter, 1, sh)
+                               + mat_bytes(s.expert_inter, s.hidden, 1, sh))
+    dense = s.dense_layers * (2 * mat_bytes(s.hidden, s.dense_inter, 1, de) + mat_bytes(s.dense_inter, s.hidden, 1, de))
     other_bf16 = 2 * (s.layers * attn + moe * s.hidden * s.experts + s.vocab * s.hidden)  # + router + lm_head
     return {"routed_experts": routed, "embed": 2 * s.vocab * s.hidden, "other": other_bf16 + shared + dense}
 
@@ -248,9 +252,9 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
             "tiny": {"kv_bytes_per_token_fp8": kv_fp8, "rows": tiny_rows},
             "kimi_k2.6": {"shapes": asdict(ks), "h200_hbm_bytes_per_s": H200_HBM_BYTES_PER_S, "rows": kimi_rows,
                           "note": "context 8192 per row; routed experts activated (uniform routing expectation); "
-                                  "MLPs in the weight format, attention/router/lm_head BF16; the seeds' step times "
-                                  "come from their FP8-KV tokens/s (their weights' format and GPU count are not "
-                                  "stated for that table; 8 GPUs assumed here)"},
+                                  "MLPs in the weight format (INT4: routed experts only), attention/router/lm_head "
+                                  "BF16; the seeds' step times come from their FP8-KV tokens/s (their weights' "
+                                  "format and GPU count are not stated for that table; 8 GPUs assumed here)"},
             "notes": "lower bound = bytes / measured bandwidth; on CPU a tiny model's step is dominated by "
                      "per-op overhead, so the measured/bound ratio is large and says little about an H200"}
 
