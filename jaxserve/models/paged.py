@@ -80,6 +80,7 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
     at most index_topk tokens, else absorbed attention over each query's top-k selected latent rows.
     With `batch.expected_tags`, the tag check runs first over every page the chunk reads (prefix-cache pages
     included): a failed row reads only the null page, writes nothing and gets zero logits.
+    Without all_logits the last layer's output projection and MLP run at each row's last chunk token only.
     -> (logits at each row's last chunk token [B, V] f32, or at every chunk token [B, T, V] with all_logits;
     pages; ok [B] bool).
     """
@@ -115,13 +116,21 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
                                  flat_slots, slot_tags)
             o = _gqa_prefill_attention(model.parallel, q, pages, i, tables, cfg.softmax_scale, attention)
             o = o.astype(x.dtype)
-        h = h + attn.o(o.reshape(B, T, -1))
+        o = o.reshape(B, T, -1)
+        if i == len(model.layers) - 1 and not all_logits:
+            # the last layer's K/V is written: its output projection and MLP only matter at the sampled token
+            h, o = _at_last(h, batch.chunk_lens), _at_last(o, batch.chunk_lens)
+        h = h + attn.o(o)
         h = h + layer.mlp(layer.post_norm(h))
     if all_logits:
         return mask_outputs(ok, model.logits(h)), pages, ok
-    last = jnp.clip(batch.chunk_lens - 1, 0, T - 1)
-    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-    return mask_outputs(ok, model.logits(h_last)), pages, ok
+    return mask_outputs(ok, model.logits(h[:, 0])), pages, ok
+
+
+def _at_last(x: jax.Array, chunk_lens: jax.Array) -> jax.Array:
+    """x [B, T, D] -> [B, 1, D]: each row's last chunk token (row 0's position for padding rows)."""
+    last = jnp.clip(chunk_lens - 1, 0, x.shape[1] - 1)
+    return jnp.take_along_axis(x, last[:, None, None], axis=1)
 
 
 def decode(model: CausalLM, pages: KVPages, batch: DecodeBatch, *, integrity: bool,
