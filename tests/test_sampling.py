@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampling import TOP_K_BOUND, SamplingArrays, _fits_top_k, sample, sampling_mode
+from jaxserve.engine.sampling import TOP_K_BOUND, SamplingArrays, _fits_top_k, first_argmax, sample, sampling_mode
 
 V = 300  # > TOP_K_BOUND, so the top-k path really drops candidates
 
@@ -72,6 +72,21 @@ def test_tokens_equal_the_sort_everything_sampler(rows, mode, peaked):
             got_t, got_lp = SAMPLE(logits, arrays(rows, [7 + trial, 1234, 99, trial], trial, mode=m))
             np.testing.assert_array_equal(np.asarray(got_t), np.asarray(want_t), err_msg=f"{m} trial {trial}")
             np.testing.assert_array_equal(np.asarray(got_lp), np.asarray(want_lp))
+
+
+def test_first_argmax_is_jnp_argmax():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, V)).astype(np.float32)
+    x[1] = np.repeat(np.arange(V // 4, dtype=np.float32), 4)  # ties: the first maximum wins
+    x[2, [17, 40]] = np.nan  # the first NaN wins, as in jnp.argmax
+    x[3] = -np.inf  # every token masked
+    x[4, [5, 250]] = np.inf
+    x[5] = 0.0
+    want = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    assert list(got[1:6]) == [V - 4, 17, 0, 5, 0]
 
 
 def test_tied_logits_break_ties_like_the_stable_sort():

@@ -140,7 +140,7 @@ def sample(logits: jax.Array, s: SamplingArrays) -> Sampled:
         logits = adjust_logits(logits, s.adjust)
     if s.mask is not None:
         logits = jnp.where(allowed(s.mask, logits.shape[-1]), logits, -jnp.inf)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = first_argmax(logits)
     if s.mode != "greedy":
         scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
         keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(s.seed, s.step)
@@ -153,6 +153,15 @@ def sample(logits: jax.Array, s: SamplingArrays) -> Sampled:
         tokens = jnp.where(s.temperature > 0, sampled, tokens)
     chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """x [B, V] f32 -> [B] int32: jnp.argmax's answer (the first maximum; the first NaN if any), as a max and a
+    min over indices. XLA:CPU lowers argmax's (value, index) reduce as a scalar loop: 300 us at [16, 4096] on one
+    core, against 80 us for these two vectorized reductions."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == m) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 
 
 def adjust_logits(logits: jax.Array, a: LogitAdjust) -> jax.Array:
