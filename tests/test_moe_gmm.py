@@ -1,5 +1,5 @@
-"""Pallas grouped MoE matmul (interpret mode) vs dequantize + ragged_dot, its tile metadata, and
-`ops.grouped_linear` dispatch.
+"""Pallas grouped MoE matmul (interpret mode) vs dequantize + ragged_dot, its tile metadata,
+`ops.grouped_linear` dispatch, and which XLA path `MoE.routed` takes at each size.
 
 Tolerance as in test_int4_matmul: same bf16 activations on both sides, exactly dequantized weights (the tpu
 int4 tiling rounds q * scale to bf16 once), f32 accumulation, bf16 output rounding: ||out - ref|| / ||ref||
@@ -188,6 +188,43 @@ def test_xla_tile_rows_follow_the_mean_group() -> None:
     assert ops.xla_tile_rows(1024, 8) == ops.XLA_MAX_TILE_ROWS  # a 512-token prefill step
     assert ops.xla_tile_rows(512, 8) == 64
     assert ops.xla_tile_rows(2048 * 8, 384) == 32  # Kimi's 384 experts at 2048 tokens
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_moe_routed_paths_agree_and_follow_the_size(dtype) -> None:
+    """8 experts, top-2: 2 tokens gather their experts, 8 go through every expert (64 rows < 8 tiles of 16), 16
+    and 32 take the grouped tile loop; each equals the tile loop run directly."""
+    import hf_tiny
+    from flax import nnx
+
+    from jaxserve.config import from_hf_config
+    from jaxserve.models.layers import MoE
+
+    cfg = from_hf_config(hf_tiny.CONFIGS["deepseek_v3"]().to_dict())
+    moe = MoE(cfg, dtype=dtype, rngs=nnx.Rngs(1))
+    graphdef, state = nnx.split(moe)
+
+    def routed(state: nnx.State, x: jax.Array) -> jax.Array:
+        m = nnx.merge(graphdef, state)
+        w, ids = m.route(x)
+        return m.routed(x, w, ids, 0)
+
+    def tiles(state: nnx.State, x: jax.Array) -> jax.Array:
+        m = nnx.merge(graphdef, state)
+        w, ids = m.route(x)
+        n, k = ids.shape
+        order = jnp.argsort(ids.reshape(-1), stable=True)
+        token = (jnp.arange(n * k) // k)[order]
+        y = m.experts(x[token], jnp.bincount(ids.reshape(-1), length=8).astype(jnp.int32))
+        return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y.astype(jnp.float32) *
+                                                                    w.reshape(-1)[order][:, None])
+
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2  # bf16: roundings apart (measured 0.7% gathered, 0.3% dense)
+    for n, loop in ((2, False), (8, False), (16, True), (32, True)):
+        x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size), dtype)
+        got, want = jax.jit(routed)(state, x), jax.jit(tiles)(state, x)
+        assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= tol, n
+        assert ("while" in jax.jit(routed).lower(state, x).as_text()) == loop, n
 
 
 def test_bad_format_and_shapes_raise_typed_errors() -> None:
