@@ -25,6 +25,11 @@ Contract (every function):
     (ctx_len 0, or position < 0) gets 0. Padding query slots get whatever their positions give (finite).
     logits = (q . k) * softmax_scale; MLA value = latent[:kv_lora_rank].
     Returns MLA [B, T, N, kv_lora_rank] f32; GQA [B, T, Hq, D] f32.
+
+The blockwise forms take a `dot_dtype`, the operand dtype of their two matmuls (f32 accumulation either way):
+f32 (the default) is exact up to f32 rounding; bf16 rounds the query and the softmax weights, as the flash kernels
+do for bf16 / fp8 pages (`paged_prefill.py`). Keys and values lose nothing to it: bf16 and e4m3 values are bf16
+values, and fp8 scales multiply the logits and the softmax weights ([.., block] f32), not the gathered rows.
 """
 from __future__ import annotations
 
@@ -161,17 +166,20 @@ def block_pages_for(page_size: int, chunk: int = 256) -> int:
 
 
 def _blockwise(qg: jax.Array, load, positions: jax.Array, ctx_lens: jax.Array, num_table_pages: int,
-               page_size: int, block_pages: int, value_dim: int, softmax_scale: float) -> jax.Array:
+               page_size: int, block_pages: int, value_dim: int, softmax_scale: float,
+               dot_dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """Online softmax over key blocks of `block_pages` pages.
 
     qg [B, T, Hkv, G, Dk] f32; load(cols [block_pages] int32 table columns, i loop index) -> (k [B, bk, Hkv, Dk],
-    v [B, bk, Hkv, Dv]) f32; ctx_lens already clipped. -> [B, T, Hkv, G, Dv] f32.
+    v [B, bk, Hkv, Dv] `dot_dtype` values, k_scale, v_scale [B, bk, Hkv] f32 | None: fp8 scales); ctx_lens already
+    clipped. Both matmuls take `dot_dtype` operands and accumulate in f32; the softmax is f32.
+    -> [B, T, Hkv, G, Dv] f32.
     The loop works on [B, Hkv, T * G, ...]: each block is two plain batched matmuls. (The 5-D einsums over
     [B, T, Hkv, G, ...] ran 3x slower on XLA:CPU: 24 vs 7.8 ms for 256 queries x 4 heads over 2000 keys.)
     """
     b, t, hkv, g, dk = qg.shape
     bk = block_pages * page_size
-    q = jnp.moveaxis(qg, 2, 1).reshape(b, hkv, t * g, dk)  # row t * G + g: query token t, head g of its group
+    q = jnp.moveaxis(qg, 2, 1).reshape(b, hkv, t * g, dk).astype(dot_dtype)  # row t * G + g: token t, head g
     # trip count from the batch's real context: the last key any query can see, not the table width
     limit = jnp.minimum(jnp.max(positions) + 1, jnp.max(ctx_lens))
     n_blocks = jnp.clip(-(-limit // bk), 0, -(-num_table_pages // block_pages))
@@ -180,19 +188,24 @@ def _blockwise(qg: jax.Array, load, positions: jax.Array, ctx_lens: jax.Array, n
         acc, m, l = carry
         cols = i * block_pages + jnp.arange(block_pages, dtype=jnp.int32)
         # columns past the table read its last entry; their keys sit past every ctx_len and are masked
-        k, v = load(jnp.minimum(cols, num_table_pages - 1), i)
+        k, v, ks, vs = load(jnp.minimum(cols, num_table_pages - 1), i)
         k, v = jnp.moveaxis(k, 2, 1), jnp.moveaxis(v, 2, 1)  # [B, Hkv, bk, D]
         kpos = i * bk + jnp.arange(bk, dtype=jnp.int32)
+        live = (kpos[None, :] < ctx_lens[:, None])[:, None, :]  # [B, 1, bk]
         visible = _visible(kpos, positions, ctx_lens)[:, None, :, None, :]  # [B, 1, T, 1, bk]
         mask = jnp.broadcast_to(visible, (b, 1, t, g, bk)).reshape(b, 1, t * g, bk)
-        logits = jnp.einsum("bkqd,bksd->bkqs", q, k, precision=_HI) * softmax_scale
+        logits = jnp.einsum("bkqd,bksd->bkqs", q, k, precision=_HI, preferred_element_type=jnp.float32) * softmax_scale
+        if ks is not None:
+            logits = logits * jnp.moveaxis(ks, 2, 1)[:, :, None, :]  # NaN past ctx_len is masked just below
         logits = jnp.where(mask, logits, -jnp.inf)
         m_next = jnp.maximum(m, logits.max(axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no key seen yet: keep exp() finite
         corr = jnp.exp(m - m_safe)
         p = jnp.exp(logits - m_safe[..., None])  # masked entries are exp(-inf) = 0
-        v = jnp.where((kpos[None, :] < ctx_lens[:, None])[:, None, :, None], v, 0.0)  # NaN past ctx_len
-        acc = corr[..., None] * acc + jnp.einsum("bkqs,bksd->bkqd", p, v, precision=_HI)
+        v = jnp.where(live[..., None], v, 0)  # NaN past ctx_len: 0 * NaN would leak
+        pv = p if vs is None else p * jnp.where(live, jnp.moveaxis(vs, 2, 1), 0.0)[:, :, None, :]
+        acc = corr[..., None] * acc + jnp.einsum("bkqs,bksd->bkqd", pv.astype(dot_dtype), v, precision=_HI,
+                                                 preferred_element_type=jnp.float32)
         return acc, m_next, corr * l + p.sum(axis=-1)
 
     init = (jnp.zeros((b, hkv, t * g, value_dim), jnp.float32), jnp.full((b, hkv, t * g), -jnp.inf, jnp.float32),
@@ -202,15 +215,18 @@ def _blockwise(qg: jax.Array, load, positions: jax.Array, ctx_lens: jax.Array, n
     return jnp.moveaxis(out.reshape(b, hkv, t, g, value_dim), 1, 2)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_pages", "value_dtype", "layer"))
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_pages", "value_dtype", "layer",
+                                             "dot_dtype"))
 def prefill_mla_blockwise(q: jax.Array, pages: jax.Array, block_tables: jax.Array, positions: jax.Array,
                           ctx_lens: jax.Array, scales: jax.Array | None = None, *, kv_lora_rank: int,
                           softmax_scale: float, block_pages: int | None = None,
-                          value_dtype: jnp.dtype | None = None, layer: int | None = None) -> jax.Array:
+                          value_dtype: jnp.dtype | None = None, layer: int | None = None,
+                          dot_dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """Absorbed MLA prefill, blockwise online softmax (the engine's XLA path).
 
     Shapes in the module docstring; block_pages: pages per key block (default `block_pages_for`); value_dtype: the
-    value dtype of a pool stored as bits (None: `pages` holds values); layer: pools of all layers, this one read.
+    value dtype of a pool stored as bits (None: `pages` holds values); layer: pools of all layers, this one read;
+    dot_dtype: the matmuls' operand dtype (module docstring).
     Peak temporaries ~ B * T * N * (block + kv_lora_rank) f32, independent of the context.
     -> [B, T, N, kv_lora_rank] f32.
     """
@@ -225,25 +241,27 @@ def prefill_mla_blockwise(q: jax.Array, pages: jax.Array, block_tables: jax.Arra
     def load(cols, i):
         ids = bt[:, cols]  # [B, bp]
         pool, sc = _pin((all_layers, scales), i)
-        c = _dequant(_values(_take(pool, ids, layer), value_dtype), _take(sc, ids, layer))  # [B, bp, ps, Dl]
+        c = _values(_take(pool, ids, layer), value_dtype).astype(dot_dtype)  # [B, bp, ps, Dl]
         c = c.reshape(c.shape[0], bp * page_size, 1, c.shape[-1])
-        return c, c[..., :kv_lora_rank]
+        s = _take(sc, ids, layer)
+        s = None if s is None else s.astype(jnp.float32).reshape(c.shape[0], bp * page_size, 1)
+        return c, c[..., :kv_lora_rank], s, s
 
     out = _blockwise(_grouped(q, 1), load, positions.astype(jnp.int32), _clip_lens(ctx_lens, bt, page_size),
-                     bt.shape[1], page_size, bp, kv_lora_rank, softmax_scale)
+                     bt.shape[1], page_size, bp, kv_lora_rank, softmax_scale, dot_dtype)
     return out[:, :, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "block_pages", "value_dtype", "layer"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "block_pages", "value_dtype", "layer", "dot_dtype"))
 def prefill_gqa_blockwise(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                           positions: jax.Array, ctx_lens: jax.Array, k_scales: jax.Array | None = None,
                           v_scales: jax.Array | None = None, *, softmax_scale: float,
                           block_pages: int | None = None, value_dtype: jnp.dtype | None = None,
-                          layer: int | None = None) -> jax.Array:
+                          layer: int | None = None, dot_dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """GQA prefill, blockwise online softmax (the engine's XLA path).
 
-    Shapes in the module docstring; block_pages: pages per key block (default `block_pages_for`); value_dtype and layer
-    as in `prefill_mla_blockwise`.
+    Shapes in the module docstring; block_pages: pages per key block (default `block_pages_for`); value_dtype, layer and
+    dot_dtype as in `prefill_mla_blockwise`.
     Peak temporaries ~ B * T * Hq * (block + D) f32, independent of the context. -> [B, T, Hq, D] f32.
     """
     pools = (k_pages, v_pages, k_scales, v_scales)
@@ -257,11 +275,12 @@ def prefill_gqa_blockwise(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, 
     def load(cols, i):
         ids = bt[:, cols]
         kp, vp, ksc, vsc = _pin(pools, i)
-        k = _dequant(_values(_take(kp, ids, layer), value_dtype), _take(ksc, ids, layer))  # [B, bp, ps, Hkv, D]
-        v = _dequant(_values(_take(vp, ids, layer), value_dtype), _take(vsc, ids, layer))
+        k = _values(_take(kp, ids, layer), value_dtype).astype(dot_dtype)  # [B, bp, ps, Hkv, D]
+        v = _values(_take(vp, ids, layer), value_dtype).astype(dot_dtype)
         shape = (k.shape[0], bp * page_size, hkv, d)
-        return k.reshape(shape), v.reshape(shape)
+        scale = lambda x: None if x is None else x.astype(jnp.float32).reshape(shape[:3])  # noqa: E731
+        return k.reshape(shape), v.reshape(shape), scale(_take(ksc, ids, layer)), scale(_take(vsc, ids, layer))
 
     out = _blockwise(_grouped(q, hkv), load, positions.astype(jnp.int32), _clip_lens(ctx_lens, bt, page_size),
-                     bt.shape[1], page_size, bp, d, softmax_scale)
+                     bt.shape[1], page_size, bp, d, softmax_scale, dot_dtype)
     return out.reshape(q.shape)

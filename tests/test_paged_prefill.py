@@ -9,8 +9,9 @@ fp8 row times its scale to bf16 before the dots (GPU: fp8 -> bf16 is exact, the 
 element error e <= 2^-9 |x|. A logit error of at most D = softmax_scale * max_s sum_d |q[d]| e_k[s, d] moves
 the softmax by a factor in [exp(-2D), exp(2D)], so
     |o - o_ref| <= (exp(2D) - 1) * max_s |v[s, d]| + max_s e_v[s, d] + 2^-8 * max_s |v[s, d]| + 1e-5,
-the 2^-8 covering (a) twice over and the 1e-5 the f32 accumulation order. The blockwise path is f32 throughout:
-1e-5 * (1 + max |v|).
+the 2^-8 covering (a) twice over and the 1e-5 the f32 accumulation order. The blockwise path with f32 dots (its
+default) is f32 throughout: 1e-5 * (1 + max |v|); with bf16 dots ("blockwise_bf16", what the engine runs for a bf16
+model) it rounds as the GPU kernel does, (a) only (fp8 rows are exact in bf16, their scales multiply in f32).
 
 Every pool slot outside a row's context (tail slots of the last page, the null page 0 that padding table
 entries point to, unused pages) holds NaN, so any read of it that is not masked shows up as a non-finite output.
@@ -35,7 +36,7 @@ from tests.kernel_lowering import (H200_SMEM_BYTES, TPU_SCOPED_VMEM_BYTES, TPU_S
 
 TPU_INTERPRET = pltpu.InterpretParams()  # TPU interpret mode: out-of-bounds DMAs raise
 BF16_ROUND = 2.0 ** -9
-IMPLS = ["gpu", "tpu", "blockwise"]
+IMPLS = ["gpu", "tpu", "blockwise", "blockwise_bf16"]
 
 # (page_size, ctx_lens, chunk_lens, T, M): a chunk in the middle of a sequence, a padding row (chunk 0, ctx 0),
 # a chunk at the end of a long context, a first chunk, a one-token chunk
@@ -54,7 +55,7 @@ TOY_BLOCKS = dict(block_r=16, block_k=16)
 def _params(grid: list[tuple], fast: set[tuple]) -> list:
     """pytest params over `grid`; interpret-mode kernel runs outside `fast` are marked slow (each costs seconds
     of compilation on CPU; the fast set still covers both backends, both page sizes and both page dtypes)."""
-    return [pytest.param(*c, marks=() if (c[0] == "blockwise" or c in fast) else pytest.mark.slow,
+    return [pytest.param(*c, marks=() if (c[0].startswith("blockwise") or c in fast) else pytest.mark.slow,
                          id="-".join(map(str, c))) for c in grid]
 
 
@@ -149,8 +150,11 @@ def _mla_case(impl, dtype, page_size, ctx_lens, chunk_lens, t, m, dims, blocks, 
         tol = 1e-5 * (1 + np.nanmax(np.abs(deq)))
         _check(got, want, tol, ctx_lens)
         return
-    got = paged_prefill_mla(*args, kv_lora_rank=r, softmax_scale=scale, backend=impl, interpret=_interpret(impl),
-                            **blocks)
+    if impl == "blockwise_bf16":
+        got = prefill_mla_blockwise(*args, kv_lora_rank=r, softmax_scale=scale, block_pages=2, dot_dtype=jnp.bfloat16)
+    else:
+        got = paged_prefill_mla(*args, kv_lora_rank=r, softmax_scale=scale, backend=impl,
+                                interpret=_interpret(impl), **blocks)
     c = [_context(deq, bt, page_size, nn, i)[:, None] for i, nn in enumerate(ctx_lens)]  # one latent "kv head"
     rel = BF16_ROUND if (impl == "tpu" and dtype == "fp8") else 0.0
     qg = np.asarray(q, np.float32)[:, :, None]
@@ -188,7 +192,10 @@ def _gqa_case(impl, dtype, page_size, ctx_lens, chunk_lens, t, m, dims, blocks, 
         got = prefill_gqa_blockwise(*args, softmax_scale=scale, block_pages=2)
         _check(got, want, 1e-5 * (1 + np.nanmax(np.abs(vd))), ctx_lens)
         return
-    got = paged_prefill_gqa(*args, softmax_scale=scale, backend=impl, interpret=_interpret(impl), **blocks)
+    if impl == "blockwise_bf16":
+        got = prefill_gqa_blockwise(*args, softmax_scale=scale, block_pages=2, dot_dtype=jnp.bfloat16)
+    else:
+        got = paged_prefill_gqa(*args, softmax_scale=scale, backend=impl, interpret=_interpret(impl), **blocks)
     rel = BF16_ROUND if (impl == "tpu" and dtype == "fp8") else 0.0
     ctx_k = [_context(kd, bt, page_size, n, i) for i, n in enumerate(ctx_lens)]
     ctx_v = [_context(vd, bt, page_size, n, i) for i, n in enumerate(ctx_lens)]

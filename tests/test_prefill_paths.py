@@ -10,6 +10,7 @@ block order); the kernels also round the query to bf16 for bf16 pages (measured:
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,33 @@ def test_prefill_is_independent_of_the_chunking(models):
     a = _chunks(model, tokens, [24], 4, "bf16", run)
     b = _chunks(model, tokens, [24], 24, "bf16", run)
     np.testing.assert_allclose(a, b, atol=F32_TOL, rtol=0)
+
+
+def _dot_operand_types(text: str) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) element types of every dot_general in a lowered program's StableHLO text."""
+    t = r"tensor<(?:[0-9?]+x)*(\w+)>"
+    sig = re.findall(rf"stablehlo\.dot_general .*?: \({t}, {t}\) -> {t}", text)
+    return [tuple(x) for x in sig]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_a_bf16_model_attends_with_bf16_dots_and_an_f32_model_with_f32(arch):
+    """The XLA prefill's attention dots take bf16 operands (f32 results) for a bf16 model over bf16 pages, as the
+    flash kernels, and f32 ones for an f32 model or f32 pages: the bf16 model has exactly two more bf16 dots
+    (scores, values) per layer over bf16 pages than over f32 pages, the f32 model none. (Their numerics:
+    tests/test_paged_prefill.py's blockwise_bf16 bound; tests/test_quality.py's noise-floor check.)"""
+    cfg = tiny_model(arch).cfg
+
+    def bf16_dots(dtype: jnp.dtype, kv_dtype: str) -> list[tuple[str, str, str]]:
+        model = CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+        pages = jax.eval_shape(lambda: init_pages(kv_layout(cfg, PAGE, kv_dtype), 1 + 16))
+        dots = _dot_operand_types(_paged_prefill.lower(model, pages, _single_chunk(16), "xla").as_text())
+        assert dots, "no dot_general found: the pattern no longer matches the lowered text"
+        return [d for d in dots if "bf16" in d[:2]]
+
+    assert bf16_dots(jnp.float32, "bf16") == []
+    low, exact = bf16_dots(jnp.bfloat16, "bf16"), bf16_dots(jnp.bfloat16, "f32")
+    assert len(low) - len(exact) == 2 * cfg.num_layers and set(low) == {("bf16", "bf16", "f32")}, (low, exact)
 
 
 # ---------------------------------------------------------------------------------------------------------------

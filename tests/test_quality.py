@@ -35,12 +35,17 @@ def test_compare_is_exact_on_identical_and_matches_forward(random_model):
     same = quality.compare(random_model, random_model, w, batch_size=4)
     assert same["mean_kl"] == 0.0 and same["top1_agreement"] == 1.0 and same["ppl_a"] == same["ppl_b"]
     assert same["n_tokens"] == 4 * 32
-    # the paged prefill over a BF16 pool gives the absorbed forward's distribution (bf16 rounding of the cache
-    # only); the prefill attends in the absorbed MLA form, and this bf16 model's plain and absorbed forwards differ
-    # by up to 1.7 nats at one token (each differs as much from the model in f32: a near-tie, e.g. in routing)
+    # the paged prefill over a BF16 pool gives the absorbed forward's distribution up to bf16 rounding: the
+    # cache's and, this model computing in bf16, the attention dots' (bf16 operands, as the flash kernels). The bound
+    # is the model's own bf16 noise: its plain and absorbed forwards (the same math) differ by as much. Measured:
+    # |d log p| mean 0.041 vs 0.067, max 1.62 vs 1.75 nats (one near-tie token, e.g. in routing); a wrong page or
+    # mask moves every token by nats
     lp = quality.logprobs(random_model, w, "bf16", batch_size=4)
-    ref = forward(random_model, jnp.asarray(w[:, :-1]), absorbed=True).astype(jnp.float32)
-    assert np.abs(lp - np.asarray(jax.nn.log_softmax(ref, -1))).max() < 0.05  # measured 0.011
+    x = jnp.asarray(w[:, :-1])
+    ref, plain = (np.asarray(jax.nn.log_softmax(forward(random_model, x, absorbed=a).astype(jnp.float32), -1))
+                  for a in (True, False))
+    err, noise = np.abs(lp - ref).max(-1), np.abs(plain - ref).max(-1)
+    assert err.mean() <= 1.5 * noise.mean() and err.max() <= 1.5 * noise.max(), (err.mean(), noise.mean())
     other = quality.compare(random_model, quantize_model(random_model, WeightFormat("int4")), w, batch_size=4)
     assert other["mean_kl"] > 0 and other["max_kl"] >= other["mean_kl"]
 

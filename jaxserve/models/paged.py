@@ -75,7 +75,8 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
     Reading the context (this chunk included) from the pool makes the result independent of how a prompt is
     chunked or whether its prefix came from the prefix cache; over an FP8 pool it is exactly what decode reads.
     Attention reads the pool block by block (online softmax): "xla" the blockwise XLA form, "pallas*" the flash
-    prefill kernels (GPU or TPU tiling); MLA in the absorbed form (MQA over the latent pages, no kv_b expansion
+    prefill kernels (GPU or TPU tiling), the XLA form with bf16 dot operands for a bf16 model over bf16 / fp8 pages
+    (`prefill_dot_dtype`); MLA in the absorbed form (MQA over the latent pages, no kv_b expansion
     of the context). GLM-5 DSA layers (`_dsa_prefill_attention`): the plain dense form while the block table spans
     at most index_topk tokens, else absorbed attention over each query's top-k selected latent rows.
     With `batch.expected_tags`, the tag check runs first over every page the chunk reads (prefix-cache pages
@@ -108,13 +109,13 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
             pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
             q = attn.absorb_query(q_nope, q_rope)  # [B, T, N, r + dr] f32
             o_lat = _mla_prefill_attention(model.parallel, q, pages, i, tables, cfg.kv_lora_rank,
-                                           cfg.softmax_scale, attention)
+                                           cfg.softmax_scale, attention, x.dtype)
             o = attn.absorb_output(o_lat, x.dtype)
         else:
             q, k, v = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, (k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])),
                                  flat_slots, slot_tags)
-            o = _gqa_prefill_attention(model.parallel, q, pages, i, tables, cfg.softmax_scale, attention)
+            o = _gqa_prefill_attention(model.parallel, q, pages, i, tables, cfg.softmax_scale, attention, x.dtype)
             o = o.astype(x.dtype)
         o = o.reshape(B, T, -1)
         if i == len(model.layers) - 1 and not all_logits:
@@ -288,11 +289,20 @@ def _gqa_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: in
                              q_axes=("batch", "heads", None))
 
 
+def prefill_dot_dtype(activations: jnp.dtype, values: jnp.dtype) -> jnp.dtype:
+    """The XLA prefill attention's matmul operand dtype: bf16 for a model computing in bf16 (its query already comes
+    out of bf16 matmuls) over bf16 / fp8 pages (bf16 holds those values exactly), as the flash kernels; f32 otherwise,
+    so an f32 model stays exact. bf16 dots ran 1.4x faster than f32 on the CPU host (AVX-512 BF16)."""
+    low = jnp.dtype(activations).itemsize <= 2 and jnp.dtype(values).itemsize <= 2
+    return jnp.dtype(jnp.bfloat16) if low else jnp.dtype(jnp.float32)
+
+
 def _mla_prefill_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, tables: tuple,
-                           rank: int, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
+                           rank: int, softmax_scale: float, impl: AttentionImpl, act_dtype: jnp.dtype) -> jax.Array:
     """q [B, T, N, r + dr] f32 (absorbed) over layer `layer` of an MLA pool, tables (block_tables [B, M],
     positions [B, T], ctx_lens [B]) -> [B, T, N, r] f32; per shard on a mesh (as `_mla_attention`). "xla" reads
-    the whole pool's bits, the layer picked inside its gathers; the kernels read the layer's value views."""
+    the whole pool's bits, the layer picked inside its gathers, with `prefill_dot_dtype(act_dtype, pool values)`
+    dots; the kernels read the layer's value views."""
     xla = impl == "xla"
     pools = (pages.latent, pages.latent_scale) if xla else pages.layer(layer)
     value_dtype = jnp.dtype(pages.layout.jnp_dtype)
@@ -301,7 +311,8 @@ def _mla_prefill_attention(par: Parallel | None, q: jax.Array, pages: KVPages, l
         (lat, scale), (bt, positions, ctx_lens) = pools, tables
         if xla:
             return prefill_mla_blockwise(q, lat, bt, positions, ctx_lens, scale, kv_lora_rank=rank,
-                                         softmax_scale=softmax_scale, value_dtype=value_dtype, layer=layer)
+                                         softmax_scale=softmax_scale, value_dtype=value_dtype, layer=layer,
+                                         dot_dtype=prefill_dot_dtype(act_dtype, value_dtype))
         return paged_prefill_mla(q, lat, bt, positions, ctx_lens, scale, kv_lora_rank=rank,
                                  softmax_scale=softmax_scale, backend=_kernel_backend(impl),
                                  interpret=impl.endswith("interpret"))
@@ -314,7 +325,7 @@ def _mla_prefill_attention(par: Parallel | None, q: jax.Array, pages: KVPages, l
 
 
 def _gqa_prefill_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, tables: tuple,
-                           softmax_scale: float, impl: AttentionImpl) -> jax.Array:
+                           softmax_scale: float, impl: AttentionImpl, act_dtype: jnp.dtype) -> jax.Array:
     """q [B, T, Hq, D] over layer `layer` of a GQA pool, tables as in `_mla_prefill_attention` -> [B, T, Hq, D]
     f32; per shard on a mesh (q heads and kv heads split together under TP). Pools as `_mla_prefill_attention`."""
     xla = impl == "xla"
@@ -325,7 +336,8 @@ def _gqa_prefill_attention(par: Parallel | None, q: jax.Array, pages: KVPages, l
         (kp, vp, ks, vs), (bt, positions, ctx_lens) = pools, tables
         if xla:
             return prefill_gqa_blockwise(q, kp, vp, bt, positions, ctx_lens, ks, vs, softmax_scale=softmax_scale,
-                                         value_dtype=value_dtype, layer=layer)
+                                         value_dtype=value_dtype, layer=layer,
+                                         dot_dtype=prefill_dot_dtype(act_dtype, value_dtype))
         return paged_prefill_gqa(q, kp, vp, bt, positions, ctx_lens, ks, vs, softmax_scale=softmax_scale,
                                  backend=_kernel_backend(impl), interpret=impl.endswith("interpret"))
 
