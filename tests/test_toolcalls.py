@@ -104,6 +104,19 @@ def test_invalid_markup_is_an_error_not_text(setup, text):
     assert e.value.http_status == 500 and e.value.param == "tool_calls"
 
 
+def test_repeated_kimi_ids_become_unique_by_position():
+    call = ("<|tool_call_begin|>functions.get_weather:{}<|tool_call_argument_begin|>{{\"city\": \"P\"}}"
+            "<|tool_call_end|>")
+    text = ("<|tool_calls_section_begin|>" + call.format(0) + call.format(0) + call.format(1)
+            + "<|tool_call_begin|>functions.search-web:0<|tool_call_argument_begin|>{}<|tool_call_end|>"
+            + "<|tool_calls_section_end|>")
+    want = ["functions.get_weather:0", "functions.get_weather:1", "functions.get_weather:2", "functions.search-web:0"]
+    assert [c.id for c in KIMI.parser().parse_all(text).calls] == want
+    for step in (1, 7):  # the same ids streamed, whatever the split
+        _, deltas = split_feed(KIMI, text, list(range(step, len(text), step)))
+        assert [d["id"] for d in deltas] == want
+
+
 def test_family_from_template_or_architecture():
     tok = Tokenizer(Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi-tokenizer")
     assert family_of(tok.chat_template, "deepseek_v3") == "kimi"

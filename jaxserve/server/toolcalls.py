@@ -10,7 +10,9 @@ and its docs/tool_call_guidance.md; GLM-4.5 / GLM-4.7 `chat_template.jinja`):
             ... more calls ...
             <|tool_calls_section_end|>
             The call id is the string before <|tool_call_argument_begin|> ("functions.NAME:IDX"); the template renders
-            a tool result as "## Return of ID" + content, so the id goes back to the client unchanged.
+            a tool result as "## Return of ID" + content, so the id goes back to the client unchanged, unless an
+            earlier call of the same output has it (clients key tool results by id): then IDX becomes the call's
+            position in the output (or the next index no earlier call has).
   GLM:      <tool_call>NAME
             <arg_key>KEY</arg_key>
             <arg_value>VALUE</arg_value>
@@ -32,7 +34,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from jaxserve.engine.structured import JSON_OPTIONS, StructuredOutput
@@ -275,6 +277,18 @@ class ToolCallParser:
         rest, _ = self.finish()
         return Parsed(content + rest, list(self.calls))
 
+    def _unique(self, call: ToolCall) -> ToolCall:
+        """`call`, with an id no earlier call of this output has: a repeated "functions.NAME:IDX" (the model writes
+        Kimi ids itself, and may repeat one) gets IDX = the call's position, or the next index not yet taken."""
+        taken = {c.id for c in self.calls}
+        if call.id not in taken:
+            return call
+        stem = call.id.rpartition(":")[0] or call.id
+        idx = len(self.calls)
+        while f"{stem}:{idx}" in taken:
+            idx += 1
+        return replace(call, id=f"{stem}:{idx}")
+
     def _drain(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
         content: list[str] = []
         deltas: list[dict[str, Any]] = []
@@ -292,6 +306,7 @@ class ToolCallParser:
                 self._in_calls = True
             calls, used = self.setup.parse_section(self._buf)
             for c in calls:
+                c = self._unique(c)  # clients key tool results by id
                 deltas.append({"index": len(self.calls), **c.openai()})
                 self.calls.append(c)
             if used == 0 or (self.setup.family == "kimi" and not self._buf[:used].rstrip().endswith(
