@@ -22,7 +22,8 @@ and its docs/tool_call_guidance.md; GLM-4.5 / GLM-4.7 `chat_template.jinja`):
             string, JSON otherwise. Calls get fresh ids ("call_" + 24 hex digits).
 
 The code is our own. Invalid markup (an unknown tool, arguments that are not a JSON object, an unterminated call) is
-a `ToolCallParseError` (reported to the client), never silently passed on as text.
+a `ToolCallParseError` (reported to the client), never silently passed on as text. An output cut by the token limit
+(finish_reason "length") is not invalid: its complete calls stand and the unfinished last one is dropped.
 
 `ToolSetup.grammar()` writes a Lark grammar (llguidance's dialect, engine.structured) that admits exactly the markup
 of one call (a named tool_choice, or parallel_tool_calls=false) or of one or more calls (tool_choice "required"),
@@ -262,19 +263,24 @@ class ToolCallParser:
         self._buf += text
         return self._drain(final=False)
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """End of output -> what is left. Raises ToolCallParseError for an unfinished call."""
+    def finish(self, truncated: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """End of output -> what is left. truncated: the output stopped at the token limit (finish_reason
+        "length"). Raises ToolCallParseError for an unfinished call, unless truncated."""
         content, deltas = self._drain(final=True)
         if self._in_calls and self._buf.strip() == KIMI_SECTION_BEGIN and self.calls:
             self._buf = ""  # complete calls whose section end never came: the calls stand
         if self._in_calls and self._buf.strip():
-            raise _bad("the output ended inside a tool call", self._buf)
+            if not truncated:
+                raise _bad("the output ended inside a tool call", self._buf)
+            # out of tokens, not invalid markup (OpenAI answers "length"): the complete calls stand, the
+            # unfinished last one is dropped (it has no whole arguments to run)
+            self._buf = ""
         return content, deltas
 
-    def parse_all(self, text: str) -> Parsed:
-        """A whole output -> content and calls."""
+    def parse_all(self, text: str, truncated: bool = False) -> Parsed:
+        """A whole output -> content and calls. truncated: as in `finish`."""
         content, _ = self.push(text)
-        rest, _ = self.finish()
+        rest, _ = self.finish(truncated)
         return Parsed(content + rest, list(self.calls))
 
     def _unique(self, call: ToolCall) -> ToolCall:
