@@ -19,6 +19,7 @@ from jaxserve.errors import CheckpointError
 from jaxserve.models import CausalLM
 from jaxserve.models.sharded import shard_model
 from jaxserve.quant.apply import WeightFormat, quantize_model
+from jaxserve.quant.formats import canonical_format
 from jaxserve.sharding import Parallel, ShardingRules, check_model, param_sharding
 
 MANIFEST = "jaxserve.json"
@@ -108,6 +109,7 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding
     `nnx.eval_shape`, so no BF16 copy of the quantized tensors is ever materialized.
     """
     checkpoint_dir = Path(checkpoint_dir).absolute()
+    weights = canonical_format(weights)  # "float8_e4m3fn" names the stored "fp8" weights
     manifest = read_manifest(checkpoint_dir)
     cfg = ModelConfig.from_dict(manifest["model"])
     dtype = dtype or {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[manifest["dtype"]]

@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from jaxserve.errors import ConfigError
+
 # model configs as their config.json files give them (MODEL_FORMATS.md): only the keys the models read
 PRESETS: dict[str, dict] = {
     "kimi-k2.6": {  # the text backbone of moonshotai/Kimi-K2.6 (kimi_k25 text_config), INT4 g32 routed experts
@@ -86,6 +88,17 @@ class PlanSpec:
     prefill_context: int = 8192
     reserve_bytes: float = 6e9
     compile: bool = True
+
+    def __post_init__(self) -> None:
+        from jaxserve.cache.pages import KV_DTYPES
+        from jaxserve.quant.formats import FORMATS, canonical_format
+
+        for p in ("decode_weights", "prefill_weights", "kv_dtype"):  # accept "bfloat16", "float8_e4m3fn", ...
+            object.__setattr__(self, p, canonical_format(getattr(self, p)))
+        for p, allowed in (("decode_weights", FORMATS), ("prefill_weights", FORMATS), ("kv_dtype", KV_DTYPES)):
+            if getattr(self, p) not in allowed:
+                raise ConfigError(f"--{p.replace('_', '-')} must be one of {allowed}, got {getattr(self, p)!r}",
+                                  value=getattr(self, p), param=p)
 
 
 @dataclass

@@ -359,17 +359,60 @@ def test_pack_int8_round_trips():
     np.testing.assert_array_equal(hf_formats.unpack_int8(hf_formats.pack_int8(q), 13), q)
 
 
-def test_dtype_aliases_name_formats_everywhere():
+def test_dtype_aliases_name_formats_everywhere(kimi_hf, tmp_path, capsys):
+    """Engine config and flags, `jaxserve plan`, `jaxserve quantize` (+ loading its output), KV layouts: each takes
+    "bfloat16" / "float8_e4m3fn" / "uint4" for a format, and a name that is no format fails typed, naming it."""
     import argparse
 
+    from jaxserve.cache.pages import KVLayout
+    from jaxserve.checkpoint import load, load_formats
+    from jaxserve.cli import main
     from jaxserve.engine import EngineConfig
     from jaxserve.engine.generate import add_arguments
+    from jaxserve.plan import PlanSpec
+    from jaxserve.quant.checkpoint import QuantizeSpec
 
-    cfg = EngineConfig(kv_dtype="float8_e4m3fn", prefill_weights="bfloat16", decode_weights="float32", dtype="bf16")
+    cfg = EngineConfig(kv_dtype="float8_e4m3fn", prefill_weights="bfloat16", decode_weights="float32", dtype="bf16",
+                       index_kv_dtype="bfloat16")
     assert (cfg.kv_dtype, cfg.prefill_weights, cfg.decode_weights, cfg.dtype) == ("fp8", "bf16", "f32", "bfloat16")
+    assert cfg.index_kv_dtype == "bf16"
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["--prompt", "x", "--kv-dtype", "bfloat16", "--prefill-weights", "float8_e4m3fn"])
     assert (args.kv_dtype, args.prefill_weights) == ("bf16", "fp8")
     with pytest.raises(ConfigError):
         EngineConfig(kv_dtype="float16")
+
+    layout = KVLayout.mla(2, 8, 4, dtype="float8_e4m3fn", index_layers=1, index_head_dim=8, index_dtype="bfloat16")
+    assert (layout.dtype, layout.index_dtype, layout.jnp_dtype) == ("fp8", "bf16", np.dtype(ml_dtypes.float8_e4m3fn))
+    with pytest.raises(ConfigError) as e:
+        KVLayout.gqa(2, 2, 8, dtype="float16")
+    assert (e.value.value, e.value.param) == ("float16", "dtype")
+
+    # jaxserve plan, weights and KV only, on one device
+    plan_args = ["plan", "--config", str(kimi_hf[0] / "config.json"), "--devices", "1", "--no-compile", "--json",
+                 "--no-progress"]
+    capsys.readouterr()
+    assert main([*plan_args, "--kv-dtype", "float8_e4m3fn", "--decode-weights", "float8_e4m3fn",
+                 "--prefill-weights", "bfloat16"]) == 0
+    spec = json.loads(capsys.readouterr().out)["spec"]
+    assert (spec["kv_dtype"], spec["decode_weights"], spec["prefill_weights"]) == ("fp8", "fp8", "bf16")
+    assert main([*plan_args, "--kv-dtype", "float16"]) == 2
+    assert "'float16'" in capsys.readouterr().err
+    with pytest.raises(ConfigError) as e:
+        PlanSpec(decode_weights="int8")
+    assert (e.value.value, e.value.param) == ("int8", "decode_weights")
+
+    # jaxserve quantize, then its FP8 weights loaded by their dtype name
+    src = convert(kimi_hf[0], tmp_path / "bf16", progress=False)
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--weights", "float8_e4m3fn", "--prefill-weights",
+                 "none", "--no-progress"]) == 0
+    assert load_formats(tmp_path / "q") == ["fp8"]
+    _, model = load(tmp_path / "q", weights="float8_e4m3fn")
+    assert model_params(model)["layers.1.mlp.experts.gate"].dtype == ml_dtypes.float8_e4m3fn
+    assert QuantizeSpec(weights="uint4", prefill_weights="e4m3").roles() == {"fp8": "prefill", "int4": "decode"}
+    with pytest.raises(ConfigError) as e:
+        QuantizeSpec(weights="bfloat16")
+    assert (e.value.value, e.value.param) == ("bf16", "weights")
+    assert main(["quantize", str(src), str(tmp_path / "q2"), "--weights", "float16", "--no-progress"]) == 2
+    assert "'float16'" in capsys.readouterr().err

@@ -5,6 +5,7 @@ template."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx2 as httpx
 import jsonschema
@@ -22,6 +23,9 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 NOOP = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
 MESSAGES = [{"role": "user", "content": "Paris?"}]
+# no arguments at all: a call is short enough (~42 tokens of markup text) for several in the context window
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {},
+                                                                       "additionalProperties": False}}}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +64,35 @@ def test_required_tool_choice_streams_delta_tool_calls(srv):
     want = whole.choices[0].message.tool_calls[0]
     assert (deltas[0].function.name, json.loads(deltas[0].function.arguments)) == (
         want.function.name, json.loads(want.function.arguments))
+    wait_idle(srv.engine)
+
+
+def test_parallel_calls_cut_by_max_tokens_finish_with_length_and_the_complete_calls(srv):
+    """tool_choice "required" with the client's default parallel_tool_calls: the model writes calls until
+    max_tokens, which is "length" (not invalid markup): the complete calls come back, with unique ids although the
+    model repeats one, and the unfinished last call is dropped, streamed and not. Greedy decoding of this random
+    model writes one call and closes the section, so a seed samples several (a seed samples the same tokens)."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[PING], tool_choice="required", temperature=0.8, seed=50,
+                  max_completion_tokens=160, logprobs=True)
+    whole = client(srv).chat.completions.create(**kwargs)
+    choice = whole.choices[0]
+    out = "".join(t.token for t in choice.logprobs.content)
+    written = re.findall(r"functions\.ping:\d+(?=<\|tool_call_argument_begin\|>)", out)
+    # the premise: complete calls, one id written twice, then the output stops inside the next call
+    assert len(set(written)) < len(written) == out.count("<|tool_call_end|>")
+    assert out.rpartition("<|tool_call_end|>")[2].startswith("<|tool_call_begin|>functions.ping:")
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 160
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("ping", {})] * len(written)
+    ids = [c.id for c in calls]
+    assert len(set(ids)) == len(ids) and ids[0] == written[0] and all(i.startswith("functions.ping:") for i in ids)
+
+    chunks = list(client(srv).chat.completions.create(**kwargs, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert [(d.index, d.id, d.function.name, d.function.arguments) for d in deltas] == [
+        (i, c.id, c.function.name, c.function.arguments) for i, c in enumerate(calls)]
     wait_idle(srv.engine)
 
 

@@ -33,7 +33,7 @@ GLM47_TEXT = ("Let me check.<tool_call>get_weather<arg_key>city</arg_key><arg_va
               "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>")
 
 
-def split_feed(setup: ToolSetup, text: str, cuts: list[int]) -> tuple[str, list[dict]]:
+def split_feed(setup: ToolSetup, text: str, cuts: list[int], truncated: bool = False) -> tuple[str, list[dict]]:
     p = setup.parser()
     content, deltas, prev = [], [], 0
     for c in [*cuts, len(text)]:
@@ -41,7 +41,7 @@ def split_feed(setup: ToolSetup, text: str, cuts: list[int]) -> tuple[str, list[
         content.append(t)
         deltas += d
         prev = c
-    t, d = p.finish()
+    t, d = p.finish(truncated)
     return "".join(content) + t, deltas + d
 
 
@@ -102,6 +102,49 @@ def test_invalid_markup_is_an_error_not_text(setup, text):
     with pytest.raises(ToolCallParseError) as e:
         setup.parser().parse_all(text)
     assert e.value.http_status == 500 and e.value.param == "tool_calls"
+
+
+@pytest.mark.parametrize("setup,text,names", [
+    (KIMI, KIMI_TEXT[:KIMI_TEXT.index("{\"query")], ["get_weather"]),  # inside the 2nd call's arguments
+    (KIMI, KIMI_TEXT[:KIMI_TEXT.index("functions.search")], ["get_weather"]),  # right after its begin marker
+    (KIMI, "Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.get_wea", []),
+    (GLM, GLM45_TEXT[:GLM45_TEXT.index("café")], ["get_weather"]),
+    (GLM, "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris", []),
+])
+def test_output_cut_by_the_token_limit_keeps_its_complete_calls(setup, text, names):
+    """finish_reason "length": the unfinished last call is dropped, not an error; the same text ended by the model
+    (not truncated) is still invalid markup."""
+    whole = setup.parser().parse_all(text, truncated=True)
+    assert [c.name for c in whole.calls] == names
+    assert whole.content.strip() == text[:text.index(setup.start_marker())].strip()
+    for step in (1, 5, 11):  # streamed: the same calls, each once
+        _, deltas = split_feed(setup, text, list(range(step, len(text), step)), truncated=True)
+        assert [(d["index"], d["function"]["name"]) for d in deltas] == list(enumerate(names))
+        assert all(d["id"] for d in deltas)
+    with pytest.raises(ToolCallParseError) as e:
+        setup.parser().parse_all(text)
+    assert "ended inside a tool call" in e.value.message
+
+
+def test_invalid_complete_call_before_the_cut_is_still_an_error():
+    text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.nope:0<|tool_call_argument_begin|>{}"
+            "<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{\"ci")
+    with pytest.raises(ToolCallParseError) as e:
+        KIMI.parser().parse_all(text, truncated=True)
+    assert e.value.value == "nope"
+
+
+def test_repeated_kimi_ids_become_unique_by_position():
+    call = ("<|tool_call_begin|>functions.get_weather:{}<|tool_call_argument_begin|>{{\"city\": \"P\"}}"
+            "<|tool_call_end|>")
+    text = ("<|tool_calls_section_begin|>" + call.format(0) + call.format(0) + call.format(1)
+            + "<|tool_call_begin|>functions.search-web:0<|tool_call_argument_begin|>{}<|tool_call_end|>"
+            + "<|tool_calls_section_end|>")
+    want = ["functions.get_weather:0", "functions.get_weather:1", "functions.get_weather:2", "functions.search-web:0"]
+    assert [c.id for c in KIMI.parser().parse_all(text).calls] == want
+    for step in (1, 7):  # the same ids streamed, whatever the split
+        _, deltas = split_feed(KIMI, text, list(range(step, len(text), step)))
+        assert [d["id"] for d in deltas] == want
 
 
 def test_family_from_template_or_architecture():

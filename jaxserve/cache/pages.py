@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import ConfigError, OutOfPagesError, PageAllocatorError
+from jaxserve.quant.formats import canonical_format
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -48,6 +49,7 @@ NULL_PAGE = 0  # reserved padding page (see PageAllocator)
 
 KVKind = Literal["mla", "gqa"]
 KVDtype = Literal["bf16", "fp8", "f32"]  # f32: a reference-precision pool (tests, quality baselines)
+KV_DTYPES: tuple[KVDtype, ...] = ("bf16", "fp8", "f32")
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,10 @@ class KVLayout:
     def __post_init__(self) -> None:
         if self.kind not in ("mla", "gqa"):
             raise ConfigError(f"KV layout kind must be 'mla' or 'gqa', got {self.kind!r}", value=self.kind, param="kind")
-        if self.dtype not in ("bf16", "fp8", "f32"):
+        # accept the dtype names users type ("bfloat16", "float8_e4m3fn", ...) for the pool's formats
+        object.__setattr__(self, "dtype", canonical_format(self.dtype))
+        object.__setattr__(self, "index_dtype", canonical_format(self.index_dtype))
+        if self.dtype not in KV_DTYPES:
             raise ConfigError(f"KV dtype must be 'bf16', 'fp8' or 'f32', got {self.dtype!r}", value=self.dtype,
                               param="dtype")
         for name in ("num_layers", "page_size"):
@@ -83,7 +88,7 @@ class KVLayout:
         if self.index_layers and (self.kind != "mla" or self.index_head_dim <= 0):
             raise ConfigError("an indexer key cache needs an MLA layout and index_head_dim > 0",
                               value=(self.kind, self.index_head_dim), param="index_head_dim")
-        if self.index_dtype not in (None, "bf16", "fp8", "f32"):
+        if self.index_dtype is not None and self.index_dtype not in KV_DTYPES:
             raise ConfigError(f"index dtype must be 'bf16', 'fp8' or 'f32', got {self.index_dtype!r}",
                               value=self.index_dtype, param="index_dtype")
 

@@ -66,7 +66,8 @@ class EngineConfig:
 
         from jaxserve.quant.formats import canonical_format
 
-        for p in ("kv_dtype", "prefill_weights", "decode_weights"):  # accept "bfloat16", "float8_e4m3fn", ...
+        # accept the dtype names users type ("bfloat16", "float8_e4m3fn", ...)
+        for p in ("kv_dtype", "index_kv_dtype", "prefill_weights", "decode_weights"):
             object.__setattr__(self, p, canonical_format(getattr(self, p)))
         object.__setattr__(self, "dtype", {"bf16": "bfloat16", "f32": "float32", "fp32": "float32"}.get(
             self.dtype, self.dtype))

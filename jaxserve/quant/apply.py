@@ -26,7 +26,8 @@ class WeightFormat:
     int4_scope: str = "experts"
 
     def __post_init__(self) -> None:
-        formats.check_fmt(self.fmt)
+        # accept the dtype names users type ("bfloat16", "float8_e4m3fn", ...)
+        object.__setattr__(self, "fmt", formats.check_fmt(formats.canonical_format(self.fmt)))
         formats.check_int4_scope(self.int4_scope)
 
 

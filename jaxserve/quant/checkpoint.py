@@ -47,7 +47,8 @@ class QuantizeSpec:
 
     def __post_init__(self) -> None:
         for param in ("weights", "prefill_weights"):
-            v = getattr(self, param)
+            v = formats.canonical_format(getattr(self, param))  # accept "float8_e4m3fn", "uint4", ...
+            object.__setattr__(self, param, v)
             if v not in QUANTIZED_FORMATS and not (param == "prefill_weights" and v is None):
                 raise ConfigError(f"--{param.replace('_', '-')} must be one of {QUANTIZED_FORMATS}, got {v!r}",
                                   value=v, param=param)

@@ -867,7 +867,9 @@ def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) ->
                 message: dict[str, Any] = {"role": "assistant", "content": out}
                 finish = c.end.finish_reason
                 if c.parser is not None:
-                    parsed = c.parser.parse_all(out)  # raises ToolCallParseError (500, reported, never text)
+                    # invalid markup raises ToolCallParseError (500, reported, never text); an output cut at the
+                    # token limit keeps "length" and its complete calls, the unfinished one dropped
+                    parsed = c.parser.parse_all(out, truncated=finish == "length")
                     message["content"] = parsed.content or None if parsed.calls else parsed.content
                     if parsed.calls:
                         message["tool_calls"] = [call.openai() for call in parsed.calls]
@@ -933,7 +935,9 @@ def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) ->
                     break
                 finish = ev.finish_reason
                 if c.parser is not None:
-                    text, calls = c.parser.finish()  # raises ToolCallParseError: reported in-band below
+                    # raises ToolCallParseError: reported in-band below; cut at max_tokens: the unfinished call is
+                    # dropped and the finish reason stays "length"
+                    text, calls = c.parser.finish(truncated=finish == "length")
                     if text or calls:
                         delta = {"content": text}
                         if calls:

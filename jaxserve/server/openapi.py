@@ -22,7 +22,8 @@ def _errors(*codes: str) -> dict[str, Any]:
             "415": "the body is not declared `Content-Type: application/json` (UTF-8)",
             "429": "the server's admission limit is reached; retry after the `Retry-After` seconds",
             "500": "the engine failed the request (e.g. `kv_integrity_error`: a KV page tag mismatch, failed closed; "
-                   "`invalid_tool_call`: the model wrote tool-call markup that does not parse)"}
+                   "`invalid_tool_call`: the model wrote tool-call markup that does not parse; an output cut by "
+                   "max_tokens inside a call is not one, see `tools`)"}
     return {c: _json(_ref("Error"), text[c]) for c in codes}
 
 
@@ -113,7 +114,9 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
                                "tools": {"type": "array", "items": tool, "maxItems": 128,
                                          "description": "passed to the chat template; calls come back as "
                                                         "`message.tool_calls` / `delta.tool_calls` with "
-                                                        "finish_reason `tool_calls`"},
+                                                        "finish_reason `tool_calls`; an output cut by max_tokens "
+                                                        "inside a call ends with finish_reason `length`, the "
+                                                        "complete calls kept and the unfinished one dropped"},
                                "tool_choice": {"oneOf": [
                                    {"enum": ["auto", "none", "required"]},
                                    {"type": "object", "required": ["type", "function"], "properties": {

@@ -10,7 +10,9 @@ and its docs/tool_call_guidance.md; GLM-4.5 / GLM-4.7 `chat_template.jinja`):
             ... more calls ...
             <|tool_calls_section_end|>
             The call id is the string before <|tool_call_argument_begin|> ("functions.NAME:IDX"); the template renders
-            a tool result as "## Return of ID" + content, so the id goes back to the client unchanged.
+            a tool result as "## Return of ID" + content, so the id goes back to the client unchanged, unless an
+            earlier call of the same output has it (clients key tool results by id): then IDX becomes the call's
+            position in the output (or the next index no earlier call has).
   GLM:      <tool_call>NAME
             <arg_key>KEY</arg_key>
             <arg_value>VALUE</arg_value>
@@ -20,7 +22,8 @@ and its docs/tool_call_guidance.md; GLM-4.5 / GLM-4.7 `chat_template.jinja`):
             string, JSON otherwise. Calls get fresh ids ("call_" + 24 hex digits).
 
 The code is our own. Invalid markup (an unknown tool, arguments that are not a JSON object, an unterminated call) is
-a `ToolCallParseError` (reported to the client), never silently passed on as text.
+a `ToolCallParseError` (reported to the client), never silently passed on as text. An output cut by the token limit
+(finish_reason "length") is not invalid: its complete calls stand and the unfinished last one is dropped.
 
 `ToolSetup.grammar()` writes a Lark grammar (llguidance's dialect, engine.structured) that admits exactly the markup
 of one call (a named tool_choice, or parallel_tool_calls=false) or of one or more calls (tool_choice "required"),
@@ -32,7 +35,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from jaxserve.engine.structured import JSON_OPTIONS, StructuredOutput
@@ -260,20 +263,37 @@ class ToolCallParser:
         self._buf += text
         return self._drain(final=False)
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """End of output -> what is left. Raises ToolCallParseError for an unfinished call."""
+    def finish(self, truncated: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """End of output -> what is left. truncated: the output stopped at the token limit (finish_reason
+        "length"). Raises ToolCallParseError for an unfinished call, unless truncated."""
         content, deltas = self._drain(final=True)
         if self._in_calls and self._buf.strip() == KIMI_SECTION_BEGIN and self.calls:
             self._buf = ""  # complete calls whose section end never came: the calls stand
         if self._in_calls and self._buf.strip():
-            raise _bad("the output ended inside a tool call", self._buf)
+            if not truncated:
+                raise _bad("the output ended inside a tool call", self._buf)
+            # out of tokens, not invalid markup (OpenAI answers "length"): the complete calls stand, the
+            # unfinished last one is dropped (it has no whole arguments to run)
+            self._buf = ""
         return content, deltas
 
-    def parse_all(self, text: str) -> Parsed:
-        """A whole output -> content and calls."""
+    def parse_all(self, text: str, truncated: bool = False) -> Parsed:
+        """A whole output -> content and calls. truncated: as in `finish`."""
         content, _ = self.push(text)
-        rest, _ = self.finish()
+        rest, _ = self.finish(truncated)
         return Parsed(content + rest, list(self.calls))
+
+    def _unique(self, call: ToolCall) -> ToolCall:
+        """`call`, with an id no earlier call of this output has: a repeated "functions.NAME:IDX" (the model writes
+        Kimi ids itself, and may repeat one) gets IDX = the call's position, or the next index not yet taken."""
+        taken = {c.id for c in self.calls}
+        if call.id not in taken:
+            return call
+        stem = call.id.rpartition(":")[0] or call.id
+        idx = len(self.calls)
+        while f"{stem}:{idx}" in taken:
+            idx += 1
+        return replace(call, id=f"{stem}:{idx}")
 
     def _drain(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
         content: list[str] = []
@@ -292,6 +312,7 @@ class ToolCallParser:
                 self._in_calls = True
             calls, used = self.setup.parse_section(self._buf)
             for c in calls:
+                c = self._unique(c)  # clients key tool results by id
                 deltas.append({"index": len(self.calls), **c.openai()})
                 self.calls.append(c)
             if used == 0 or (self.setup.family == "kimi" and not self._buf[:used].rstrip().endswith(
