@@ -65,7 +65,7 @@ class BenchSpec:
     step_reps: int = 12  # timed steady-state engine steps / decode-program calls per config and concurrency
     step_batches: tuple[int, ...] = (1, 8, 32)  # engine step / minimal step at these batch sizes
     contexts: tuple[int, ...] = (1030, 2000)  # decode program at these context lengths (serving config) ...
-    context_batches: tuple[int, ...] = (1, 16)  # ... and these batch sizes
+    context_batches: tuple[int, ...] = (1, 16, 64)  # ... and these batch sizes (64: the seeds' decode batch)
     prefill_lengths: tuple[int, ...] = (256, 2000)  # one prompt of each length, 1 new token: prefill tokens/s
 
 

@@ -151,9 +151,20 @@ def flop_bounds_section(r: dict) -> list[str]:
                   "read through it, attention runs at " +
                   ", ".join(f"{v:.2f}x (decode, batch {b})" for b, v in rate.get("decode", {}).items()) +
                   (f", {rate['prefill']:.2f}x (prefill)" if rate.get("prefill") else "") + " the matmuls' FLOP rate."]
-    return lines + ["", "So on this model the decode goal takes attention slower than the matmuls per FLOP, or the "
-                        "matmuls several times faster relative to it; the prefill goal takes attention faster per "
-                        "FLOP than it already runs.", ""]
+        goals = r["goals"]
+        dec = m["decode_program_ratio"]
+        met = [b for b, v in dec.items() if v >= goals["decode_step_ratio"]]
+        pre = m.get("prefill_tok_s_ratio")
+        missed = [b for b in dec if b not in met]
+        lines += ["", f"Against the goals: decode >= {goals['decode_step_ratio']} "
+                      + "; ".join(([f"met at batch {', '.join(met)}"] if met else [])
+                                  + ([f"not met at batch {', '.join(missed)}"] if missed else []))
+                      + f"; prefill >= {goals['prefill_tok_s_ratio']} "
+                      + ("not measured" if pre is None else ("met" if pre >= goals["prefill_tok_s_ratio"] else "not met"))
+                      + ". A decode ratio above the equal-rate bound means attention runs slower per FLOP than the "
+                        "matmuls: as the batch grows the weight matmuls amortize over more rows, while each row's "
+                        "attention stays a matrix-vector product over its own pages."]
+    return lines + [""]
 
 
 def serving_section(r: dict) -> list[str]:
@@ -190,9 +201,15 @@ def peer_section(r: dict) -> list[str]:
     lines += ["", "Configs: " + "; ".join(f"{k}: {v}" for k, v in r["configs"].items()) + ".",
               f"llama.cpp: {lc['status']}" + (f", {lc['threads']} threads" if "threads" in lc else "") + ".", ""]
     if "context_rows" in r:
-        lines += ["| decode program, " + r["context_config"] + " | batch | context | ms |", "|---|---|---|---|"]
-        lines += [f"| | {row['batch']} | {row['context']} | {_f(row['decode_program_s']['median'] * 1e3, 2)} |"
-                  for row in r["context_rows"]]
+        ctx = sorted({row["context"] for row in r["context_rows"]})
+        ms = {(row["batch"], row["context"]): row["decode_program_s"]["median"] * 1e3 for row in r["context_rows"]}
+        lines += ["| decode program, " + r["context_config"] + " | batch | " +
+                  " | ".join(f"ms at context {c}" for c in ctx) + f" | {ctx[-1]} / {ctx[0]} |",
+                  "|---|---|" + "---|" * (len(ctx) + 1)]
+        for b in sorted({row["batch"] for row in r["context_rows"]}):
+            lines.append(f"| | {b} | " + " | ".join(_f(ms.get((b, c)), 2) for c in ctx) + " | " +
+                         (_f(ms[b, ctx[-1]] / ms[b, ctx[0]], 2) if (b, ctx[0]) in ms and (b, ctx[-1]) in ms
+                          else "-") + " |")
         lines.append("")
     if "prefill" in r:
         pf = r["prefill"]
