@@ -39,7 +39,7 @@ def machine_section(results: dict[str, dict]) -> list[str]:
     first = next(iter(seen.values()))
     lines.append(f"- CPU: {first.get('cpu', '?')}, {first.get('cores', '?')} cores visible, JAX backend "
                  f"{first.get('backend', 'cpu')}; no GPU was lent to this task.")
-    lines.append("- The host was shared with other sessions and busy: load average at each bench's start: "
+    lines.append("- The host may be shared with other sessions; load average at each bench's start: "
                  + ", ".join(f"{n} {m['loadavg_at_start'][0]:.1f}" for n, m in seen.items()
                              if m.get("loadavg_at_start")) + " (on 2 cores).")
     lines.append("- So every tokens/s below is a CPU figure with run-to-run noise of tens of percent; ratios were "
