@@ -64,7 +64,8 @@ class EngineConfig:
         def bad(param: str, msg: str) -> None:
             raise ConfigError(f"EngineConfig.{param} {msg}", value=getattr(self, param), param=param)
 
-        from jaxserve.quant.formats import canonical_format
+        from jaxserve.cache.pages import KV_DTYPES
+        from jaxserve.quant.formats import FORMATS, canonical_format
 
         # accept the dtype names users type ("bfloat16", "float8_e4m3fn", ...)
         for p in ("kv_dtype", "index_kv_dtype", "prefill_weights", "decode_weights"):
@@ -72,13 +73,13 @@ class EngineConfig:
         object.__setattr__(self, "dtype", {"bf16": "bfloat16", "f32": "float32", "fp32": "float32"}.get(
             self.dtype, self.dtype))
 
-        if self.kv_dtype not in ("fp8", "bf16", "f32"):
-            bad("kv_dtype", "must be 'fp8', 'bf16' or 'f32'")
+        if self.kv_dtype not in KV_DTYPES:
+            bad("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}")
         if self.index_kv_dtype not in (None, "bf16", self.kv_dtype):
             bad("index_kv_dtype", "must be None, 'bf16' or kv_dtype (FP8 keys need an FP8 pool)")
         for p in ("prefill_weights", "decode_weights"):
-            if getattr(self, p) not in ("bf16", "f32", "fp8", "int4"):
-                bad(p, "must be one of bf16, f32, fp8, int4")
+            if getattr(self, p) not in FORMATS:
+                bad(p, f"must be one of {', '.join(FORMATS)}")
         if self.weight_layout not in ("auto", "packed", "compute"):
             bad("weight_layout", "must be 'auto', 'packed' or 'compute'")
         if self.attention not in ("xla", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret"):
