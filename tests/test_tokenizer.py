@@ -359,7 +359,7 @@ FRAGMENTS = st.lists(st.sampled_from(["def", " f", "(x)", ":\n", "    ", "return
 @given(fragments=FRAGMENTS)
 def test_piecewise_encoding_equals_the_whole(tiny: Tokenizer, tmp_path_factory: pytest.TempPathFactory,
                                              fragments: list[str]) -> None:
-    from jaxserve.tokenizer import PIECE_CHARS
+    from jaxserve.tokenizer_backends import PIECE_CHARS
 
     text = "".join(fragments)
     text = text * (3 * PIECE_CHARS // len(text) + 1)
@@ -372,7 +372,7 @@ def test_piecewise_encoding_equals_the_whole(tiny: Tokenizer, tmp_path_factory: 
 
 
 def test_encode_limit_stops_early(tiny: Tokenizer) -> None:
-    from jaxserve.tokenizer import PIECE_CHARS
+    from jaxserve.tokenizer_backends import PIECE_CHARS
 
     text = "value = compute(1, 2)\n" * (20 * PIECE_CHARS // 22)
     whole = tiny.encode(text)
