@@ -187,6 +187,66 @@ def _as_tuple(x: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in x) if isinstance(x, (list, tuple)) else (int(x),)
 
 
+class _Required:
+    """`req(key)`: a config.json key the model type cannot do without; ConfigError naming it if absent."""
+
+    def __init__(self, raw: dict[str, Any], model_type: str) -> None:
+        self.raw, self.model_type = raw, model_type
+
+    def __call__(self, key: str) -> Any:
+        if key not in self.raw:
+            raise ConfigError(f"{self.model_type} config.json lacks required key {key!r}", value=None, param=key)
+        return self.raw[key]
+
+
+def _mlp_layer_types(raw: dict[str, Any], n_layers: int, n_experts: int) -> list[str]:
+    """"sparse" / "dense" per layer from first_k_dense_replace and moe_layer_freq (configs without mlp_layer_types)."""
+    first_dense = int(raw.get("first_k_dense_replace", 0))
+    freq = int(raw.get("moe_layer_freq", 1) or 1)
+    return ["sparse" if (n_experts and i >= first_dense and i % freq == 0) else "dense" for i in range(n_layers)]
+
+
+def _mla_fields(raw: dict[str, Any], family: str, req: _Required) -> dict[str, Any]:
+    """MLA's latent ranks and head dims (deepseek_v3, glm_moe_dsa)."""
+    return dict(
+        q_lora_rank=int(raw.get("q_lora_rank") or 0),
+        kv_lora_rank=int(req("kv_lora_rank")),
+        qk_nope_head_dim=int(req("qk_nope_head_dim")),
+        qk_rope_head_dim=int(req("qk_rope_head_dim")),
+        v_head_dim=int(req("v_head_dim")),
+        # glm_moe_dsa always interleaves in transformers; deepseek_v3 reads the flag (default True).
+        rope_interleave=bool(raw.get("rope_interleave", True)) if family == "deepseek_v3" else True,
+    )
+
+
+def _dsa_fields(raw: dict[str, Any], n_layers: int, req: _Required) -> dict[str, Any]:
+    """GLM-5's DSA indexer: its heads, top-k and which layers compute their own top-k ("full") or reuse ("shared")."""
+    indexer_types = raw.get("indexer_types")
+    if not indexer_types:
+        pattern = raw.get("index_topk_pattern")
+        if pattern is not None:
+            indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) \
+                else list(pattern)
+        else:
+            f = max(int(raw.get("index_topk_freq", 1) or 1), 1)
+            off = int(raw.get("index_skip_topk_offset", 2))
+            indexer_types = ["full" if (max(i - off + 1, 0) % f) == 0 else "shared" for i in range(n_layers)]
+    indexer_types = list(indexer_types)[:n_layers]  # entries past num_hidden_layers would be MTP layers
+    if len(indexer_types) != n_layers or set(indexer_types) - {"full", "shared"}:
+        raise ConfigError("indexer_types must give 'full' or 'shared' for each of the num_hidden_layers layers",
+                          value=indexer_types, param="indexer_types")
+    if indexer_types[0] != "full":
+        raise ConfigError("the first DSA layer must be 'full'", value=indexer_types[0], param="indexer_types")
+    return dict(
+        index_n_heads=int(req("index_n_heads")),
+        index_head_dim=int(req("index_head_dim")),
+        index_topk=int(req("index_topk")),
+        indexer_types=tuple(indexer_types),
+        # transformers always interleaves the indexer's rope; the real GLM-5.x configs say true as well
+        indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", True)),
+    )
+
+
 def from_hf_config(raw: dict[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a parsed HF config.json (the `text_config` of kimi_k25 is used)."""
     model_type = raw.get("model_type")
@@ -203,22 +263,11 @@ def from_hf_config(raw: dict[str, Any]) -> ModelConfig:
             param="model_type",
         )
     family = SUPPORTED_MODEL_TYPES[model_type]
-
-    def req(key: str) -> Any:
-        if key not in raw:
-            raise ConfigError(f"{model_type} config.json lacks required key {key!r}", value=None, param=key)
-        return raw[key]
-
+    req = _Required(raw, model_type)
     n_layers = int(req("num_hidden_layers"))
     max_pos = int(raw.get("max_position_embeddings", 4096))
-    first_dense = int(raw.get("first_k_dense_replace", 0))
-    freq = int(raw.get("moe_layer_freq", 1) or 1)
     n_experts = int(raw.get("n_routed_experts") or raw.get("num_experts") or 0)
-    mlp_types = raw.get("mlp_layer_types")
-    if not mlp_types:
-        mlp_types = [
-            "sparse" if (n_experts and i >= first_dense and i % freq == 0) else "dense" for i in range(n_layers)
-        ]
+    mlp_types = raw.get("mlp_layer_types") or _mlp_layer_types(raw, n_layers, n_experts)
     common: dict[str, Any] = dict(
         model_type=family,
         vocab_size=int(req("vocab_size")),
@@ -250,40 +299,9 @@ def from_hf_config(raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError(f"unsupported hidden_act {common['hidden_act']!r}; only 'silu'", value=common["hidden_act"],
                           param="hidden_act")
     if family in ("deepseek_v3", "glm_moe_dsa"):
-        common.update(
-            q_lora_rank=int(raw.get("q_lora_rank") or 0),
-            kv_lora_rank=int(req("kv_lora_rank")),
-            qk_nope_head_dim=int(req("qk_nope_head_dim")),
-            qk_rope_head_dim=int(req("qk_rope_head_dim")),
-            v_head_dim=int(req("v_head_dim")),
-            # glm_moe_dsa always interleaves in transformers; deepseek_v3 reads the flag (default True).
-            rope_interleave=bool(raw.get("rope_interleave", True)) if family == "deepseek_v3" else True,
-        )
+        common.update(_mla_fields(raw, family, req))
     if family == "glm_moe_dsa":
-        indexer_types = raw.get("indexer_types")
-        if not indexer_types:
-            pattern = raw.get("index_topk_pattern")
-            if pattern is not None:
-                indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) \
-                    else list(pattern)
-            else:
-                f = max(int(raw.get("index_topk_freq", 1) or 1), 1)
-                off = int(raw.get("index_skip_topk_offset", 2))
-                indexer_types = ["full" if (max(i - off + 1, 0) % f) == 0 else "shared" for i in range(n_layers)]
-        indexer_types = list(indexer_types)[:n_layers]  # entries past num_hidden_layers would be MTP layers
-        if len(indexer_types) != n_layers or set(indexer_types) - {"full", "shared"}:
-            raise ConfigError("indexer_types must give 'full' or 'shared' for each of the num_hidden_layers layers",
-                              value=indexer_types, param="indexer_types")
-        if indexer_types[0] != "full":
-            raise ConfigError("the first DSA layer must be 'full'", value=indexer_types[0], param="indexer_types")
-        common.update(
-            index_n_heads=int(req("index_n_heads")),
-            index_head_dim=int(req("index_head_dim")),
-            index_topk=int(req("index_topk")),
-            indexer_types=tuple(indexer_types),
-            # transformers always interleaves the indexer's rope; the real GLM-5.x configs say true as well
-            indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", True)),
-        )
+        common.update(_dsa_fields(raw, n_layers, req))
     if family == "glm4_moe":
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
         common.update(head_dim=head_dim, use_qk_norm=bool(raw.get("use_qk_norm", False)))
