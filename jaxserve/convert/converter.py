@@ -268,96 +268,112 @@ def _rope_rows(n_heads: int, head_dim: int, rope_start: int, rope_dim: int) -> n
     return np.concatenate(rows)
 
 
-def _layer_params(cfg: ModelConfig, r: HFReader, i: int) -> dict:
-    """The jaxserve pure-dict params of layer i (weights [in, out], experts stacked [E, in, out])."""
-    H = cfg.hidden_size
-    L = f"model.layers.{i}"
+class _Linears:
+    """Reads one checkpoint's linear, norm and MLP tensors into jaxserve's layout (weights [in, out])."""
 
-    def lin(module: str, out_dim: int, in_dim: int, rows: np.ndarray | None = None, bias: bool = False) -> dict:
-        w = r.linear(module, out_dim, in_dim)
+    def __init__(self, r: HFReader, hidden: int) -> None:
+        self.r, self.hidden = r, hidden
+
+    def lin(self, module: str, out_dim: int, in_dim: int, rows: np.ndarray | None = None, bias: bool = False) -> dict:
+        w = self.r.linear(module, out_dim, in_dim)
         if rows is not None:
             w = w[rows]
         d = {"weight": w.T}
         if bias:
-            b = r.tensor(module + ".bias", (out_dim,))
+            b = self.r.tensor(module + ".bias", (out_dim,))
             d["bias"] = b[rows] if rows is not None else b
         return d
 
-    def norm(name: str, dim: int, rows: np.ndarray | None = None) -> dict:
-        w = r.tensor(name + ".weight", (dim,))
+    def norm(self, name: str, dim: int, rows: np.ndarray | None = None) -> dict:
+        w = self.r.tensor(name + ".weight", (dim,))
         return {"weight": w[rows] if rows is not None else w}
 
-    out: dict = {"input_norm": norm(f"{L}.input_layernorm", H), "post_norm": norm(f"{L}.post_attention_layernorm", H)}
-    A = f"{L}.self_attn"
-    N = cfg.num_heads
-    if cfg.is_mla:
-        r_, dr, dn, dv, qk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_head_dim
-        q_rows = _rope_rows(N, qk, dn, dr) if cfg.rope_interleave else None
-        kv_rows = _rope_rows(1, r_ + dr, r_, dr) if cfg.rope_interleave else None
-        bias = cfg.attention_bias
-        attn: dict = {}
-        if cfg.q_lora_rank:
-            attn["q_a"] = lin(f"{A}.q_a_proj", cfg.q_lora_rank, H, bias=bias)
-            attn["q_a_norm"] = norm(f"{A}.q_a_layernorm", cfg.q_lora_rank)
-            attn["q_b"] = lin(f"{A}.q_b_proj", N * qk, cfg.q_lora_rank, rows=q_rows)
-        else:
-            attn["q_proj"] = lin(f"{A}.q_proj", N * qk, H, rows=q_rows)
-        attn["kv_a"] = lin(f"{A}.kv_a_proj_with_mqa", r_ + dr, H, rows=kv_rows, bias=bias)
-        attn["kv_a_norm"] = norm(f"{A}.kv_a_layernorm", r_)
-        attn["kv_b"] = lin(f"{A}.kv_b_proj", N * (dn + dv), r_)
-        attn["o"] = lin(f"{A}.o_proj", H, N * dv, bias=bias)
-        if cfg.has_indexer and cfg.indexer_types[i] == "full":
-            nh, hd = cfg.index_n_heads, cfg.index_head_dim
-            irows = _rope_rows(nh, hd, 0, dr) if cfg.indexer_rope_interleave else None
-            krows = _rope_rows(1, hd, 0, dr) if cfg.indexer_rope_interleave else None
-            I = f"{A}.indexer"
-            kn = {"weight": r.tensor(f"{I}.k_norm.weight", (hd,)), "bias": r.tensor(f"{I}.k_norm.bias", (hd,))}
-            if krows is not None:
-                kn = {k: v[krows] for k, v in kn.items()}
-            attn["indexer"] = {
-                "wq_b": lin(f"{I}.wq_b", nh * hd, cfg.q_lora_rank, rows=irows),
-                "wk": lin(f"{I}.wk", hd, H, rows=krows),
-                "k_norm": kn,
-                "weights_proj": lin(f"{I}.weights_proj", nh, H),
-            }
-    else:
-        D, K = cfg.head_dim, cfg.num_kv_heads
-        b = cfg.attention_bias
-        attn = {"q": lin(f"{A}.q_proj", N * D, H, bias=b), "k": lin(f"{A}.k_proj", K * D, H, bias=b),
-                "v": lin(f"{A}.v_proj", K * D, H, bias=b), "o": lin(f"{A}.o_proj", H, N * D)}
-        if cfg.use_qk_norm:
-            attn["q_norm"] = norm(f"{A}.q_norm", D)
-            attn["k_norm"] = norm(f"{A}.k_norm", D)
-    out["attn"] = attn
-    M = f"{L}.mlp"
+    def mlp(self, prefix: str, inter: int) -> dict:
+        H = self.hidden
+        return {"gate": self.lin(f"{prefix}.gate_proj", inter, H), "up": self.lin(f"{prefix}.up_proj", inter, H),
+                "down": self.lin(f"{prefix}.down_proj", H, inter)}
 
-    def mlp(prefix: str, inter: int) -> dict:
-        return {"gate": lin(f"{prefix}.gate_proj", inter, H), "up": lin(f"{prefix}.up_proj", inter, H),
-                "down": lin(f"{prefix}.down_proj", H, inter)}
 
-    if cfg.mlp_layer_types[i] == "dense":
-        out["mlp"] = mlp(M, cfg.intermediate_size)
+def _mla_params(cfg: ModelConfig, t: _Linears, A: str, i: int) -> dict:
+    """Layer i's MLA attention (and GLM-5's DSA indexer where the layer computes its own top-k)."""
+    H, N = cfg.hidden_size, cfg.num_heads
+    r_, dr, dn, dv, qk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_head_dim
+    q_rows = _rope_rows(N, qk, dn, dr) if cfg.rope_interleave else None
+    kv_rows = _rope_rows(1, r_ + dr, r_, dr) if cfg.rope_interleave else None
+    bias = cfg.attention_bias
+    attn: dict = {}
+    if cfg.q_lora_rank:
+        attn["q_a"] = t.lin(f"{A}.q_a_proj", cfg.q_lora_rank, H, bias=bias)
+        attn["q_a_norm"] = t.norm(f"{A}.q_a_layernorm", cfg.q_lora_rank)
+        attn["q_b"] = t.lin(f"{A}.q_b_proj", N * qk, cfg.q_lora_rank, rows=q_rows)
     else:
-        E, I_ = cfg.n_routed_experts, cfg.moe_intermediate_size
-        moe: dict = {
-            "router": r.tensor(f"{M}.gate.weight", (E, H)).T,
-            "router_bias": r.optional_vector(f"{M}.gate.e_score_correction_bias", E),
+        attn["q_proj"] = t.lin(f"{A}.q_proj", N * qk, H, rows=q_rows)
+    attn["kv_a"] = t.lin(f"{A}.kv_a_proj_with_mqa", r_ + dr, H, rows=kv_rows, bias=bias)
+    attn["kv_a_norm"] = t.norm(f"{A}.kv_a_layernorm", r_)
+    attn["kv_b"] = t.lin(f"{A}.kv_b_proj", N * (dn + dv), r_)
+    attn["o"] = t.lin(f"{A}.o_proj", H, N * dv, bias=bias)
+    if cfg.has_indexer and cfg.indexer_types[i] == "full":
+        nh, hd = cfg.index_n_heads, cfg.index_head_dim
+        irows = _rope_rows(nh, hd, 0, dr) if cfg.indexer_rope_interleave else None
+        krows = _rope_rows(1, hd, 0, dr) if cfg.indexer_rope_interleave else None
+        I = f"{A}.indexer"
+        kn = {"weight": t.r.tensor(f"{I}.k_norm.weight", (hd,)), "bias": t.r.tensor(f"{I}.k_norm.bias", (hd,))}
+        if krows is not None:
+            kn = {k: v[krows] for k, v in kn.items()}
+        attn["indexer"] = {
+            "wq_b": t.lin(f"{I}.wq_b", nh * hd, cfg.q_lora_rank, rows=irows),
+            "wk": t.lin(f"{I}.wk", hd, H, rows=krows),
+            "k_norm": kn,
+            "weights_proj": t.lin(f"{I}.weights_proj", nh, H),
         }
-        if moe["router_bias"] is None:
-            moe["router_bias"] = np.zeros((E,), np.float32)
-        if r.has(f"{M}.experts.gate_up_proj"):  # transformers' fused in-memory layout [E, 2I, H]
-            gu = r.tensor(f"{M}.experts.gate_up_proj", (E, 2 * I_, H))
-            moe["experts"] = {"gate": gu[:, :I_].transpose(0, 2, 1), "up": gu[:, I_:].transpose(0, 2, 1),
-                              "down": r.tensor(f"{M}.experts.down_proj", (E, H, I_)).transpose(0, 2, 1)}
-        else:
-            moe["experts"] = {
-                name: np.stack([r.linear(f"{M}.experts.{e}.{name}_proj", o, n).T for e in range(E)])
-                for name, o, n in (("gate", I_, H), ("up", I_, H), ("down", H, I_))
-            }
-        if cfg.n_shared_experts:
-            moe["shared"] = mlp(f"{M}.shared_experts", I_ * cfg.n_shared_experts)
-        out["mlp"] = moe
-    return out
+    return attn
+
+
+def _gqa_params(cfg: ModelConfig, t: _Linears, A: str) -> dict:
+    """GQA attention (GLM-4.5): q/k/v/o projections, optional per-head q/k norms."""
+    H, N, D, K, b = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, cfg.attention_bias
+    attn = {"q": t.lin(f"{A}.q_proj", N * D, H, bias=b), "k": t.lin(f"{A}.k_proj", K * D, H, bias=b),
+            "v": t.lin(f"{A}.v_proj", K * D, H, bias=b), "o": t.lin(f"{A}.o_proj", H, N * D)}
+    if cfg.use_qk_norm:
+        attn["q_norm"] = t.norm(f"{A}.q_norm", D)
+        attn["k_norm"] = t.norm(f"{A}.k_norm", D)
+    return attn
+
+
+def _moe_params(cfg: ModelConfig, t: _Linears, M: str) -> dict:
+    """A sparse layer's router, routed experts stacked [E, in, out] and shared experts."""
+    r, H, E, I_ = t.r, cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    moe: dict = {
+        "router": r.tensor(f"{M}.gate.weight", (E, H)).T,
+        "router_bias": r.optional_vector(f"{M}.gate.e_score_correction_bias", E),
+    }
+    if moe["router_bias"] is None:
+        moe["router_bias"] = np.zeros((E,), np.float32)
+    if r.has(f"{M}.experts.gate_up_proj"):  # transformers' fused in-memory layout [E, 2I, H]
+        gu = r.tensor(f"{M}.experts.gate_up_proj", (E, 2 * I_, H))
+        moe["experts"] = {"gate": gu[:, :I_].transpose(0, 2, 1), "up": gu[:, I_:].transpose(0, 2, 1),
+                          "down": r.tensor(f"{M}.experts.down_proj", (E, H, I_)).transpose(0, 2, 1)}
+    else:
+        moe["experts"] = {
+            name: np.stack([r.linear(f"{M}.experts.{e}.{name}_proj", o, n).T for e in range(E)])
+            for name, o, n in (("gate", I_, H), ("up", I_, H), ("down", H, I_))
+        }
+    if cfg.n_shared_experts:
+        moe["shared"] = t.mlp(f"{M}.shared_experts", I_ * cfg.n_shared_experts)
+    return moe
+
+
+def _layer_params(cfg: ModelConfig, r: HFReader, i: int) -> dict:
+    """The jaxserve pure-dict params of layer i (weights [in, out], experts stacked [E, in, out])."""
+    t = _Linears(r, cfg.hidden_size)
+    L = f"model.layers.{i}"
+    A, M = f"{L}.self_attn", f"{L}.mlp"
+    return {
+        "input_norm": t.norm(f"{L}.input_layernorm", cfg.hidden_size),
+        "post_norm": t.norm(f"{L}.post_attention_layernorm", cfg.hidden_size),
+        "attn": _mla_params(cfg, t, A, i) if cfg.is_mla else _gqa_params(cfg, t, A),
+        "mlp": t.mlp(M, cfg.intermediate_size) if cfg.mlp_layer_types[i] == "dense" else _moe_params(cfg, t, M),
+    }
 
 
 def _top_params(cfg: ModelConfig, r: HFReader) -> dict:
