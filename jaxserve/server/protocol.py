@@ -19,7 +19,8 @@ from jaxserve.server.limits import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_CACHE_SAL
                                     MAX_TOOLS, AppConfig)
 from jaxserve.server.toolcalls import (GLM_CALL_BEGIN, GLM_CALL_END, GLM_KEY_BEGIN, GLM_KEY_END, GLM_VALUE_BEGIN,
                                        GLM_VALUE_END, KIMI_ARGS_BEGIN, KIMI_CALL_BEGIN, KIMI_CALL_END,
-                                       KIMI_SECTION_BEGIN, KIMI_SECTION_END, ToolSetup, family_of)
+                                       KIMI_SECTION_BEGIN, KIMI_SECTION_END, ToolCallParser, ToolSetup,
+                                       family_of)
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function (and participant) names
 
@@ -36,7 +37,8 @@ ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 @dataclass(frozen=True)
 class Generation:
-    """A validated generation request: what to submit and how to shape the answer."""
+    """A validated generation request, what the handlers consume: the prompt's token ids, the sampling parameters,
+    how to shape the answer (stream, usage chunk, logprobs, n choices, tool calls) and the prefix-cache salt."""
 
     prompt: list[int]
     params: SamplingParams
@@ -47,7 +49,7 @@ class Generation:
     tools: ToolSetup | None = None  # a chat whose output is parsed for tool calls
     cache_salt: str | None = None  # prefix-cache pages are shared only within one salt
 
-    def tool_parser(self) -> Any:
+    def tool_parser(self) -> ToolCallParser | None:
         """A fresh per-choice tool-call parser, None when the output is plain text."""
         return None if self.tools is None else self.tools.parser()
 
