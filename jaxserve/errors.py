@@ -59,6 +59,43 @@ class UnsupportedMediaTypeError(JaxserveError):
     error_type = "invalid_request_error"
 
 
+class ModelNotFoundError(NotFoundError):
+    """The body names a model this server does not serve (404, as OpenAI and vLLM answer)."""
+
+    code = "model_not_found"
+
+
+class ContextLengthError(InvalidRequestError):
+    """prompt + max_tokens exceeds the engine's context window."""
+
+    code = "context_length_exceeded"
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    """A known OpenAI parameter with a value this server does not implement (n > 1, top alternatives, ...)."""
+
+    code = "unsupported_parameter"
+
+
+class MalformedBodyError(InvalidRequestError):
+    """The body is not a JSON object."""
+
+    code = "invalid_json"
+
+
+class NotJsonError(UnsupportedMediaTypeError):
+    """The body is not declared `application/json` (UTF-8)."""
+
+    code = "unsupported_media_type"
+
+
+class RequestAbortedError(JaxserveError):
+    """The engine ended the request with finish_reason "abort" although this client is still connected."""
+
+    http_status = 503
+    error_type = "request_aborted"
+
+
 class QueueFullError(JaxserveError):
     """The engine's admission queue is full; the client should retry later."""
 

@@ -23,7 +23,7 @@ from jaxserve.config import from_hf_config
 from jaxserve.engine import Engine, EngineConfig, TokenEvent
 from jaxserve.models import CausalLM
 from jaxserve.server import create_app
-from jaxserve.server.app import AppConfig
+from jaxserve.server.limits import AppConfig
 from jaxserve.server.main import SPARE_THREADS, ServeConfig, make_server
 from jaxserve.tokenizer import Tokenizer
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from jaxserve.server import create_app
-from jaxserve.server.app import AppConfig
+from jaxserve.server.limits import AppConfig
 from jaxserve.server.main import SPARE_THREADS, ServeConfig, make_server
 from test_server import (MAX_MODEL_LEN, MODEL, TIMEOUT, EmitHook, Served, metric, pool_is_full, shared_server,
                          sse_events, tokenizer, wait_idle)

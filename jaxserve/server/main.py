@@ -32,9 +32,9 @@ from jaxserve.engine import Engine, EngineConfig
 from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.errors import ConfigError
 from jaxserve.quant.formats import canonical_format
+from jaxserve.server.limits import DEFAULT_CHAT_MAX_TOKENS, MAX_BODY_BYTES, AppConfig
 
 SPARE_THREADS = 4  # beyond the admission limit: /health, /metrics and refusals never wait for a stream to end
-MAX_BODY_BYTES = 4 << 20
 MALLOC_ARENAS = 2  # glibc makes up to 8 x cores heap arenas; each request thread's garbage would pin its own
 M_ARENA_MAX = -8  # mallopt parameter number (malloc.h)
 
@@ -147,7 +147,7 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxserve.cli import default_checkpoint
-    from jaxserve.server.app import DEFAULT_CHAT_MAX_TOKENS, AppConfig, create_app
+    from jaxserve.server.app import create_app
 
     cap_malloc_arenas()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -70,124 +70,138 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "
 
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None]}
 
+_COMPLETION_REQUEST = {
+    "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
+    "properties": {**_SAMPLING, "max_tokens": {**_SAMPLING["max_tokens"], "default": 16},
+                   "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                                        {"type": "array", "maxItems": 1}]},
+                   "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5,
+                                "description": "the sampled tokens' logprobs and this many top alternatives per token"},
+                   "echo": {"type": "boolean", "enum": [False]},
+                   "best_of": {"type": "integer", "enum": [1]}}}
+
+_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+    "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+        "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+    "name": _NAME, "tool_calls": {"type": "array"},
+    "tool_call_id": {"type": "string"}}}
+
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _NAME, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}
+
+_RESPONSE_FORMAT = {
+    "oneOf": [{"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}},
+              {"type": "object", "required": ["type", "json_schema"], "properties": {
+                  "type": {"const": "json_schema"},
+                  "json_schema": {"type": "object", "required": ["name"], "properties": {
+                      "name": {"type": "string"}, "description": {"type": "string"},
+                      "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}}],
+    "description": "enforced by grammar-constrained decoding (llguidance)"}
+
+_TOOL_CHOICE = {
+    "oneOf": [{"enum": ["auto", "none", "required"]},
+              {"type": "object", "required": ["type", "function"], "properties": {
+                  "type": {"const": "function"},
+                  "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}],
+    "description": "auto: the output is parsed for the model's tool-call markup (Kimi K2 or GLM); required / named: "
+                   "the markup is enforced by constrained decoding"}
+
+_CHAT_REQUEST = {
+    "type": "object", "required": ["model", "messages"], "additionalProperties": False,
+    "properties": {**_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+                   "max_completion_tokens": {"type": "integer", "minimum": 1,
+                                             "description": "or max_tokens (equal if both are sent); default 1024 "
+                                                            "(`--default-max-tokens`), at most the rest of the "
+                                                            "context window"},
+                   "logprobs": {"type": "boolean"},
+                   "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20,
+                                    "description": "alternatives per token (needs logprobs: true)"},
+                   "response_format": _RESPONSE_FORMAT,
+                   "tools": {"type": "array", "items": _TOOL, "maxItems": 128,
+                             "description": "passed to the chat template; calls come back as `message.tool_calls` / "
+                                            "`delta.tool_calls` with finish_reason `tool_calls`; an output cut by "
+                                            "max_tokens inside a call ends with finish_reason `length`, the complete "
+                                            "calls kept and the unfinished one dropped"},
+                   "tool_choice": _TOOL_CHOICE,
+                   "parallel_tool_calls": {"type": "boolean", "default": True}}}
+
+_COMPLETION = {"type": "object", "properties": {
+    "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": _USAGE,
+    "choices": {"type": "array", "items": {"type": "object", "properties": {
+        "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
+        "logprobs": {"type": ["object", "null"], "properties": {
+            "tokens": {"type": "array", "items": {"type": "string"}},
+            "token_logprobs": {"type": "array", "items": {"type": "number"}},
+            "text_offset": {"type": "array", "items": {"type": "integer"}}}}}}}}}
+
+_TOOL_CALL = {"type": "object", "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+
+_CHAT_COMPLETION = {"type": "object", "properties": {
+    "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": _USAGE,
+    "choices": {"type": "array", "items": {"type": "object", "properties": {
+        "index": {"type": "integer"}, "finish_reason": _FINISH,
+        "message": {"type": "object", "properties": {"role": {"const": "assistant"},
+                                                     "content": {"type": ["string", "null"]},
+                                                     "tool_calls": {"type": "array", "items": _TOOL_CALL}}},
+        "logprobs": {"type": ["object", "null"], "properties": {"content": {"type": "array", "items": {
+            "type": "object", "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
+                                             "bytes": {"type": ["array", "null"]}}}}}}}}}}}
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+        "code": {"type": ["string", "null"]}}}}}
+
+_SSE = {"text/event-stream": {"schema": {"type": "string", "description":
+                                         "`data: <chunk JSON>` events, then `data: [DONE]`; an engine failure "
+                                         "mid-stream is sent as `data: <Error JSON>` before `data: [DONE]`"}}}
+
+
+def _generation(summary: str, req: str, resp: str) -> dict[str, Any]:
+    """The path item of a generation endpoint: request `req`, JSON answer `resp` or its SSE stream."""
+    return {"post": {
+        "summary": summary,
+        "parameters": [{"name": "x-session-affinity", "in": "header", "required": False,
+                        "schema": {"type": "string"}, "description": "routes the request's session"}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(req)}}},
+        "responses": {"200": {"description": "the completion, or its stream",
+                              "content": {"application/json": {"schema": _ref(resp)}, **_SSE}},
+                      **_errors("400", "404", "413", "415", "429", "500")}}}
+
+
+def _paths() -> dict[str, Any]:
+    return {
+        "/v1/models": {"get": {"summary": "the served model", "responses": {"200": _json(
+            {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array"}}},
+            "one model card")}}},
+        "/v1/completions": _generation("text completion", "CompletionRequest", "Completion"),
+        "/v1/chat/completions": _generation("chat completion (the tokenizer's chat template)", "ChatRequest",
+                                            "ChatCompletion"),
+        "/health": {"get": {"summary": "liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+            "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/openapi.json": {"get": {"summary": "this document",
+                                  "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")}}},
+    }
+
 
 def openapi_spec(model_name: str) -> dict[str, Any]:
     """The OpenAPI document; `model_name` is the only accepted `model`."""
-    completion_req = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False,
-                      "properties": {**_SAMPLING, "max_tokens": {**_SAMPLING["max_tokens"], "default": 16},
-                                     "prompt": {"oneOf": [{"type": "string"},
-                                                          {"type": "array", "items": {"type": "integer"}},
-                                                          {"type": "array", "maxItems": 1}]},
-                                     "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5,
-                                                  "description": "the sampled tokens' logprobs and this many top "
-                                                                 "alternatives per token"},
-                                     "echo": {"type": "boolean", "enum": [False]},
-                                     "best_of": {"type": "integer", "enum": [1]}}}
-    message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
-            "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "tool_calls": {"type": "array"},
-        "tool_call_id": {"type": "string"}}}
-    tool = {"type": "object", "required": ["type", "function"], "properties": {
-        "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
-            "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}
-    chat_req = {"type": "object", "required": ["model", "messages"], "additionalProperties": False,
-                "properties": {**_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": message},
-                               "max_completion_tokens": {"type": "integer", "minimum": 1,
-                                                         "description": "or max_tokens (equal if both are sent); "
-                                                                        "default 1024 (`--default-max-tokens`), "
-                                                                        "at most the rest of the context window"},
-                               "logprobs": {"type": "boolean"},
-                               "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20,
-                                                "description": "alternatives per token (needs logprobs: true)"},
-                               "response_format": {"oneOf": [
-                                   {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}},
-                                   {"type": "object", "required": ["type", "json_schema"], "properties": {
-                                       "type": {"const": "json_schema"},
-                                       "json_schema": {"type": "object", "required": ["name"], "properties": {
-                                           "name": {"type": "string"}, "description": {"type": "string"},
-                                           "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}}],
-                                   "description": "enforced by grammar-constrained decoding (llguidance)"},
-                               "tools": {"type": "array", "items": tool, "maxItems": 128,
-                                         "description": "passed to the chat template; calls come back as "
-                                                        "`message.tool_calls` / `delta.tool_calls` with "
-                                                        "finish_reason `tool_calls`; an output cut by max_tokens "
-                                                        "inside a call ends with finish_reason `length`, the "
-                                                        "complete calls kept and the unfinished one dropped"},
-                               "tool_choice": {"oneOf": [
-                                   {"enum": ["auto", "none", "required"]},
-                                   {"type": "object", "required": ["type", "function"], "properties": {
-                                       "type": {"const": "function"},
-                                       "function": {"type": "object", "required": ["name"],
-                                                    "properties": {"name": {"type": "string"}}}}}],
-                                   "description": "auto: the output is parsed for the model's tool-call markup "
-                                                  "(Kimi K2 or GLM); required / named: the markup is enforced "
-                                                  "by constrained decoding"},
-                               "parallel_tool_calls": {"type": "boolean", "default": True}}}
-    completion = {"type": "object", "properties": {
-        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": _USAGE,
-        "choices": {"type": "array", "items": {"type": "object", "properties": {
-            "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
-            "logprobs": {"type": ["object", "null"], "properties": {
-                "tokens": {"type": "array", "items": {"type": "string"}},
-                "token_logprobs": {"type": "array", "items": {"type": "number"}},
-                "text_offset": {"type": "array", "items": {"type": "integer"}}}}}}}}}
-    chat = {"type": "object", "properties": {
-        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": _USAGE,
-        "choices": {"type": "array", "items": {"type": "object", "properties": {
-            "index": {"type": "integer"}, "finish_reason": _FINISH,
-            "message": {"type": "object", "properties": {"role": {"const": "assistant"},
-                                                         "content": {"type": ["string", "null"]},
-                                                         "tool_calls": {"type": "array", "items": {
-                                                             "type": "object", "properties": {
-                                                                 "id": {"type": "string"},
-                                                                 "type": {"const": "function"},
-                                                                 "function": {"type": "object", "properties": {
-                                                                     "name": {"type": "string"},
-                                                                     "arguments": {"type": "string"}}}}}}}},
-            "logprobs": {"type": ["object", "null"], "properties": {"content": {"type": "array", "items": {
-                "type": "object", "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
-                                                 "bytes": {"type": ["array", "null"]}}}}}}}}}}}
-    error = {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
-            "code": {"type": ["string", "null"]}}}}}
-    sse = {"text/event-stream": {"schema": {"type": "string", "description":
-                                            "`data: <chunk JSON>` events, then `data: [DONE]`; an engine failure "
-                                            "mid-stream is sent as `data: <Error JSON>` before `data: [DONE]`"}}}
-
-    def generation(summary: str, req: str, resp: str) -> dict[str, Any]:
-        return {"post": {
-            "summary": summary,
-            "parameters": [{"name": "x-session-affinity", "in": "header", "required": False,
-                            "schema": {"type": "string"}, "description": "routes the request's session"}],
-            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(req)}}},
-            "responses": {"200": {"description": "the completion, or its stream",
-                                  "content": {"application/json": {"schema": _ref(resp)}, **sse}},
-                          **_errors("400", "404", "413", "415", "429", "500")}}}
-
     return {
         "openapi": "3.1.0",
         "info": {"title": "jaxserve", "version": "0.1.0",
                  "description": f"OpenAI-compatible API serving `{model_name}`."},
-        "paths": {
-            "/v1/models": {"get": {"summary": "the served model", "responses": {"200": _json(
-                {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array"}}},
-                "one model card")}}},
-            "/v1/completions": generation("text completion", "CompletionRequest", "Completion"),
-            "/v1/chat/completions": generation("chat completion (the tokenizer's chat template)", "ChatRequest",
-                                               "ChatCompletion"),
-            "/health": {"get": {"summary": "liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
-                "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-            "/openapi.json": {"get": {"summary": "this document",
-                                      "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")}}},
-        },
-        "components": {"schemas": {"CompletionRequest": completion_req, "ChatRequest": chat_req,
-                                   "Completion": completion, "ChatCompletion": chat, "Error": error}},
+        "paths": _paths(),
+        "components": {"schemas": {"CompletionRequest": _COMPLETION_REQUEST, "ChatRequest": _CHAT_REQUEST,
+                                   "Completion": _COMPLETION, "ChatCompletion": _CHAT_COMPLETION, "Error": _ERROR}},
     }

@@ -1,0 +1,304 @@
+"""The OpenAI response shapes of one generation request: choices, usage, logprobs, errors, and the two answers.
+
+`complete` gathers a request's token events into one JSON body; `stream` turns them into Server-Sent Events
+(`data: <chunk JSON>` per event, ending in `data: [DONE]`), an engine failure mid-stream travelling in-band as
+`data: <error JSON>`. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`, its status
+from `jaxserve.errors.http_status` (the one place that maps exception types to codes).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from flask import Response
+
+from jaxserve.engine import TokenEvent
+from jaxserve.errors import JaxserveError, QueueFullError, RequestAbortedError, http_status
+from jaxserve.server.limits import RETRY_AFTER_S, DisconnectWatcher
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.protocol import Generation
+from jaxserve.server.toolcalls import ToolCallParser
+
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one endpoint shapes its answer (completion text vs chat message)."""
+
+    endpoint: str
+    id_prefix: str
+    object_name: str
+    chunk_object: str
+    chat: bool
+
+
+COMPLETION = Shape("/v1/completions", "cmpl", "text_completion", "text_completion", chat=False)
+CHAT = Shape("/v1/chat/completions", "chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+
+
+def error_body(err: JaxserveError) -> dict[str, Any]:
+    """The OpenAI error object for a typed error."""
+    return {"error": {"message": err.message, "type": err.error_type, "param": err.param,
+                      "code": getattr(err, "code", None)}}
+
+
+def error_response(err: JaxserveError, retry_after_s: int = RETRY_AFTER_S) -> Response:
+    """A typed error as a JSON response with its HTTP status (429 also says when to retry)."""
+    resp = Response(json.dumps(error_body(err)), status=http_status(err), mimetype="application/json")
+    if isinstance(err, QueueFullError):
+        resp.headers["Retry-After"] = str(retry_after_s)
+    return resp
+
+
+def usage(ends: list[TokenEvent]) -> dict[str, Any]:
+    """Usage of a request's choices: the prompt counts once (its first choice's), completions add up."""
+    first = ends[0]
+    completion = sum(e.completion_tokens for e in ends)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+@dataclass
+class Choice:
+    """One choice's answer as it accumulates. parser: the tool-call parser of a chat with tools, else None."""
+
+    parser: ToolCallParser | None = None
+    text: list[str] = field(default_factory=list)
+    lps: list[dict[str, Any]] = field(default_factory=list)
+    offset: int = 0
+    end: TokenEvent | None = None
+
+
+def single_choice(events: Iterator[TokenEvent]) -> Iterator[tuple[int, TokenEvent]]:
+    """One request's events as choice 0's."""
+    try:
+        for ev in events:
+            yield 0, ev
+    finally:
+        events.close()
+
+
+def sse(obj: Any) -> str:
+    """One Server-Sent Event carrying `obj` as compact JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def end_error(end: TokenEvent) -> JaxserveError | None:
+    """The error a finished request should report, if it did not end normally."""
+    if end.finish_reason == "error":
+        return end.error or JaxserveError("the engine failed this request")
+    if end.finish_reason == "abort":
+        return RequestAbortedError("the engine aborted this request")
+    return None
+
+
+class TokenText:
+    """How a token id reads in logprobs: its text, and its bytes under a byte-level tokenizer (None: no tokenizer,
+    token ids only)."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+
+    def text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid]) if self.tokenizer is not None else ""
+
+    def bytes(self, tid: int) -> list[int] | None:
+        if self.tokenizer is None or not self.tokenizer.byte_level:
+            return None
+        return list(self.tokenizer.token_bytes(tid))
+
+
+def completion_logprobs(entries: list[dict[str, Any]], top: bool) -> dict[str, Any]:
+    """A completion choice's per-token logprob entries joined into OpenAI's column form."""
+    return {"tokens": [e["tokens"][0] for e in entries], "token_logprobs": [e["token_logprobs"][0] for e in entries],
+            "top_logprobs": [e["top_logprobs"][0] for e in entries] if top else None,
+            "text_offset": [e["text_offset"][0] for e in entries]}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What shaping one generation request's answer needs: the validated request, its endpoint's shape, the
+    response id, the served model's name, how tokens read, and the metrics its tokens and end are counted in."""
+
+    gen: Generation
+    shape: Shape
+    rid: str
+    model_name: str
+    tokens: TokenText
+    metrics: ServerMetrics
+
+    def choices(self) -> list[Choice]:
+        return [Choice(self.gen.tool_parser()) for _ in range(self.gen.n)]
+
+    def logprob_entry(self, ev: TokenEvent, offset: int) -> dict[str, Any]:
+        """One sampled token's logprobs: chat's entry, or a completion's one-token column form."""
+        tokens = self.tokens
+        if self.shape.chat:
+            return {"token": tokens.text(ev.token_id), "logprob": ev.logprob, "bytes": tokens.bytes(ev.token_id),
+                    "top_logprobs": [{"token": tokens.text(t), "logprob": lp, "bytes": tokens.bytes(t)}
+                                     for t, lp in ev.top_logprobs]}
+        top = {tokens.text(t): lp for t, lp in ev.top_logprobs} if ev.top_logprobs else None
+        return {"tokens": [tokens.text(ev.token_id)], "token_logprobs": [ev.logprob], "top_logprobs": [top],
+                "text_offset": [offset]}
+
+    def chunk(self, stamp: int, i: int, delta: dict[str, Any] | str, finish: str | None, lp: Any = None) -> str:
+        """The SSE chunk of choice i: a chat delta or a completion's text."""
+        c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": finish}
+        if self.shape.chat:
+            c["delta"] = delta
+        else:
+            c["text"] = delta
+        obj: dict[str, Any] = {"id": self.rid, "object": self.shape.chunk_object, "created": stamp,
+                               "model": self.model_name, "choices": [c], "system_fingerprint": None}
+        if self.gen.include_usage:
+            obj["usage"] = None  # OpenAI: null on every chunk but the last
+        return sse(obj)
+
+
+# ---- the whole answer ------------------------------------------------------------------------------------------
+def complete(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float, watcher: DisconnectWatcher,
+             disconnected: Callable[[], bool] | None, abort: Callable[[str], None]) -> Response:
+    """The JSON answer once every choice ended. While it runs, `watcher` polls `disconnected` (None: the server
+    cannot tell) and calls `abort` if the client went away: that answer is a 499 nobody reads."""
+    timer = reply.metrics.timer(t0)
+    choices = reply.choices()
+    if disconnected is not None:
+        watcher.watch(reply.rid, disconnected, abort)
+    try:
+        for i, ev in events:
+            c = choices[i]
+            if ev.token_id is not None:
+                timer.token()
+                if reply.gen.logprobs:
+                    c.lps.append(reply.logprob_entry(ev, c.offset))
+                c.text.append(ev.text)
+                c.offset += len(ev.text)
+            else:
+                c.end = ev
+    finally:
+        gone = watcher.unwatch(reply.rid)
+        events.close()  # the iterator aborts the requests that did not finish (never leak pages)
+    ends = [c.end for c in choices]
+    assert all(e is not None for e in ends)  # the engine always ends a stream with one finish event
+    for e in ends:
+        reply.metrics.finished(reply.shape.endpoint, e)
+    if gone and any(e.finish_reason == "abort" for e in ends):
+        reply.metrics.disconnect(reply.shape.endpoint)
+        return Response(status=499)  # nginx's "client closed request": nobody reads it; /metrics does
+    for e in ends:
+        err = end_error(e)
+        if err is not None:
+            return error_response(err)
+    out_choices = [_choice_json(reply, i, c) for i, c in enumerate(choices)]
+    body = {"id": reply.rid, "object": reply.shape.object_name, "created": int(time.time()),
+            "model": reply.model_name, "choices": out_choices, "usage": usage(ends), "system_fingerprint": None}
+    return Response(json.dumps(body), mimetype="application/json")
+
+
+def _choice_json(reply: Reply, i: int, c: Choice) -> dict[str, Any]:
+    """One ended choice of the whole answer: a chat message (tool calls parsed out) or a completion's text."""
+    out = "".join(c.text)
+    if not reply.shape.chat:
+        lp = completion_logprobs(c.lps, reply.gen.params.top_logprobs > 0) if reply.gen.logprobs else None
+        return {"index": i, "text": out, "logprobs": lp, "finish_reason": c.end.finish_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": out}
+    finish = c.end.finish_reason
+    if c.parser is not None:
+        # invalid markup raises ToolCallParseError (500, reported, never text); an output cut at the
+        # token limit keeps "length" and its complete calls, the unfinished one dropped
+        parsed = c.parser.parse_all(out, truncated=finish == "length")
+        message["content"] = parsed.content or None if parsed.calls else parsed.content
+        if parsed.calls:
+            message["tool_calls"] = [call.openai() for call in parsed.calls]
+            finish = "tool_calls" if finish == "stop" else finish
+    lp = {"content": c.lps} if reply.gen.logprobs else None
+    return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
+
+
+# ---- the streamed answer ---------------------------------------------------------------------------------------
+def stream(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float,
+           ended: threading.Event) -> Iterator[str]:
+    """The answer as SSE text, one chunk per token event; `ended` is set once the last chunk with content is out."""
+    timer = reply.metrics.timer(t0)
+    stamp = int(time.time())
+    choices = reply.choices()
+    finished = False
+    try:
+        if reply.shape.chat:
+            for i in range(reply.gen.n):
+                yield reply.chunk(stamp, i, {"role": "assistant", "content": ""}, None)
+        for i, ev in events:
+            c = choices[i]
+            if ev.token_id is not None:
+                timer.token()
+                yield from _token_chunks(reply, stamp, i, c, ev)
+                continue
+            c.end = ev
+            reply.metrics.finished(reply.shape.endpoint, ev)
+            err = end_error(ev)
+            if err is not None:
+                finished = True
+                ended.set()
+                yield sse(error_body(err))  # the status line is long gone: the error travels in-band
+                break
+            yield from _finish_chunks(reply, stamp, i, c)
+            if all(x.end is not None for x in choices):
+                finished = True
+                ended.set()
+                if reply.gen.include_usage:
+                    yield sse({"id": reply.rid, "object": reply.shape.chunk_object, "created": stamp,
+                               "model": reply.model_name, "choices": [], "usage": usage([x.end for x in choices]),
+                               "system_fingerprint": None})
+        yield DONE
+    except JaxserveError as err:
+        finished = True
+        ended.set()
+        yield sse(error_body(err))
+        yield DONE
+    except GeneratorExit:
+        if not finished:
+            reply.metrics.disconnect(reply.shape.endpoint)  # waitress closes the iterator when the client went away
+        raise
+    finally:
+        events.close()  # aborts the engine requests and frees their pages if they are still running
+
+
+def _token_chunks(reply: Reply, stamp: int, i: int, c: Choice, ev: TokenEvent) -> Iterator[str]:
+    """The chunk (if any) of one sampled token of choice i: its text, tool-call deltas, logprobs."""
+    lp = None
+    if reply.gen.logprobs:
+        lp = reply.logprob_entry(ev, c.offset)
+        lp = {"content": [lp]} if reply.shape.chat else lp
+    c.offset += len(ev.text)
+    if c.parser is not None:
+        text, calls = c.parser.push(ev.text)
+        if text or calls or lp is not None:
+            delta: dict[str, Any] = {"content": text}
+            if calls:
+                delta["tool_calls"] = calls
+            yield reply.chunk(stamp, i, delta, None, lp)
+    elif ev.text or lp is not None:
+        yield reply.chunk(stamp, i, {"content": ev.text} if reply.shape.chat else ev.text, None, lp)
+
+
+def _finish_chunks(reply: Reply, stamp: int, i: int, c: Choice) -> Iterator[str]:
+    """The last chunks of choice i, which ended normally: the parser's held-back text and calls, the finish."""
+    finish = c.end.finish_reason
+    if c.parser is not None:
+        # raises ToolCallParseError: reported in-band by `stream`; cut at max_tokens: the unfinished call is
+        # dropped and the finish reason stays "length"
+        text, calls = c.parser.finish(truncated=finish == "length")
+        if text or calls:
+            delta: dict[str, Any] = {"content": text}
+            if calls:
+                delta["tool_calls"] = calls
+            yield reply.chunk(stamp, i, delta, None)
+        if c.parser.calls and finish == "stop":
+            finish = "tool_calls"
+    yield reply.chunk(stamp, i, {} if reply.shape.chat else "", finish)
