@@ -104,22 +104,32 @@ def test_invalid_markup_is_an_error_not_text(setup, text):
     assert e.value.http_status == 500 and e.value.param == "tool_calls"
 
 
-@pytest.mark.parametrize("setup,text,names", [
-    (KIMI, KIMI_TEXT[:KIMI_TEXT.index("{\"query")], ["get_weather"]),  # inside the 2nd call's arguments
-    (KIMI, KIMI_TEXT[:KIMI_TEXT.index("functions.search")], ["get_weather"]),  # right after its begin marker
+@pytest.mark.parametrize("setup,text,calls", [
+    (KIMI, KIMI_TEXT[:KIMI_TEXT.index("{\"query")], [("get_weather", None), ("search-web", "")]),  # 2nd's args
+    (KIMI, KIMI_TEXT[:KIMI_TEXT.index("\"}<|tool_call_end|><|tool_calls")],
+     [("get_weather", None), ("search-web", '{"query": "café <b>')]),
+    (KIMI, KIMI_TEXT[:KIMI_TEXT.index("functions.search")], [("get_weather", None)]),  # right after its begin marker
     (KIMI, "Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.get_wea", []),
-    (GLM, GLM45_TEXT[:GLM45_TEXT.index("café")], ["get_weather"]),
-    (GLM, "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris", []),
+    (GLM, GLM45_TEXT[:GLM45_TEXT.index("café")], [("get_weather", None), ("search-web", '{"query": "')]),
+    (GLM, "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris", [("get_weather", '{"city": "Paris')]),
+    (GLM, "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>"
+          "<arg_value>1", [("get_weather", '{"city": "Paris", "days": 1')]),
+    (GLM, "<tool_call>get_weath", []),
 ])
-def test_output_cut_by_the_token_limit_keeps_its_complete_calls(setup, text, names):
-    """finish_reason "length": the unfinished last call is dropped, not an error; the same text ended by the model
-    (not truncated) is still invalid markup."""
+def test_output_cut_by_the_token_limit_returns_what_was_written(setup, text, calls):
+    """finish_reason "length": not an error; the complete calls stand and the unfinished last one comes back with
+    its name and the argument text written so far (None: a complete call, its arguments checked as JSON), as OpenAI
+    does, once its name is complete; the same text ended by the model (not truncated) is still invalid markup."""
     whole = setup.parser().parse_all(text, truncated=True)
-    assert [c.name for c in whole.calls] == names
+    assert [c.name for c in whole.calls] == [name for name, _ in calls]
+    for c, (_, args) in zip(whole.calls, calls):
+        assert c.arguments == args if args is not None else isinstance(json.loads(c.arguments), dict)
     assert whole.content.strip() == text[:text.index(setup.start_marker())].strip()
     for step in (1, 5, 11):  # streamed: the same calls, each once
         _, deltas = split_feed(setup, text, list(range(step, len(text), step)), truncated=True)
-        assert [(d["index"], d["function"]["name"]) for d in deltas] == list(enumerate(names))
+        assert [(d["index"], d["function"]["name"]) for d in deltas] == list(enumerate(c.name for c in whole.calls))
+        assert [d["function"]["arguments"] for d in deltas][len(calls) - 1:] == [
+            c.arguments for c in whole.calls][len(calls) - 1:]
         assert all(d["id"] for d in deltas)
     with pytest.raises(ToolCallParseError) as e:
         setup.parser().parse_all(text)

@@ -127,7 +127,8 @@ _CHAT_REQUEST = {
                              "description": "passed to the chat template; calls come back as `message.tool_calls` / "
                                             "`delta.tool_calls` with finish_reason `tool_calls`; an output cut by "
                                             "max_tokens inside a call ends with finish_reason `length`, the complete "
-                                            "calls kept and the unfinished one dropped"},
+                                            "calls kept and the unfinished one returned with its partial "
+                                            "arguments text"},
                    "tool_choice": _TOOL_CHOICE,
                    "parallel_tool_calls": {"type": "boolean", "default": True}}}
 

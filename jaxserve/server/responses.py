@@ -211,7 +211,7 @@ def _choice_json(reply: Reply, i: int, c: Choice) -> dict[str, Any]:
     finish = c.end.finish_reason
     if c.parser is not None:
         # invalid markup raises ToolCallParseError (500, reported, never text); an output cut at the
-        # token limit keeps "length" and its complete calls, the unfinished one dropped
+        # token limit keeps "length", its complete calls and the unfinished one as far as it was written
         parsed = c.parser.parse_all(out, truncated=finish == "length")
         message["content"] = parsed.content or None if parsed.calls else parsed.content
         if parsed.calls:
@@ -291,8 +291,8 @@ def _finish_chunks(reply: Reply, stamp: int, i: int, c: Choice) -> Iterator[str]
     """The last chunks of choice i, which ended normally: the parser's held-back text and calls, the finish."""
     finish = c.end.finish_reason
     if c.parser is not None:
-        # raises ToolCallParseError: reported in-band by `stream`; cut at max_tokens: the unfinished call is
-        # dropped and the finish reason stays "length"
+        # raises ToolCallParseError: reported in-band by `stream`; cut at max_tokens: the unfinished call comes
+        # as far as it was written and the finish reason stays "length"
         text, calls = c.parser.finish(truncated=finish == "length")
         if text or calls:
             delta: dict[str, Any] = {"content": text}

@@ -23,7 +23,8 @@ and its docs/tool_call_guidance.md; GLM-4.5 / GLM-4.7 `chat_template.jinja`):
 
 The code is our own. Invalid markup (an unknown tool, arguments that are not a JSON object, an unterminated call) is
 a `ToolCallParseError` (reported to the client), never silently passed on as text. An output cut by the token limit
-(finish_reason "length") is not invalid: its complete calls stand and the unfinished last one is dropped.
+(finish_reason "length") is not invalid: its complete calls stand and the unfinished last one is returned as far as
+it was written (its name and partial argument text, as OpenAI does), or dropped while its name is still unfinished.
 
 `ToolSetup.grammar()` writes a Lark grammar (llguidance's dialect, engine.structured) that admits exactly the markup
 of one call (a named tool_choice, or parallel_tool_calls=false) or of one or more calls (tool_choice "required"),
@@ -54,6 +55,9 @@ GLM_KEY_BEGIN, GLM_KEY_END = "<arg_key>", "</arg_key>"
 GLM_VALUE_BEGIN, GLM_VALUE_END = "<arg_value>", "</arg_value>"
 
 _KIMI_ID = re.compile(r"\s*((?:functions\.)?([A-Za-z0-9_.\-]+?):(\d+))\s*")
+_GLM_NAME_DONE = re.compile(r"\s*\S+\s")  # a GLM call's name, then the newline that ends it
+_GLM_PARTIAL_ARG = re.compile(re.escape(GLM_KEY_BEGIN) + r"(.*?)(?:" + re.escape(GLM_KEY_END) + r"\s*(?:"
+                              + re.escape(GLM_VALUE_BEGIN) + r"(.*))?)?", re.DOTALL)
 _GLM_ARG = re.compile(re.escape(GLM_KEY_BEGIN) + r"(.*?)" + re.escape(GLM_KEY_END) + r"\s*"
                       + re.escape(GLM_VALUE_BEGIN) + r"(.*?)" + re.escape(GLM_VALUE_END), re.DOTALL)
 
@@ -157,9 +161,16 @@ class ToolSetup:
         body = text[len(GLM_CALL_BEGIN):end]
         cut = body.find(GLM_KEY_BEGIN)
         name = (body if cut < 0 else body[:cut]).strip()
-        args_text = "" if cut < 0 else body[cut:]
-        schema = self.schema(name)
-        props = (schema or {}).get("properties") or {}
+        args, rest = self._glm_values(name, "" if cut < 0 else body[cut:])
+        if rest.strip():
+            raise _bad("text after the last argument", rest)
+        call = self._call(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(args, ensure_ascii=False))
+        return [call], end + len(GLM_CALL_END)
+
+    def _glm_values(self, name: str, args_text: str) -> tuple[dict[str, Any], str]:
+        """The complete `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs of `args_text` -> (arguments, the text
+        after the last pair)."""
+        props = (self.schema(name) or {}).get("properties") or {}
         args: dict[str, Any] = {}
         pos = 0
         for m in _GLM_ARG.finditer(args_text):
@@ -176,10 +187,26 @@ class ToolSetup:
                 if key in props:
                     raise _bad(f"argument {key!r} of {name!r} is not JSON", raw) from None
                 args[key] = raw  # an undeclared parameter: kept as the text it is
-        if args_text[pos:].strip():
-            raise _bad("text after the last argument", args_text[pos:])
-        call = self._call(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(args, ensure_ascii=False))
-        return [call], end + len(GLM_CALL_END)
+        return args, args_text[pos:]
+
+    def partial_call(self, text: str) -> ToolCall | None:
+        """The unfinished last call of an output cut by the token limit (`text` begins at a start marker) -> the
+        call with its name and the argument text written so far, or None when its name is not complete yet."""
+        if self.family == "kimi":
+            rest = text[len(KIMI_SECTION_BEGIN):].lstrip()
+            head, sep, args = rest[len(KIMI_CALL_BEGIN):].partition(KIMI_ARGS_BEGIN)
+            m = _KIMI_ID.fullmatch(head)
+            if not rest.startswith(KIMI_CALL_BEGIN) or not sep or m is None:
+                return None
+            return self._call(m.group(1), m.group(2), args)
+        body = text[len(GLM_CALL_BEGIN):]
+        cut = body.find(GLM_KEY_BEGIN)
+        if cut < 0 and not _GLM_NAME_DONE.match(body):
+            return None  # the name may go on
+        name = (body if cut < 0 else body[:cut]).strip()
+        args, rest = self._glm_values(name, "" if cut < 0 else body[cut:])
+        props = (self.schema(name) or {}).get("properties") or {}
+        return self._call(f"call_{uuid.uuid4().hex[:24]}", name, _glm_partial_json(args, rest, props))
 
     def _call(self, call_id: str, name: str, arguments: str) -> ToolCall:
         if self.schema(name) is None:
@@ -248,6 +275,19 @@ def _json_object(text: str, name: str) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _glm_partial_json(args: dict[str, Any], rest: str, props: dict[str, Any]) -> str:
+    """The arguments of a GLM call cut inside its markup as the JSON text they had begun to be: the complete pairs,
+    then the cut key and the value text written so far (a string parameter's value opens a JSON string)."""
+    text = json.dumps(args, ensure_ascii=False)[:-1]
+    m = _GLM_PARTIAL_ARG.fullmatch(rest.lstrip())
+    if m is None or m.group(2) is None:
+        return text
+    key, value = m.group(1).strip(), m.group(2)
+    if (props.get(key) or {}).get("type") == "string":
+        value = json.dumps(value, ensure_ascii=False)[:-1]
+    return f"{text}{', ' if args else ''}{json.dumps(key, ensure_ascii=False)}: {value}"
+
+
 class ToolCallParser:
     """One choice's output, read as it streams: text before the first call marker is content (a possible marker
     prefix is held back), each complete call becomes one `delta.tool_calls` entry (id, name, whole arguments)."""
@@ -272,8 +312,13 @@ class ToolCallParser:
         if self._in_calls and self._buf.strip():
             if not truncated:
                 raise _bad("the output ended inside a tool call", self._buf)
-            # out of tokens, not invalid markup (OpenAI answers "length"): the complete calls stand, the
-            # unfinished last one is dropped (it has no whole arguments to run)
+            # out of tokens, not invalid markup (OpenAI answers "length" with what was written): the complete
+            # calls stand and the unfinished one comes back with its partial arguments, once its name is known
+            partial = self.setup.partial_call(self._buf)
+            if partial is not None:
+                partial = self._unique(partial)
+                deltas.append({"index": len(self.calls), **partial.openai()})
+                self.calls.append(partial)
             self._buf = ""
         return content, deltas
 
@@ -303,7 +348,7 @@ class ToolCallParser:
             if not self._in_calls:
                 at = self._buf.find(marker)
                 if at < 0:
-                    keep = 0 if final else _partial_suffix(self._buf, marker)
+                    keep = 0 if final else partial_suffix(self._buf, marker)
                     content.append(self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     break
@@ -328,7 +373,7 @@ class ToolCallParser:
         return text, deltas
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of marker (held back while streaming)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
