@@ -144,16 +144,18 @@ class Tokenizer:
         return self._backend.encode(text, special_tokens, limit)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None, limit: int | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, limit: int | None = None,
+                    variables: dict[str, Any] | None = None) -> list[int]:
         """Render the chat template and encode it so that only the template's own text yields control tokens.
 
         Every control string inside a user-supplied string (message fields, tool schemas, tool-call arguments) is
         fenced by a per-call random marker before rendering; after rendering, fenced occurrences are encoded as
         ordinary text and the markers dropped. Text without such strings renders and encodes exactly as
-        `encode(apply_chat_template(...))`. limit: as in `encode`.
+        `encode(apply_chat_template(...))`. limit: as in `encode`; variables: as in `apply_chat_template`.
         """
         if not self.control_strings:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), limit=limit)
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, variables),
+                               limit=limit)
         nonce = secrets.token_hex(16)  # unguessable, and ASCII hex survives any escaping a template applies
         controls = "|".join(re.escape(t) for t in sorted(self.control_strings, key=len, reverse=True))
         find = re.compile(controls)
@@ -167,7 +169,7 @@ class Tokenizer:
                 return [fence(v) for v in value]
             return value
 
-        text = self.apply_chat_template(fence(messages), add_generation_prompt, fence(tools))
+        text = self.apply_chat_template(fence(messages), add_generation_prompt, fence(tools), fence(variables))
         ids: list[int] = []
         pos = 0
         for m in re.finditer(re.escape(nonce) + f"({controls}){re.escape(nonce)}", text):
@@ -194,10 +196,13 @@ class Tokenizer:
             raise ConfigError("token_bytes needs a byte-level vocabulary", value=str(self.path), param="tokenizer")
         return self._backend.token_bytes(self._check_id(token_id))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, variables: dict[str, Any] | None = None) -> str:
         """Render messages (OpenAI-style dicts with "role") with the checkpoint's chat template -> str.
 
         tools: list[dict] | None, passed to the template as `tools` (keys deep-sorted for Kimi/tiktoken, as Kimi does).
+        variables: more template variables (a request's `chat_template_kwargs`, e.g. `thinking`), under the
+        standard ones, which they cannot replace.
         Raises ConfigError if the checkpoint has no template, InvalidRequestError if the template rejects the chat.
         """
         if self._template is None:
@@ -207,13 +212,14 @@ class Tokenizer:
         if tools is not None and self.backend == "tiktoken":
             tools = sorted_deep(tools)
         try:
-            return self._template.render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            return self._template.render({
+                **(variables or {}),
+                "messages": messages,
+                "tools": tools,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or "",
+            })
         except jinja2.exceptions.TemplateError as e:
             raise InvalidRequestError(f"chat template rejected the messages: {e}", value=messages, param="messages") from e
 

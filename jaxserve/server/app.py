@@ -32,13 +32,15 @@ from jaxserve.server.body import parse_json, require_json
 from jaxserve.server.limits import Admission, AppConfig, DisconnectWatcher
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openapi import openapi_spec
-from jaxserve.server.protocol import Generation, parse_chat, parse_completion
+from jaxserve.server.chat_request import parse_chat
+from jaxserve.server.protocol import Generation, parse_completion
 from jaxserve.server.responses import (CHAT, COMPLETION, Reply, Shape, TokenText, complete, error_response,
                                        single_choice, stream)
 
 log = logging.getLogger("jaxserve.server")
 
 Parse = Callable[[Any, Engine, str, AppConfig], Generation]
+IGNORED_HEADER = "x-jaxserve-ignored-fields"
 
 
 def _request_json() -> Any:
@@ -73,10 +75,12 @@ class GenerationHandler:
         if not gen.stream:
             try:
                 disconnected = request.environ.get("waitress.client_disconnected")  # needs channel_request_lookahead
-                return complete(reply, events, t0, self.watcher, disconnected, self.abort_all(ids))
+                resp = complete(reply, events, t0, self.watcher, disconnected, self.abort_all(ids))
             finally:
                 self.admission.leave()
-        return self.streamed(reply, ids, events, t0)
+        else:
+            resp = self.streamed(reply, ids, events, t0)
+        return name_ignored(resp, gen.ignored)
 
     def submit(self, gen: Generation, shape: Shape) -> tuple[str, list[str], Iterator[tuple[int, TokenEvent]]]:
         """-> (response id, engine request ids, events as (choice index, event))."""
@@ -106,6 +110,15 @@ class GenerationHandler:
 
         resp.call_on_close(closed)
         return resp
+
+
+def name_ignored(resp: Response, ignored: tuple[str, ...]) -> Response:
+    """Name the request's unknown fields in the answer and the log (as vLLM warns), so a typo is visible."""
+    if ignored:
+        names = ", ".join(ignored)[:1000]
+        log.warning("%s: ignored unknown request fields: %s", request.path, names)
+        resp.headers[IGNORED_HEADER] = names
+    return resp
 
 
 def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) -> Flask:
@@ -173,8 +186,10 @@ def _add_error_handlers(app: Flask, cfg: AppConfig, metrics: ServerMetrics) -> N
 
     @app.errorhandler(HTTPException)
     def http_error(err: HTTPException) -> Response:
-        kind = "not_found_error" if err.code == 404 else "invalid_request_error"
-        body = {"error": {"message": err.description, "type": kind, "param": None, "code": None}}
+        # OpenAI's shape for an unknown route or method: an invalid_request_error with a code clients can test
+        message = f"Invalid URL ({request.method} {request.path[:200]})" if err.code == 404 else err.description
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.code or 500)
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
         return Response(json.dumps(body), status=err.code or 500, mimetype="application/json")
 
     @app.errorhandler(Exception)

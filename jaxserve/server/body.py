@@ -65,22 +65,54 @@ def _check_text(value: Any, path: str = "", depth: int = 0) -> None:
             _check_text(v, f"{path}[{i}]", depth + 1)
 
 
+class UnknownFields:
+    """What one request does with fields no schema here knows: refuse the first (strict, a 400 naming it) or
+    collect their names (lenient, as vLLM does: the answer names them in a header and the server logs them)."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.names: list[str] = []
+
+    def found(self, names: list[str]) -> None:
+        if self.strict and names:
+            raise field_error(names[0], "unrecognized request argument", names[0])
+        self.names += names
+
+
 class Body:
     """Typed, range-checked access to a JSON object's fields; each failure is an InvalidRequestError naming the
-    field (`prefix` names a nested object, e.g. "messages[2]"). `allowed` is the set of accepted keys: anything
-    else is refused, so a typo is not silently ignored."""
+    field (`prefix` names a nested object, e.g. "messages[2]"). `allowed` is the set of known keys; any other key
+    goes to `unknown` (default: refused, so a typo is not silently ignored). A null field is always unset."""
 
-    def __init__(self, raw: Any, allowed: frozenset[str], prefix: str = "") -> None:
+    def __init__(self, raw: Any, allowed: frozenset[str], prefix: str = "",
+                 unknown: UnknownFields | None = None) -> None:
         self.prefix = prefix
+        self.unknown = unknown if unknown is not None else UnknownFields(strict=True)
         if not isinstance(raw, dict):
             if prefix:
                 raise field_error(prefix, f"must be an object, got {json_kind(raw)}", json_kind(raw))
             raise MalformedBodyError(f"the request body must be a JSON object, got {json_kind(raw)}",
                                      value=json_kind(raw))
-        unknown = sorted(k for k in raw if k not in allowed)
-        if unknown:
-            raise field_error(self.name(unknown[0][:100]), "unrecognized request argument", unknown[0][:100])
+        self.unknown.found([self.name(k[:100]) for k in sorted(raw) if k not in allowed])
         self.raw = raw
+
+    def child(self, raw: Any, allowed: frozenset[str], prefix: str) -> Body:
+        """A nested object of this body, its unknown keys treated as this body's are."""
+        return Body(raw, allowed, prefix, self.unknown)
+
+    def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
+        """A string field that must be one of `allowed` (None: unset)."""
+        v = self.string(name)
+        if v is not None and v not in allowed:
+            raise field_error(self.name(name), f"must be one of {', '.join(allowed)}", v[:40])
+        return v
+
+    def obj(self, name: str) -> dict[str, Any] | None:
+        """An object field, unread here (None: unset)."""
+        v = self.raw.get(name)
+        if v is not None and not isinstance(v, dict):
+            raise field_error(self.name(name), f"must be an object, got {json_kind(v)}", json_kind(v))
+        return v
 
     def name(self, field: str) -> str:
         return f"{self.prefix}.{field}" if self.prefix else field

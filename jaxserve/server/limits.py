@@ -26,12 +26,14 @@ MAX_CACHE_SALT_CHARS = 1024
 @dataclass(frozen=True)
 class AppConfig:
     """The HTTP layer's limits. max_inflight: generation requests admitted at once (each holds a WSGI thread until it
-    ends: the server needs more threads than this, so /health and refusals always find one)."""
+    ends: the server needs more threads than this, so /health and refusals always find one). strict_fields: refuse
+    (400) a body field no schema here knows, instead of ignoring it and naming it in a response header."""
 
     max_inflight: int = 16
     max_body_bytes: int = MAX_BODY_BYTES
     default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     retry_after_s: int = RETRY_AFTER_S
+    strict_fields: bool = False
 
 
 class Admission:

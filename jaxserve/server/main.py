@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help=f"HTTP worker threads (default: --max-queue + {SPARE_THREADS}; must exceed --max-queue)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger request bodies get 413")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="refuse (400) request fields this server does not know, instead of ignoring them and naming "
+                        "them in the x-jaxserve-ignored-fields response header")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="chat completion length when the request sets none (default 1024, within the window)")
     p.add_argument("--kv-dtype", type=canonical_format, choices=["fp8", "bf16"], default="fp8")
@@ -165,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True, warmup="first")
     name = model_name(checkpoint)
     app_cfg = AppConfig(max_inflight=max_queue, max_body_bytes=args.max_body_bytes,
-                        default_chat_max_tokens=args.default_max_tokens or DEFAULT_CHAT_MAX_TOKENS)
+                        default_chat_max_tokens=args.default_max_tokens or DEFAULT_CHAT_MAX_TOKENS,
+                        strict_fields=args.strict_fields)
     server = make_server(create_app(engine, name, app_cfg), serve_cfg)
     # SIGTERM (what process managers send) shuts down like Ctrl-C: waitress's loop ends on SystemExit
     signal.signal(signal.SIGTERM, _exit_on_signal)

@@ -21,7 +21,8 @@ from jaxserve.errors import JaxserveError, QueueFullError, RequestAbortedError, 
 from jaxserve.server.limits import RETRY_AFTER_S, DisconnectWatcher
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protocol import Generation
-from jaxserve.server.toolcalls import ToolCallParser
+from jaxserve.server.reasoning import ReasoningParser
+from jaxserve.server.toolcalls import ToolCall, ToolCallParser
 
 DONE = "data: [DONE]\n\n"
 
@@ -66,13 +67,41 @@ def usage(ends: list[TokenEvent]) -> dict[str, Any]:
 
 @dataclass
 class Choice:
-    """One choice's answer as it accumulates. parser: the tool-call parser of a chat with tools, else None."""
+    """One choice's answer as it accumulates. parser: the tool-call parser of a chat with tools; thinking: the
+    reasoning parser of a thinking model's chat (each None otherwise)."""
 
     parser: ToolCallParser | None = None
+    thinking: ReasoningParser | None = None
     text: list[str] = field(default_factory=list)
     lps: list[dict[str, Any]] = field(default_factory=list)
     offset: int = 0
     end: TokenEvent | None = None
+
+    def read(self, text: str) -> tuple[str, str, list[dict[str, Any]]]:
+        """New output text -> (reasoning, content, tool-call deltas) ready to send."""
+        reasoning, rest = self.thinking.push(text) if self.thinking is not None else ("", text)
+        if self.parser is None:
+            return reasoning, rest, []
+        content, calls = self.parser.push(rest)
+        return reasoning, content, calls
+
+    def read_end(self, truncated: bool) -> tuple[str, str, list[dict[str, Any]]]:
+        """End of output -> what the parsers held back. Raises ToolCallParseError for invalid markup."""
+        reasoning, rest = self.thinking.finish() if self.thinking is not None else ("", "")
+        if self.parser is None:
+            return reasoning, rest, []
+        content, calls = self.parser.push(rest)
+        more, last = self.parser.finish(truncated)
+        return reasoning, content + more, calls + last
+
+
+def split_output(c: Choice, out: str, truncated: bool) -> tuple[str, str, list[ToolCall]]:
+    """A whole output -> (reasoning, content, tool calls); content is "" when only whitespace surrounds calls."""
+    r1, c1, _ = c.read(out)
+    r2, c2, _ = c.read_end(truncated)
+    calls = list(c.parser.calls) if c.parser is not None else []
+    content = c1 + c2
+    return r1 + r2, "" if calls and not content.strip() else content, calls
 
 
 def single_choice(events: Iterator[TokenEvent]) -> Iterator[tuple[int, TokenEvent]]:
@@ -134,7 +163,7 @@ class Reply:
     metrics: ServerMetrics
 
     def choices(self) -> list[Choice]:
-        return [Choice(self.gen.tool_parser()) for _ in range(self.gen.n)]
+        return [Choice(self.gen.tool_parser(), self.gen.reasoning_parser()) for _ in range(self.gen.n)]
 
     def logprob_entry(self, ev: TokenEvent, offset: int) -> dict[str, Any]:
         """One sampled token's logprobs: chat's entry, or a completion's one-token column form."""
@@ -209,16 +238,29 @@ def _choice_json(reply: Reply, i: int, c: Choice) -> dict[str, Any]:
         return {"index": i, "text": out, "logprobs": lp, "finish_reason": c.end.finish_reason}
     message: dict[str, Any] = {"role": "assistant", "content": out}
     finish = c.end.finish_reason
-    if c.parser is not None:
+    if c.parser is not None or c.thinking is not None:
         # invalid markup raises ToolCallParseError (500, reported, never text); an output cut at the
         # token limit keeps "length", its complete calls and the unfinished one as far as it was written
-        parsed = c.parser.parse_all(out, truncated=finish == "length")
-        message["content"] = parsed.content or None if parsed.calls else parsed.content
-        if parsed.calls:
-            message["tool_calls"] = [call.openai() for call in parsed.calls]
+        reasoning, content, calls = split_output(c, out, truncated=finish == "length")
+        message["content"] = content or None if calls else content
+        if c.thinking is not None:
+            message["reasoning_content"] = reasoning or None
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
             finish = "tool_calls" if finish == "stop" else finish
     lp = {"content": c.lps} if reply.gen.logprobs else None
     return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
+
+
+def chat_delta(reasoning: str, text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed chat delta: `content` (also when empty, unless the chunk carries only reasoning),
+    `reasoning_content`, `tool_calls`."""
+    delta: dict[str, Any] = {"content": text} if text or not reasoning else {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
 
 
 # ---- the streamed answer ---------------------------------------------------------------------------------------
@@ -276,13 +318,10 @@ def _token_chunks(reply: Reply, stamp: int, i: int, c: Choice, ev: TokenEvent) -
         lp = reply.logprob_entry(ev, c.offset)
         lp = {"content": [lp]} if reply.shape.chat else lp
     c.offset += len(ev.text)
-    if c.parser is not None:
-        text, calls = c.parser.push(ev.text)
-        if text or calls or lp is not None:
-            delta: dict[str, Any] = {"content": text}
-            if calls:
-                delta["tool_calls"] = calls
-            yield reply.chunk(stamp, i, delta, None, lp)
+    if c.parser is not None or c.thinking is not None:
+        reasoning, text, calls = c.read(ev.text)
+        if reasoning or text or calls or lp is not None:
+            yield reply.chunk(stamp, i, chat_delta(reasoning, text, calls), None, lp)
     elif ev.text or lp is not None:
         yield reply.chunk(stamp, i, {"content": ev.text} if reply.shape.chat else ev.text, None, lp)
 
@@ -290,15 +329,12 @@ def _token_chunks(reply: Reply, stamp: int, i: int, c: Choice, ev: TokenEvent) -
 def _finish_chunks(reply: Reply, stamp: int, i: int, c: Choice) -> Iterator[str]:
     """The last chunks of choice i, which ended normally: the parser's held-back text and calls, the finish."""
     finish = c.end.finish_reason
-    if c.parser is not None:
+    if c.parser is not None or c.thinking is not None:
         # raises ToolCallParseError: reported in-band by `stream`; cut at max_tokens: the unfinished call comes
         # as far as it was written and the finish reason stays "length"
-        text, calls = c.parser.finish(truncated=finish == "length")
-        if text or calls:
-            delta: dict[str, Any] = {"content": text}
-            if calls:
-                delta["tool_calls"] = calls
-            yield reply.chunk(stamp, i, delta, None)
-        if c.parser.calls and finish == "stop":
+        reasoning, text, calls = c.read_end(truncated=finish == "length")
+        if reasoning or text or calls:
+            yield reply.chunk(stamp, i, chat_delta(reasoning, text, calls), None)
+        if c.parser is not None and c.parser.calls and finish == "stop":
             finish = "tool_calls"
     yield reply.chunk(stamp, i, {} if reply.shape.chat else "", finish)
