@@ -1,0 +1,74 @@
+"""reasoning_content end to end: the tiny model served with a chat template that opens `<think>` like Kimi K2.5's
+thinking mode (written into a temp copy of the embedded tokenizer). The random model never closes the block, so
+its whole output is reasoning, the same whole and streamed; thinking off (chat_template_kwargs or
+reasoning_effort) renders `<think></think>` and the output is content."""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from jaxserve.engine import Engine
+from jaxserve.tokenizer import Tokenizer
+from test_server import MODEL, TOKENIZER, Served, engine_config, serve, tiny_model
+
+# the relevant lines of K2.5's template: the generation prompt opens <think> unless thinking is false, and an
+# earlier assistant turn's reasoning_content is rendered back inside <think>...</think>
+K25_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "<think>{{ m.get('reasoning_content') or '' }}</think>{{ m['content'] }}<|im_end|>"
+    "{%- else -%}<|im_user|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}")
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 6, "temperature": 0,
+        "extra_body": {"ignore_eos": True}}
+
+
+@functools.cache
+def thinking_server() -> Served:
+    folder = Path(tempfile.mkdtemp(prefix="k25-tokenizer-"))
+    shutil.copytree(TOKENIZER, folder, dirs_exist_ok=True)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": K25_TEMPLATE}))
+    return serve(Engine(tiny_model(), engine_config(), Tokenizer(folder)))
+
+
+@pytest.fixture(scope="module")
+def srv() -> Served:
+    served = thinking_server()
+    yield served
+    served.close()
+
+
+def test_an_unclosed_block_is_all_reasoning_whole_and_streamed(srv):
+    whole = srv.client().chat.completions.create(**BODY)
+    msg = whole.choices[0].message
+    assert msg.reasoning_content and msg.content == "" and whole.choices[0].finish_reason == "length"
+    chunks = list(srv.client().chat.completions.create(**BODY, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == msg.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == ""
+
+
+@pytest.mark.parametrize("off", [{"extra_body": {"ignore_eos": True, "chat_template_kwargs": {"thinking": False}}},
+                                 {"reasoning_effort": "none"}])
+def test_thinking_off_is_all_content(srv, off):
+    r = srv.client().chat.completions.create(**{**BODY, **off})
+    msg = r.choices[0].message
+    assert msg.content and getattr(msg, "reasoning_content", None) is None
+
+
+def test_earlier_reasoning_is_rendered_back(srv):
+    history = [*BODY["messages"], {"role": "assistant", "content": "4", "reasoning_content": "add them"},
+               {"role": "user", "content": "and 3+3?"}]
+    r = srv.client().chat.completions.create(**{**BODY, "messages": history})
+    rendered = srv.engine.tokenizer.apply_chat_template(history)  # the server renders the same messages
+    assert "<think>add them</think>4" in rendered
+    assert r.usage.prompt_tokens == len(srv.engine.tokenizer.encode_chat(history))
