@@ -298,17 +298,23 @@ def test_seed_makes_sampling_reproducible(srv):
     assert any(sample(s) != a for s in (8, 9))
 
 
-def test_session_affinity_header_reaches_the_engine(srv):
+def session_ids(engine: Engine, session: str, send: Callable[[], httpx.Response]) -> tuple[int, list[str | None]]:
+    """Run `send` -> (its status, the session id the engine saw on its running request of `session`)."""
     seen: list[str | None] = []
 
     def record(sched, ev):  # noqa: ANN001
         if ev.token_id is not None and not seen:
             seen.extend(s.req.session_id for s in sched.running if s.req.request_id == ev.request_id)
 
-    with EmitHook(srv.engine, "user-42", record):
-        r = httpx.post(f"{srv.base}/v1/completions", headers={"x-session-affinity": "user-42"}, timeout=TIMEOUT,
-                       json={"model": MODEL, "prompt": "a", "max_tokens": 2, "ignore_eos": True})
-    assert r.status_code == 200 and seen == ["user-42"]
+    with EmitHook(engine, session, record):
+        status = send().status_code
+    return status, seen
+
+
+def test_session_affinity_header_reaches_the_engine(srv):
+    assert session_ids(srv.engine, "user-42", lambda: httpx.post(
+        f"{srv.base}/v1/completions", headers={"x-session-affinity": "user-42"}, timeout=TIMEOUT,
+        json={"model": MODEL, "prompt": "a", "max_tokens": 2, "ignore_eos": True})) == (200, ["user-42"])
 
 
 def test_concurrent_requests_all_complete(srv):

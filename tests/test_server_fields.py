@@ -10,7 +10,7 @@ import functools
 import httpx2 as httpx
 import pytest
 
-from test_server import MODEL, TIMEOUT, EmitHook, Served, serve, shared_server
+from test_server import MODEL, TIMEOUT, Served, serve, session_ids, shared_server
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -82,16 +82,9 @@ def test_a_known_field_of_the_wrong_type_is_still_400(srv, field, value):
 
 
 def test_prompt_cache_key_routes_like_the_session_affinity_header(srv):
-    seen: list[str | None] = []
-
-    def record(sched, ev):  # noqa: ANN001
-        if ev.token_id is not None and not seen:
-            seen.extend(s.req.session_id for s in sched.running if s.req.request_id == ev.request_id)
-
-    with EmitHook(srv.engine, "conv-9", record):
-        r = httpx.post(f"{srv.base}/v1/chat/completions", timeout=TIMEOUT,
-                       json={**CHAT, "prompt_cache_key": "conv-9", "ignore_eos": True})
-    assert r.status_code == 200 and seen == ["conv-9"]
+    assert session_ids(srv.engine, "conv-9", lambda: httpx.post(
+        f"{srv.base}/v1/chat/completions", timeout=TIMEOUT,
+        json={**CHAT, "prompt_cache_key": "conv-9", "ignore_eos": True})) == (200, ["conv-9"])
 
 
 def test_legacy_functions_are_tools(srv):
