@@ -120,10 +120,10 @@ def _abstract(cfg, fmt: str, spec: PlanSpec):  # noqa: ANN001, ANN202 - ModelCon
     from flax import nnx
 
     from jaxserve.models import CausalLM
-    from jaxserve.quant.apply import WeightFormat, quantize_model
+    from jaxserve.quant.weight_format import WeightFormat, WeightPlan
 
-    wf = WeightFormat(fmt, spec.group_size)
-    return nnx.eval_shape(lambda: quantize_model(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), wf))
+    plan = WeightPlan(WeightFormat(fmt, spec.group_size))
+    return nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), weights=plan))
 
 
 def _per_device_bytes(model, par) -> int:  # noqa: ANN001
@@ -133,11 +133,11 @@ def _per_device_bytes(model, par) -> int:  # noqa: ANN001
     import jax
     from flax import nnx
 
-    from jaxserve.models.sharded import state_shardings
+    from jaxserve.sharding import state_shardings
 
     _, state = nnx.split(model)
     total = 0
-    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings(model, par))):
+    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings(par, state))):
         total += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
     return total
 
@@ -159,10 +159,10 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     from jaxserve.engine.programs import _pool_shardings, decode_step, kv_layout, prefill_step
     from jaxserve.engine.scheduler import dummy_decode, dummy_prefill
     from jaxserve.hlo import collectives, summarize
-    from jaxserve.models.sharded import state_shardings
+    from jaxserve.sharding import state_shardings
 
     graphdef, state = nnx.split(model)
-    state = _with_shardings(state, state_shardings(model, par))
+    state = _with_shardings(state, state_shardings(par, state))
     rows = par.sharding(("batch",))
     dp = par.size("pages")
     ps = spec.page_size
@@ -201,7 +201,7 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
 
     from jaxserve.config import from_hf_config
     from jaxserve.engine.programs import kv_layout
-    from jaxserve.models.sharded import shard_model
+    from jaxserve.models.build import shard_model
     from jaxserve.sharding import Parallel, ShardingRules, make_mesh
 
     raw = PRESETS[cfg_or_preset] if isinstance(cfg_or_preset, str) else cfg_or_preset

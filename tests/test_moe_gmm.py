@@ -201,7 +201,7 @@ def test_moe_routed_paths_agree_and_follow_the_size(dtype) -> None:
     from jaxserve.models.layers import MoE
 
     cfg = from_hf_config(hf_tiny.CONFIGS["deepseek_v3"]().to_dict())
-    moe = MoE(cfg, dtype=dtype, rngs=nnx.Rngs(1))
+    moe = MoE(cfg, dtype=dtype, rngs=nnx.Rngs(1), path="layers.1.mlp")
     graphdef, state = nnx.split(moe)
 
     def routed(state: nnx.State, x: jax.Array) -> jax.Array:

@@ -14,7 +14,8 @@ from jaxserve.convert.converter import convert
 from jaxserve.checkpoint import load
 from jaxserve.eval import quality
 from jaxserve.models import forward
-from jaxserve.quant.apply import WeightFormat, quantize_model
+from jaxserve.quant.apply import quantize_model
+from jaxserve.quant.weight_format import WeightFormat
 from jaxserve.tokenizer import Tokenizer
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi"

@@ -21,7 +21,8 @@ from jaxserve.cli import main
 from jaxserve.errors import CheckpointError
 from jaxserve.models import forward
 from jaxserve.models.layers import Experts, Linear
-from jaxserve.quant.apply import WeightFormat, quantize_model, weight_bytes
+from jaxserve.quant.apply import quantize_model, weight_bytes
+from jaxserve.quant.weight_format import WeightFormat
 
 
 @pytest.fixture(scope="module")

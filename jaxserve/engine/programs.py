@@ -33,9 +33,10 @@ from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, samp
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
-from jaxserve.models.sharded import shard_model, state_shardings
-from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_sharding
-from jaxserve.quant.apply import WeightFormat, compute_layout, quantize_model
+from jaxserve.models.build import dtype_of, matmuls, shard_model
+from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_sharding, state_shardings
+from jaxserve.quant.apply import compute_layout, quantize_model
+from jaxserve.quant.weight_format import WeightFormat
 
 
 def bucket(n: int, cap: int, floor: int = 1) -> int:
@@ -58,10 +59,6 @@ def kv_layout(cfg: ModelConfig, page_size: int, dtype: str, index_dtype: str | N
 
 POOL_FIELDS = tuple(POOL_AXES)
 FIRST_TAG_SYNCS = (1, 2, 4, 8)  # changed-page counts (padded to powers of two) a first short request syncs
-
-
-def _path(p: tuple) -> str:
-    return ".".join(str(x) for x in p)
 
 
 @dataclass
@@ -164,7 +161,7 @@ class Programs:
 
         def phase_model(m: CausalLM, name: str, weights: str) -> CausalLM:
             out = _in_format(m, fmt(weights))
-            return compute_layout(out, _dtype_of(out)) if self.weight_layout[name] == "compute" else out
+            return compute_layout(out, dtype_of(out)) if self.weight_layout[name] == "compute" else out
 
         self.prefill_phase = self._phase(phase_model(model, "prefill", cfg.prefill_weights), self.prefill_parallel,
                                          kv_layout(model.cfg, cfg.page_size, prefill_kv), cfg.num_prefill_pages)
@@ -192,8 +189,8 @@ class Programs:
 
     def _phase(self, model: CausalLM, par: Parallel, layout: KVLayout, num_pages: int) -> Phase:
         """Put a phase's model on its mesh (already-placed arrays stay where they are) and create its pool."""
-        shard_model(model, par if par.mesh.devices.size > 1 else None)
-        state_sharding = state_shardings(model, par)
+        model = shard_model(model, par if par.mesh.devices.size > 1 else None)
+        state_sharding = state_shardings(par, nnx.state(model))
         graphdef, state = nnx.split(model)
         state = jax.device_put(state, state_sharding)
         shape = jax.eval_shape(lambda: init_pages(layout, num_pages))
@@ -369,19 +366,12 @@ def weight_layout(cfg: EngineConfig, devices: list[jax.Device]) -> str:
     return "compute" if xla_only and all(d.platform == "cpu" for d in devices) else "packed"
 
 
-def _dtype_of(model: CausalLM) -> jnp.dtype:
-    """The model's activation dtype (its embedding table's)."""
-    return model.embed[...].dtype
-
-
 def _in_format(model: CausalLM, wf: WeightFormat) -> CausalLM:
     """`model` with its quantizable weights in wf.fmt; a weight already quantized differently is an error."""
-    from jaxserve.models.layers import Experts, Linear
-
     out = quantize_model(model, wf)
-    for path, module in nnx.iter_graph(out):
-        if isinstance(module, (Linear, Experts)) and module.fmt in ("fp8", "int4") and module.fmt != wf.fmt:
-            raise ConfigError(f"{_path(path)} is stored as {module.fmt}, but this phase runs {wf.fmt} weights",
+    for path, module in matmuls(out):
+        if module.fmt in ("fp8", "int4") and module.fmt != wf.fmt:
+            raise ConfigError(f"{path} is stored as {module.fmt}, but this phase runs {wf.fmt} weights",
                               value=module.fmt, param="weights")
     return out
 

@@ -30,7 +30,8 @@ from jaxserve.engine.programs import kv_layout
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.paged import PrefillBatch, prefill
-from jaxserve.quant.apply import WeightFormat, quantize_model
+from jaxserve.quant.apply import quantize_model
+from jaxserve.quant.weight_format import WeightFormat
 from jaxserve.tokenizer import Tokenizer
 
 

@@ -28,7 +28,8 @@ from jaxserve.errors import CheckpointError, ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.layers import Linear
 from jaxserve.quant import formats
-from jaxserve.quant.apply import WeightFormat, quantize_model, weight_bytes
+from jaxserve.quant.apply import quantize_model, weight_bytes
+from jaxserve.quant.weight_format import WeightFormat
 
 QUANTIZED_FORMATS = ("fp8", "int4")
 
