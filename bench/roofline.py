@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
-from jaxserve.cache.pages import KVLayout  # noqa: E402
+from jaxserve.cache import KVLayout  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.engine.programs import kv_layout  # noqa: E402
 from jaxserve.models import CausalLM  # noqa: E402

@@ -19,7 +19,7 @@ from jaxserve.errors import CheckpointError
 from jaxserve.models import CausalLM
 from jaxserve.models.sharded import shard_model
 from jaxserve.quant.apply import WeightFormat, quantize_model
-from jaxserve.quant.formats import canonical_format
+from jaxserve.format_names import canonical_format
 from jaxserve.sharding import Parallel, ShardingRules, check_model, param_sharding
 
 MANIFEST = "jaxserve.json"

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jaxserve.errors import ConfigError
+from jaxserve.format_names import FORMATS, KV_DTYPES, canonical_format
 
 # model configs as their config.json files give them (MODEL_FORMATS.md): only the keys the models read
 PRESETS: dict[str, dict] = {
@@ -90,9 +91,6 @@ class PlanSpec:
     compile: bool = True
 
     def __post_init__(self) -> None:
-        from jaxserve.cache.pages import KV_DTYPES
-        from jaxserve.quant.formats import FORMATS, canonical_format
-
         for p in ("decode_weights", "prefill_weights", "kv_dtype"):  # accept "bfloat16", "float8_e4m3fn", ...
             object.__setattr__(self, p, canonical_format(getattr(self, p)))
         for p, allowed in (("decode_weights", FORMATS), ("prefill_weights", FORMATS), ("kv_dtype", KV_DTYPES)):

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from engine_util import engine, pool_is_full, prompts, tiny_model
-from jaxserve.cache import write_tokens
+from jaxserve.cache import NULL_PAGE, PageAllocator, write_tokens
 from jaxserve.cache.integrity import check_tags, integrity_errors, mask_outputs
-from jaxserve.cache.pages import NULL_PAGE, PageAllocator
 from jaxserve.engine import Request, SamplingParams
 from jaxserve.errors import KVIntegrityError
 
