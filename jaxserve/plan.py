@@ -154,7 +154,8 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     from flax import nnx
 
     from jaxserve.cache import init_pages
-    from jaxserve.engine.programs import _pool_shardings, decode_step, kv_layout, prefill_step
+    from jaxserve.engine.layouts import kv_layout, prefill_kv_dtype
+    from jaxserve.engine.programs import _pool_shardings, decode_step, prefill_step
     from jaxserve.engine.scheduler import dummy_decode, dummy_prefill
     from jaxserve.hlo import collectives, summarize
     from jaxserve.models.sharded import state_shardings
@@ -164,7 +165,7 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     rows = par.sharding(("batch",))
     dp = par.size("pages")
     ps = spec.page_size
-    kv = spec.kv_dtype if phase == "decode" else "bf16"
+    kv = spec.kv_dtype if phase == "decode" else prefill_kv_dtype(spec.kv_dtype)
     layout = kv_layout(cfg, ps, kv)
     ctx = spec.decode_context if phase == "decode" else spec.prefill_context
     m = -(-ctx // ps)
@@ -198,7 +199,7 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
     from tqdm import tqdm
 
     from jaxserve.config import from_hf_config
-    from jaxserve.engine.programs import kv_layout
+    from jaxserve.engine.layouts import kv_layout
     from jaxserve.models.sharded import shard_model
     from jaxserve.sharding import Parallel, ShardingRules, make_mesh
 

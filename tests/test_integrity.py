@@ -378,7 +378,7 @@ def _two_row_pool(model, kv_dtype: str, victim_tag: int):
     """A pool with row 0 on pages [1, 2] (tags 5, 6) and row 1 on pages [3, 4] (tags 7, 8), KV written through
     write_tokens with those tags, then page 4 rewritten by a writer with `victim_tag`. -> (pages, DecodeBatch)."""
     from jaxserve.cache import init_pages
-    from jaxserve.engine.programs import kv_layout
+    from jaxserve.engine.layouts import kv_layout
     from jaxserve.models.paged import DecodeBatch
 
     cfg = model.cfg
