@@ -32,9 +32,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
-from jaxserve.cache.pages import KVLayout  # noqa: E402
+from jaxserve.cache import KVLayout  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
-from jaxserve.engine.programs import kv_layout  # noqa: E402
+from jaxserve.engine.layouts import kv_layout  # noqa: E402
 from jaxserve.models import CausalLM  # noqa: E402
 from jaxserve.quant import formats  # noqa: E402
 from jaxserve.quant.apply import quantize_model  # noqa: E402

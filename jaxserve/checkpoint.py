@@ -18,7 +18,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import CheckpointError
 from jaxserve.models import CausalLM
 from jaxserve.quant.weight_format import WeightFormat, WeightPlan
-from jaxserve.quant.formats import canonical_format
+from jaxserve.format_names import canonical_format
 from jaxserve.sharding import Parallel, ShardingRules, check_model, state_shardings
 
 MANIFEST = "jaxserve.json"

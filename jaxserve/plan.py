@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jaxserve.errors import ConfigError
+from jaxserve.format_names import FORMATS, KV_DTYPES, canonical_format
 
 # model configs as their config.json files give them (MODEL_FORMATS.md): only the keys the models read
 PRESETS: dict[str, dict] = {
@@ -90,9 +91,6 @@ class PlanSpec:
     compile: bool = True
 
     def __post_init__(self) -> None:
-        from jaxserve.cache.pages import KV_DTYPES
-        from jaxserve.quant.formats import FORMATS, canonical_format
-
         for p in ("decode_weights", "prefill_weights", "kv_dtype"):  # accept "bfloat16", "float8_e4m3fn", ...
             object.__setattr__(self, p, canonical_format(getattr(self, p)))
         for p, allowed in (("decode_weights", FORMATS), ("prefill_weights", FORMATS), ("kv_dtype", KV_DTYPES)):
@@ -156,7 +154,8 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     from flax import nnx
 
     from jaxserve.cache import init_pages
-    from jaxserve.engine.programs import _pool_shardings, decode_step, kv_layout, prefill_step
+    from jaxserve.engine.layouts import kv_layout, prefill_kv_dtype
+    from jaxserve.engine.programs import _pool_shardings, decode_step, prefill_step
     from jaxserve.engine.scheduler import dummy_decode, dummy_prefill
     from jaxserve.hlo import collectives, summarize
     from jaxserve.sharding import state_shardings
@@ -166,7 +165,7 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     rows = par.sharding(("batch",))
     dp = par.size("pages")
     ps = spec.page_size
-    kv = spec.kv_dtype if phase == "decode" else "bf16"
+    kv = spec.kv_dtype if phase == "decode" else prefill_kv_dtype(spec.kv_dtype)
     layout = kv_layout(cfg, ps, kv)
     ctx = spec.decode_context if phase == "decode" else spec.prefill_context
     m = -(-ctx // ps)
@@ -200,7 +199,7 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
     from tqdm import tqdm
 
     from jaxserve.config import from_hf_config
-    from jaxserve.engine.programs import kv_layout
+    from jaxserve.engine.layouts import kv_layout
     from jaxserve.models.build import shard_model
     from jaxserve.sharding import Parallel, ShardingRules, make_mesh
 

@@ -364,7 +364,7 @@ def test_dtype_aliases_name_formats_everywhere(kimi_hf, tmp_path, capsys):
     "bfloat16" / "float8_e4m3fn" / "uint4" for a format, and a name that is no format fails typed, naming it."""
     import argparse
 
-    from jaxserve.cache.pages import KVLayout
+    from jaxserve.cache import KVLayout
     from jaxserve.checkpoint import load, load_formats
     from jaxserve.cli import main
     from jaxserve.engine import EngineConfig

@@ -25,7 +25,7 @@ from jaxserve.cache import (KVLayout, gather_index_keys, init_pages, insert_page
 from jaxserve.config import from_hf_config
 from jaxserve.convert.converter import convert
 from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams
-from jaxserve.engine.programs import kv_layout
+from jaxserve.engine.layouts import kv_layout
 from jaxserve.errors import KVIntegrityError
 from jaxserve.eval import quality
 from jaxserve.models import dsa

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from engine_util import engine, pool_is_full, prompts, tiny_model
-from jaxserve.cache import write_tokens
+from jaxserve.cache import NULL_PAGE, PageAllocator, write_tokens
 from jaxserve.cache.integrity import check_tags, integrity_errors, mask_outputs
-from jaxserve.cache.pages import NULL_PAGE, PageAllocator
 from jaxserve.engine import Request, SamplingParams
 from jaxserve.errors import KVIntegrityError
 
@@ -379,7 +378,7 @@ def _two_row_pool(model, kv_dtype: str, victim_tag: int):
     """A pool with row 0 on pages [1, 2] (tags 5, 6) and row 1 on pages [3, 4] (tags 7, 8), KV written through
     write_tokens with those tags, then page 4 rewritten by a writer with `victim_tag`. -> (pages, DecodeBatch)."""
     from jaxserve.cache import init_pages
-    from jaxserve.engine.programs import kv_layout
+    from jaxserve.engine.layouts import kv_layout
     from jaxserve.models.paged import DecodeBatch
 
     cfg = model.cfg

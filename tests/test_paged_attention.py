@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.cache.pages import quantize_fp8
+from jaxserve.cache import quantize_fp8
 from pallas_kernels.paged_attention import choose_blocks, paged_gqa_decode, paged_mla_decode
 from pallas_kernels.reference_paged import fp8_error_bound, paged_gqa_reference, paged_mla_reference
 

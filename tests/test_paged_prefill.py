@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.cache.pages import quantize_fp8
+from jaxserve.cache import quantize_fp8
 from pallas_kernels.paged_prefill import PrefillBlocks, choose_blocks, paged_prefill_gqa, paged_prefill_mla
 from pallas_kernels.reference_prefill import (prefill_gqa_blockwise, prefill_gqa_dense, prefill_mla_blockwise,
                                               prefill_mla_dense)

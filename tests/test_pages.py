@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.cache.pages import (
+from jaxserve.cache import (
     FP8_MAX,
     KVLayout,
     KVPages,

@@ -23,7 +23,7 @@ from flax import nnx
 
 from engine_util import tiny_model
 from jaxserve.cache import KVPages, gather_tokens, init_pages, write_tokens
-from jaxserve.engine.programs import kv_layout
+from jaxserve.engine.layouts import kv_layout
 from jaxserve.models.paged import PrefillBatch, prefill
 from jaxserve.models.transformer import CausalLM
 

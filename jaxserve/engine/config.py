@@ -5,8 +5,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from jaxserve.errors import ConfigError
-
-KVDtype = Literal["fp8", "bf16", "f32"]
+from jaxserve.format_names import FORMATS, KV_DTYPES, KVDtype, canonical_format
 
 
 @dataclass(frozen=True)
@@ -63,9 +62,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> None:
             raise ConfigError(f"EngineConfig.{param} {msg}", value=getattr(self, param), param=param)
-
-        from jaxserve.cache.pages import KV_DTYPES
-        from jaxserve.quant.formats import FORMATS, canonical_format
 
         # accept the dtype names users type ("bfloat16", "float8_e4m3fn", ...)
         for p in ("kv_dtype", "index_kv_dtype", "prefill_weights", "decode_weights"):

@@ -27,8 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, init_pages, insert_pages, pages_to_fp8
-from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.layouts import PhaseLayouts
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
@@ -45,16 +45,6 @@ def bucket(n: int, cap: int, floor: int = 1) -> int:
     while b < n:
         b *= 2
     return min(b, cap)
-
-
-def kv_layout(cfg: ModelConfig, page_size: int, dtype: str, index_dtype: str | None = None) -> KVLayout:
-    """The page pool of `cfg`: MLA latent rows (+ DSA indexer keys of its full indexer layers) or GQA K/V.
-    index_dtype: the indexer keys' dtype when it differs from `dtype` (only "bf16" in an FP8 pool is useful)."""
-    if cfg.is_mla:
-        return KVLayout.mla(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size=page_size, dtype=dtype,
-                            index_layers=len(cfg.index_layers), index_head_dim=cfg.index_head_dim if cfg.has_indexer
-                            else 0, index_dtype=None if index_dtype in (None, dtype) else index_dtype)
-    return KVLayout.gqa(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size=page_size, dtype=dtype)
 
 
 POOL_FIELDS = tuple(POOL_AXES)
@@ -156,7 +146,7 @@ class Programs:
             return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret,
                                 backend, cfg.int4_scope)
 
-        prefill_kv = "f32" if cfg.kv_dtype == "f32" else "bf16"  # prefill writes BF16 pages (f32 for reference runs)
+        self.layouts = PhaseLayouts.of(model.cfg, cfg)  # the prefix-cache salt reads the prefill pool's dtype here
         self.weight_layout = {"prefill": weight_layout(cfg, p_dev), "decode": weight_layout(cfg, d_dev)}
 
         def phase_model(m: CausalLM, name: str, weights: str) -> CausalLM:
@@ -164,11 +154,10 @@ class Programs:
             return compute_layout(out, dtype_of(out)) if self.weight_layout[name] == "compute" else out
 
         self.prefill_phase = self._phase(phase_model(model, "prefill", cfg.prefill_weights), self.prefill_parallel,
-                                         kv_layout(model.cfg, cfg.page_size, prefill_kv), cfg.num_prefill_pages)
+                                         self.layouts.prefill, cfg.num_prefill_pages)
         self.decode_phase = self._phase(phase_model(decode_model or model, "decode", cfg.decode_weights),
                                         self.decode_parallel,
-                                        kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype, cfg.index_kv_dtype),
-                                        cfg.num_decode_pages)
+                                        self.layouts.decode, cfg.num_decode_pages)
         self.compiles: collections.Counter[str] = collections.Counter()
         pp, dp = self.prefill_parallel, self.decode_parallel
         rows_p, rows_d = pp.sharding(("batch",)), dp.sharding(("batch",))

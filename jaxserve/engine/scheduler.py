@@ -351,7 +351,7 @@ class Scheduler:
         self.decode_alloc = PageAllocator(cfg.num_decode_pages, shards=self.ranks)
         self.rows = DecodeRows(cfg.max_batch, cfg.max_pages_per_seq, cfg.page_size)
         # one prefix cache per DP attention rank: a cached page is only readable on its own rank's devices
-        salt = engine_salt(model_cfg, cfg.prefill_weights, "bf16", cfg.dtype)  # the prefill pool is BF16
+        salt = engine_salt(model_cfg, cfg.prefill_weights, programs.layouts.prefill.dtype, cfg.dtype)
         self.prefix_caches = [PrefixCache(self.prefill_alloc, cfg.page_size, salt) for _ in range(self.ranks)] \
             if cfg.prefix_cache else []
         self.waiting: deque[Sequence] = deque()

@@ -26,7 +26,7 @@ from jaxserve.eval import corpus
 from jaxserve.cache import init_pages
 from jaxserve.checkpoint import load, load_formats
 from jaxserve.engine import Engine, EngineConfig, SamplingParams
-from jaxserve.engine.programs import kv_layout
+from jaxserve.engine.layouts import kv_layout
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.paged import PrefillBatch, prefill

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from jaxserve.format_names import canonical_format
 from jaxserve.quant import formats
 
 QUANTIZED = ("fp8", "int4")
@@ -34,7 +35,7 @@ class WeightFormat:
 
     def __post_init__(self) -> None:
         # accept the dtype names users type ("bfloat16", "float8_e4m3fn", ...)
-        object.__setattr__(self, "fmt", formats.check_fmt(formats.canonical_format(self.fmt)))
+        object.__setattr__(self, "fmt", formats.check_fmt(canonical_format(self.fmt)))
         formats.check_int4_scope(self.int4_scope)
 
 

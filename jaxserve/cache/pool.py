@@ -1,9 +1,5 @@
-"""Paged KV cache: layout, device page pools (BF16 or FP8 e4m3 + f32 scales), scatter/gather, host allocator.
-
-Two layouts:
-  * "mla": one latent row per token and layer, `latent_dim = kv_lora_rank + qk_rope_head_dim` (Kimi: 512 + 64).
-    The attention "value" is the first `kv_lora_rank` columns of the row.
-  * "gqa": K and V, each `[kv_heads, head_dim]` per token and layer (GLM-4.5: 8 x 128).
+"""Device page pools (`KVPages`) and the programs over them: scatter of new tokens, gathers, the prefill -> decode
+hand-off, DSA indexer keys, and the device tag array.
 
 Pools are stored as bit patterns: uint8 for FP8, uint16 for BF16 (uint32 for the f32 reference pool). XLA:CPU cannot
 scatter float8/bfloat16 natively, so a float8 pool made it convert the whole pool to f16/f32 and back around every
@@ -15,136 +11,25 @@ FP8 pools store `float8_e4m3fn` values plus one float32 scale per token (MLA) or
 `x ~= q.astype(f32) * scale`, `scale = amax(|row|) / 448`. Quantization saturates (clips to +-448 before the
 cast) so it never produces NaN from finite or infinite inputs; an all-zero row gets scale 1 (dequant gives 0).
 
-DSA indexer keys (GLM-5.x, optional, MLA only): one `index_head_dim` key per token for each layer that runs its
-own indexer ("full" layers; IndexShare layers reuse another layer's selection and store nothing), in the same pages
-and slots as the latent rows, so page ids, tags, the prefix cache and the hand-off cover them unchanged. FP8 (one
-f32 scale per key, as the reference design stores them) when the pool is FP8, or BF16 (`index_dtype="bf16"`).
-
-Slots: a token's slot is `page * page_size + offset`. Page 0 is reserved by `PageAllocator` as the null page:
-block tables pad with 0 so gathers of padding entries read a valid, never-owned page (masked by lengths).
-
 Tags: `KVPages.tags` [pages] uint32 is the device's witness of each page's generation. The host sets it when a
-page is allocated (its new tag) or freed (0, "no generation"; `PageAllocator.sync_device_tags`); every KV write
-(`write_tokens` with `slot_tags`, `insert_pages`) stamps the writer's tag for the page it writes, in the same
-program as the data. A write through a stale slot therefore leaves a tag its page's owner does not expect, and
-the owner's next read (`integrity.check_tags`) fails closed.
+page is allocated (its new tag) or freed (0, "no generation"; `PageAllocator.sync_device_tags` through
+`scatter_tags`); every KV write (`write_tokens` with `slot_tags`, `insert_pages`) stamps the writer's tag for the
+page it writes, in the same program as the data. A write through a stale slot therefore leaves a tag its page's
+owner does not expect, and the owner's next read (`integrity.check_tags`) fails closed.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.errors import ConfigError, OutOfPagesError, PageAllocatorError
-from jaxserve.quant.formats import canonical_format
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_DTYPE = jnp.float8_e4m3fn
-NULL_PAGE = 0  # reserved padding page (see PageAllocator)
-
-KVKind = Literal["mla", "gqa"]
-KVDtype = Literal["bf16", "fp8", "f32"]  # f32: a reference-precision pool (tests, quality baselines)
-KV_DTYPES: tuple[KVDtype, ...] = ("bf16", "fp8", "f32")
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Static shape of a KV page pool. MLA fields are 0 for GQA and vice versa."""
-
-    kind: KVKind
-    num_layers: int
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    kv_heads: int = 0
-    head_dim: int = 0
-    page_size: int = 16
-    dtype: KVDtype = "bf16"
-    index_layers: int = 0  # layers with a DSA indexer key cache (0: none)
-    index_head_dim: int = 0
-    index_dtype: KVDtype | None = None  # indexer keys' dtype; None: the pool's dtype
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("mla", "gqa"):
-            raise ConfigError(f"KV layout kind must be 'mla' or 'gqa', got {self.kind!r}", value=self.kind, param="kind")
-        # accept the dtype names users type ("bfloat16", "float8_e4m3fn", ...) for the pool's formats
-        object.__setattr__(self, "dtype", canonical_format(self.dtype))
-        object.__setattr__(self, "index_dtype", canonical_format(self.index_dtype))
-        if self.dtype not in KV_DTYPES:
-            raise ConfigError(f"KV dtype must be 'bf16', 'fp8' or 'f32', got {self.dtype!r}", value=self.dtype,
-                              param="dtype")
-        for name in ("num_layers", "page_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive", value=getattr(self, name), param=name)
-        if self.kind == "mla" and (self.kv_lora_rank <= 0 or self.qk_rope_head_dim < 0):
-            raise ConfigError("MLA layout needs kv_lora_rank > 0", value=self.kv_lora_rank, param="kv_lora_rank")
-        if self.kind == "gqa" and (self.kv_heads <= 0 or self.head_dim <= 0):
-            raise ConfigError("GQA layout needs kv_heads > 0 and head_dim > 0", value=(self.kv_heads, self.head_dim),
-                              param="kv_heads")
-        if self.index_layers and (self.kind != "mla" or self.index_head_dim <= 0):
-            raise ConfigError("an indexer key cache needs an MLA layout and index_head_dim > 0",
-                              value=(self.kind, self.index_head_dim), param="index_head_dim")
-        if self.index_dtype is not None and self.index_dtype not in KV_DTYPES:
-            raise ConfigError(f"index dtype must be 'bf16', 'fp8' or 'f32', got {self.index_dtype!r}",
-                              value=self.index_dtype, param="index_dtype")
-
-    @classmethod
-    def mla(cls, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, page_size: int = 16,
-            dtype: KVDtype = "bf16", index_layers: int = 0, index_head_dim: int = 0,
-            index_dtype: KVDtype | None = None) -> KVLayout:
-        return cls("mla", num_layers, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-                   page_size=page_size, dtype=dtype, index_layers=index_layers, index_head_dim=index_head_dim,
-                   index_dtype=index_dtype)
-
-    @classmethod
-    def gqa(cls, num_layers: int, kv_heads: int, head_dim: int, page_size: int = 16,
-            dtype: KVDtype = "bf16") -> KVLayout:
-        return cls("gqa", num_layers, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype)
-
-    @property
-    def latent_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def jnp_dtype(self) -> jnp.dtype:
-        """The value dtype (float8_e4m3fn, bfloat16 or float32) that `KVPages.layer` and gathers present."""
-        return jnp.dtype({"fp8": FP8_DTYPE, "bf16": jnp.bfloat16, "f32": jnp.float32}[self.dtype])
-
-    @property
-    def storage_dtype(self) -> jnp.dtype:
-        """The dtype the pool arrays are stored in: the value dtype's bit pattern (uint8 / uint16 / uint32)."""
-        return jnp.dtype({"fp8": jnp.uint8, "bf16": jnp.uint16, "f32": jnp.uint32}[self.dtype])
-
-    def with_dtype(self, dtype: KVDtype) -> KVLayout:
-        """The same layout in another pool dtype (indexer keys follow it unless `index_dtype` is set)."""
-        return replace(self, dtype=dtype)
-
-    @property
-    def index_layout(self) -> KVLayout:
-        """The indexer keys' own dtype view: `index_layout.jnp_dtype` / `.storage_dtype` / `.dtype` for them."""
-        return replace(self, dtype=self.index_dtype or self.dtype, index_dtype=None)
-
-    def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers, FP8 scales (f32) and DSA indexer keys included."""
-        elem = self.jnp_dtype.itemsize
-        scale = 4 if self.dtype == "fp8" else 0
-        if self.kind == "mla":
-            per_layer = self.latent_dim * elem + scale
-        else:
-            per_layer = 2 * self.kv_heads * (self.head_dim * elem + scale)
-        return self.num_layers * per_layer + self.index_bytes_per_token()
-
-    def index_bytes_per_token(self) -> int:
-        """Bytes of one token's DSA indexer keys across the indexer layers (0 without an indexer cache)."""
-        il = self.index_layout
-        return self.index_layers * (self.index_head_dim * il.jnp_dtype.itemsize + (4 if il.dtype == "fp8" else 0))
-
-    def tokens_per_gib(self) -> float:
-        return float(2**30) / self.bytes_per_token()
+from jaxserve.cache.layout import FP8_DTYPE, FP8_MAX, KVLayout
+from jaxserve.errors import ConfigError
+from jaxserve.format_names import KVDtype
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -500,7 +385,9 @@ def gather_latent_rows(pages: KVPages, layer: int | jax.Array, block_tables: jax
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _scatter_tags(device_tags: jax.Array, pages: jax.Array, tags: jax.Array) -> jax.Array:
+def scatter_tags(device_tags: jax.Array, pages: jax.Array, tags: jax.Array) -> jax.Array:
+    """device_tags [num_pages] uint32 (donated) with device_tags[pages[i]] = tags[i]; pages [n] int32 (out of range:
+    dropped, the padding of a power-of-two update), tags [n] uint32."""
     return device_tags.at[pages].set(tags, mode="drop")
 
 
@@ -510,162 +397,4 @@ def compile_tag_sync(device_tags: jax.Array, sizes: Sequence[int]) -> None:
     num_pages = device_tags.shape[0]
     scratch = jax.device_put(np.zeros(device_tags.shape, np.uint32), device_tags.sharding)
     for n in sizes:  # each scatter donates its input: the next one takes its output, placed alike
-        scratch = _scatter_tags(scratch, *jax.device_put((np.full(n, num_pages, np.int32), np.zeros(n, np.uint32))))
-
-
-@dataclass
-class PageAllocator:
-    """Host-side page allocator with refcounts and per-page generation tags.
-
-    Page 0 (NULL_PAGE) is reserved when `reserve_null_page` (default): never handed out, so block tables can pad
-    with it. Tags are uint32, bumped on every allocation (skipping 0 on wrap, so a tag never equals its previous
-    value and 0 means "never allocated"). Freeing does not change the host tag; reallocating does. The device's
-    copy (`live_tags`, sent by `sync_device_tags`) is 0 for a free page, so a reader still holding a freed page
-    fails its check at once, before the page is even reallocated.
-
-    `shards` > 1 splits the page ids into equal contiguous ranges, one per data-parallel attention rank (the pool's
-    page axis is split the same way over the mesh): `allocate(n, shard=r)` takes pages of range r only, and the
-    first page of every range is reserved as that device's null page (global page `r * pages_per_shard`).
-    """
-
-    num_pages: int
-    reserve_null_page: bool = True
-    shards: int = 1
-    _tags: np.ndarray = field(init=False, repr=False)
-    _refcount: np.ndarray = field(init=False, repr=False)
-    _free: list[list[int]] = field(init=False, repr=False)  # per shard: a stack, pops lowest ids first
-    _dirty: set[int] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        first = 1 if self.reserve_null_page else 0
-        if self.shards < 1 or self.num_pages % self.shards:
-            raise ConfigError(f"PageAllocator: {self.num_pages} pages do not split into {self.shards} equal shards",
-                              value=self.shards, param="shards")
-        if self.pages_per_shard <= first:
-            raise ConfigError("PageAllocator needs at least one allocatable page per shard", value=self.num_pages,
-                              param="num_pages")
-        self._tags = np.zeros(self.num_pages, np.uint32)
-        self._refcount = np.zeros(self.num_pages, np.int32)
-        ps = self.pages_per_shard
-        self._free = [list(range((s + 1) * ps - 1, s * ps + first - 1, -1)) for s in range(self.shards)]
-        self._dirty = set()
-
-    @property
-    def pages_per_shard(self) -> int:
-        return self.num_pages // self.shards
-
-    @property
-    def capacity(self) -> int:
-        """Allocatable pages (the reserved null pages excluded)."""
-        return self.num_pages - (self.shards if self.reserve_null_page else 0)
-
-    @property
-    def num_free(self) -> int:
-        return sum(len(f) for f in self._free)
-
-    def num_free_in(self, shard: int) -> int:
-        """Free pages of one shard."""
-        return len(self._free[shard])
-
-    def shard_of(self, page: int) -> int:
-        return int(page) // self.pages_per_shard
-
-    @property
-    def num_used(self) -> int:
-        return self.capacity - self.num_free
-
-    @property
-    def tags(self) -> np.ndarray:
-        """Copy of the host tag array [num_pages] uint32."""
-        return self._tags.copy()
-
-    @property
-    def live_tags(self) -> np.ndarray:
-        """What the device tag array should hold [num_pages] uint32: the tag of each allocated page, 0 if free."""
-        return np.where(self._refcount > 0, self._tags, 0).astype(np.uint32)
-
-    def refcount(self, page: int) -> int:
-        self._check_page(page)
-        return int(self._refcount[page])
-
-    def tag(self, page: int) -> int:
-        """The page's current host tag (its last allocation's)."""
-        self._check_page(page)
-        return int(self._tags[page])
-
-    def allocate(self, n: int, shard: int = 0) -> list[tuple[int, int]]:
-        """n fresh pages of `shard` as (page, tag), refcount 1 each. All or nothing: OutOfPagesError allocates
-        nothing."""
-        if n < 0:
-            raise PageAllocatorError(f"cannot allocate a negative number of pages ({n})", value=n, param="n")
-        if not 0 <= shard < self.shards:
-            raise PageAllocatorError(f"unknown page shard {shard!r} (have {self.shards})", value=shard, param="shard")
-        free = self._free[shard]
-        if n > len(free):
-            raise OutOfPagesError(f"need {n} pages, {len(free)} free", value=n, param="n")
-        out = []
-        for _ in range(n):
-            page = free.pop()
-            tag = int(self._tags[page]) + 1
-            tag = 1 if tag > 0xFFFFFFFF else tag  # wrap skips 0
-            self._tags[page] = tag
-            self._refcount[page] = 1
-            self._dirty.add(page)
-            out.append((page, tag))
-        return out
-
-    def share(self, page: int, tag: int | None = None) -> None:
-        """One more owner of an allocated page (prefix cache). With `tag`, a stale pair is refused."""
-        self._check_owned(page, tag)
-        self._refcount[page] += 1
-
-    def free(self, page: int, tag: int) -> None:
-        """Drop one reference; at refcount 0 the page returns to the free list.
-
-        Raises PageAllocatorError for an unknown/reserved page, a free page (double free) or a stale tag.
-        """
-        self._check_owned(page, tag)
-        self._refcount[page] -= 1
-        if self._refcount[page] == 0:
-            self._free[self.shard_of(page)].append(page)
-            self._dirty.add(page)  # the device forgets the generation too
-
-    def _check_page(self, page: int) -> None:
-        if not (isinstance(page, (int, np.integer)) and 0 <= page < self.num_pages):
-            raise PageAllocatorError(f"unknown page {page!r}", value=page, param="page")
-        if self.reserve_null_page and page % self.pages_per_shard == NULL_PAGE:
-            raise PageAllocatorError(f"page {page} is a reserved null page", value=page, param="page")
-
-    def _check_owned(self, page: int, tag: int | None) -> None:
-        self._check_page(page)
-        if self._refcount[page] == 0:
-            raise PageAllocatorError(f"page {page} is not allocated (double free or use after free)", value=page,
-                                     param="page")
-        if tag is not None and int(tag) != int(self._tags[page]):
-            raise PageAllocatorError(f"stale tag {tag} for page {page} (current {int(self._tags[page])})",
-                                     value=tag, param="tag")
-
-    def device_tags(self) -> jax.Array:
-        """Full upload of `live_tags` [num_pages] uint32 (once, at start-up); clears the dirty set."""
-        self._dirty.clear()
-        return jax.device_put(self.live_tags)
-
-    def take_dirty(self) -> tuple[np.ndarray, np.ndarray]:
-        """(pages [n] int32, live tags [n] uint32: 0 for a freed page) changed since the last sync; clears the set."""
-        pages = np.fromiter(sorted(self._dirty), np.int32, len(self._dirty))
-        self._dirty.clear()
-        return pages, np.where(self._refcount[pages] > 0, self._tags[pages], 0).astype(np.uint32)
-
-    def sync_device_tags(self, device_tags: jax.Array) -> jax.Array:
-        """Scatter only the changed live tags into `device_tags` [num_pages] uint32 (donated); returns the new array.
-
-        The update is padded to a power-of-two length (pad index out of bounds, dropped) to bound recompiles.
-        """
-        pages, tags = self.take_dirty()
-        if pages.size == 0:
-            return device_tags
-        n = 1 << (int(pages.size) - 1).bit_length()
-        pad = n - pages.size
-        pages = np.concatenate([pages, np.full(pad, self.num_pages, np.int32)])
-        tags = np.concatenate([tags, np.zeros(pad, np.uint32)])
-        return _scatter_tags(device_tags, jax.device_put(pages), jax.device_put(tags))
+        scratch = scatter_tags(scratch, *jax.device_put((np.full(n, num_pages, np.int32), np.zeros(n, np.uint32))))
