@@ -49,6 +49,8 @@ class Sequence:
 
 @dataclass
 class Stats:
+    """The scheduler's running counters (`Engine.stats` reports them)."""
+
     tag_mismatches: int = 0
     preemptions: int = 0
     prompt_tokens: int = 0
