@@ -156,7 +156,7 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     from jaxserve.cache import init_pages
     from jaxserve.engine.layouts import kv_layout, prefill_kv_dtype
     from jaxserve.engine.programs import _pool_shardings, decode_step, prefill_step
-    from jaxserve.engine.scheduler import dummy_decode, dummy_prefill
+    from jaxserve.engine.batch import dummy_decode, dummy_prefill
     from jaxserve.hlo import collectives, summarize
     from jaxserve.sharding import state_shardings
 

@@ -14,7 +14,7 @@ from jax.experimental.pallas import triton as plgpu
 from engine_util import engine, prompts, small_config, tiny_model
 from jaxserve.engine import SamplingParams
 from jaxserve.engine.programs import Programs
-from jaxserve.engine.scheduler import dummy_decode, dummy_prefill
+from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.quant import formats, ops
 
 PARAMS = {"gpu": plgpu.CompilerParams, "tpu": pltpu.CompilerParams}

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from engine_util import engine
-from jaxserve.engine.scheduler import dummy_decode, dummy_prefill
+from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.hlo import collectives
 from test_engine_sharded import eight_head_model
 

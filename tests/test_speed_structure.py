@@ -19,7 +19,7 @@ import pytest
 from engine_util import small_config, tiny_model
 from jaxserve.cache import KVLayout
 from jaxserve.engine.programs import Programs
-from jaxserve.engine.scheduler import dummy_decode, dummy_prefill
+from jaxserve.engine.batch import dummy_decode, dummy_prefill
 
 NUM_PAGES = 97  # odd, so that no weight or activation dim coincides with the pool's page count
 _CONVERT = re.compile(r"= \w+\[([\d,]*)\]\S* (convert|bitcast-convert)\(")
@@ -211,7 +211,8 @@ def test_decode_batch_is_one_packed_upload_equal_to_the_per_row_build():
     once seen in a full run does not reproduce; each row's page list is checked to cover its position first, so
     a bad fixture fails with its values rather than an IndexError."""
     from jaxserve.engine.request import Request, SamplingParams
-    from jaxserve.engine.scheduler import DecodeRows, Sequence, _unpack_decode
+    from jaxserve.engine.batch import DecodeRows, unpack_decode
+    from jaxserve.engine.sequence import Sequence
 
     ps, rows = 4, DecodeRows(4, 6, 4)
     seqs = []
@@ -226,7 +227,7 @@ def test_decode_batch_is_one_packed_upload_equal_to_the_per_row_build():
     seqs[2].decode_pages.append((99, 5))
     ready = [seqs[1], seqs[2]]  # not in slot order
     idx = np.array([s.slot for s in ready])
-    batch, (temp, top_k, top_p, seed, step) = _unpack_decode(jnp.asarray(rows.packed(idx, 4, 6)), 6)
+    batch, (temp, top_k, top_p, seed, step) = unpack_decode(jnp.asarray(rows.packed(idx, 4, 6)), 6)
     for i, seq in enumerate(ready):
         pos = seq.decode_len
         pages = [p for p, _ in seq.decode_pages]

@@ -12,7 +12,7 @@ from flax import nnx
 from engine_util import engine, prompts, small_config, tiny_model
 from jaxserve.engine import SamplingParams
 from jaxserve.engine.programs import Programs, weight_layout
-from jaxserve.engine.scheduler import dummy_decode
+from jaxserve.engine.batch import dummy_decode
 from jaxserve.models import CausalLM
 from jaxserve.models.layers import Experts, Linear
 

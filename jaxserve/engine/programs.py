@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, init_pages, insert_pages, pages_to_fp8
+from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.layouts import PhaseLayouts
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
@@ -323,8 +324,6 @@ class Programs:
     def _compile(self, kind: str, b: int, m: int, t: int, mode: SamplingMode = "greedy") -> None:
         """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched);
         mode: the sampling mode of the prefill / decode program (`sampling.sampling_mode`)."""
-        from jaxserve.engine.scheduler import dummy_decode, dummy_prefill  # the scheduler builds real batches
-
         spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the live pools may be donated meanwhile
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         p_ph, d_ph = self.prefill_phase, self.decode_phase
