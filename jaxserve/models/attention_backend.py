@@ -40,12 +40,14 @@ class AttentionBackend:
     implementation: Implementation = "xla"
     interpret: bool = False
 
+    def __post_init__(self) -> None:
+        name = self.implementation + ("_interpret" if self.interpret else "")
+        if name not in ATTENTION_NAMES:
+            raise ConfigError(f"attention must be one of {', '.join(ATTENTION_NAMES)}", value=name, param="attention")
+
     @classmethod
     def parse(cls, name: str) -> AttentionBackend:
         """An `ATTENTION_NAMES` entry -> its backend; anything else is a ConfigError."""
-        if name not in ATTENTION_NAMES:
-            raise ConfigError(f"attention must be one of {', '.join(ATTENTION_NAMES)}", value=name,
-                              param="attention")
         return cls(name.removesuffix("_interpret"), name.endswith("_interpret"))
 
     @property
