@@ -158,6 +158,7 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     from jaxserve.engine.programs import _pool_shardings, decode_step, prefill_step
     from jaxserve.engine.batch import dummy_decode, dummy_prefill
     from jaxserve.hlo import collectives, summarize
+    from jaxserve.models.attention_backend import AttentionBackend
     from jaxserve.sharding import state_shardings
 
     graphdef, state = nnx.split(model)
@@ -179,8 +180,8 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     if phase == "decode":
         batch, samp = dummy_decode(b, m)
         # the pool is donated and comes back in its own layout, so it is updated in place (as in Programs)
-        fn = jax.jit(functools.partial(decode_step, graphdef, integrity=True, attention="xla"), donate_argnums=(1,),
-                     out_shardings=(rows, rows, pool_shardings))
+        step = functools.partial(decode_step, graphdef, integrity=True, attention=AttentionBackend("xla"))
+        fn = jax.jit(step, donate_argnums=(1,), out_shardings=(rows, rows, pool_shardings))
         lowered = fn.lower(state, pages, abstract(batch), abstract(samp))
     else:
         batch, samp = dummy_prefill(b, spec.prefill_chunk, m)

@@ -30,6 +30,7 @@ from jaxserve.errors import KVIntegrityError
 from jaxserve.eval import quality
 from jaxserve.models import dsa
 from jaxserve.models.attention import index_scores
+from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
 
 TOPK = 8
@@ -163,7 +164,7 @@ def _prefill(model, pages, batch, all_logits):
 
 @nnx.jit
 def _decode(model, pages, batch):
-    return decode(model, pages, batch, integrity=False, attention="xla")
+    return decode(model, pages, batch, integrity=False, attention=AttentionBackend("xla"))
 
 
 @pytest.mark.parametrize("n_prompt,n_pages", [(150, 32), pytest.param(6, 1, marks=pytest.mark.slow)],

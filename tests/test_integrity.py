@@ -369,7 +369,7 @@ def test_stale_write_after_preemption_fails_the_pages_new_owner(model):
 
 
 # ---- a failed row reads nothing, on every attention path ------------------------------------------------------
-# (module attribute of jaxserve.models.paged, index of the block-table argument; lengths follow it)
+# (module attribute of jaxserve.models.attention_backend, index of the block-table argument; lengths follow it)
 KERNELS = (("paged_mla_decode", 2), ("paged_mla_decode_tpu", 2), ("paged_gqa_decode", 3),
            ("paged_gqa_decode_tpu", 3), ("paged_attention_xla.mla_decode", 3), ("paged_attention_xla.gqa_decode", 5))
 
@@ -413,6 +413,7 @@ def test_failed_row_reaches_no_kernel_with_its_pages(monkeypatch, arch, impl):
     """Row 1's page 4 was rewritten by a stale writer (device tag 9, expected 8). The kernel of every attention
     path receives row 1 as the null page with length 0, writes nothing for it, and row 0's logits equal those of
     a run where nothing went wrong."""
+    import jaxserve.models.attention_backend as backends
     import jaxserve.models.paged as paged
 
     model = _MODELS.setdefault(arch, tiny_model(arch))
@@ -425,12 +426,13 @@ def test_failed_row_reaches_no_kernel_with_its_pages(monkeypatch, arch, impl):
         return wrapped
 
     for name, at in KERNELS:
-        owner, attr = (paged.paged_attention_xla, name.split(".")[1]) if "." in name else (paged, name)
+        owner, attr = (backends.paged_attention_xla, name.split(".")[1]) if "." in name else (backends, name)
         monkeypatch.setattr(owner, attr, spy(getattr(owner, attr), at))
     kv = "fp8"
     pages, batch = _two_row_pool(model, kv, victim_tag=9)
     before = pages
-    logits, after, ok = paged.decode(model, pages, batch, integrity=True, attention=impl)
+    attention = backends.AttentionBackend.parse(impl)
+    logits, after, ok = paged.decode(model, pages, batch, integrity=True, attention=attention)
     np.testing.assert_array_equal(np.asarray(ok), [True, False])
     assert len(seen) == model.cfg.num_layers
     for bt, lengths in seen:
@@ -441,7 +443,7 @@ def test_failed_row_reaches_no_kernel_with_its_pages(monkeypatch, arch, impl):
     np.testing.assert_array_equal(np.asarray(getattr(after, field)[:, 4]), np.asarray(getattr(before, field)[:, 4]))
     assert int(after.tags[4]) == 9 and int(after.tags[2]) == 6
     clean_pages, _ = _two_row_pool(model, kv, victim_tag=8)
-    clean_logits, _, clean_ok = paged.decode(model, clean_pages, batch, integrity=True, attention=impl)
+    clean_logits, _, clean_ok = paged.decode(model, clean_pages, batch, integrity=True, attention=attention)
     assert np.asarray(clean_ok).all()
     np.testing.assert_array_equal(np.asarray(logits)[0], np.asarray(clean_logits)[0])
 

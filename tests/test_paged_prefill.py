@@ -28,9 +28,9 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.cache import quantize_fp8
+from jaxserve.models.prefill_attention_xla import prefill_gqa_blockwise, prefill_mla_blockwise
 from pallas_kernels.paged_prefill import PrefillBlocks, choose_blocks, paged_prefill_gqa, paged_prefill_mla
-from pallas_kernels.reference_prefill import (prefill_gqa_blockwise, prefill_gqa_dense, prefill_mla_blockwise,
-                                              prefill_mla_dense)
+from pallas_kernels.reference_prefill import prefill_gqa_dense, prefill_mla_dense
 from tests.kernel_lowering import (H200_SMEM_BYTES, TPU_SCOPED_VMEM_BYTES, TPU_SMEM_BYTES, lower_for, sds,
                                    stage_bytes)
 

@@ -24,6 +24,7 @@ from flax import nnx
 from engine_util import tiny_model
 from jaxserve.cache import KVPages, gather_tokens, init_pages, write_tokens
 from jaxserve.engine.layouts import kv_layout
+from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import PrefillBatch, prefill
 from jaxserve.models.transformer import CausalLM
 
@@ -71,7 +72,8 @@ _dense_jit = nnx.jit(_dense_prefill)
 
 @functools.partial(nnx.jit, static_argnames=("attention",))
 def _paged_prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, attention: str):
-    return prefill(model, pages, batch, all_logits=True, attention=attention)[:2]  # (logits, pages); ok unused
+    # (logits, pages); ok unused
+    return prefill(model, pages, batch, all_logits=True, attention=AttentionBackend.parse(attention))[:2]
 
 
 def _chunks(model: CausalLM, tokens: np.ndarray, lens: list[int], chunk: int, kv_dtype: str, run) -> np.ndarray:
@@ -204,7 +206,7 @@ def test_prefill_memory_grows_linearly_with_the_prompt(models, arch):
     small, large = 8192, 16384
 
     def blockwise(m, p, b):
-        return prefill(m, p, b, attention="xla")[0]
+        return prefill(m, p, b, attention=AttentionBackend("xla"))[0]
 
     def dense(m, p, b):
         return _dense_prefill(m, p, b)[0][:, -1]
@@ -224,7 +226,8 @@ def test_prefill_of_a_16k_prompt_runs_blockwise(models):
     those of two 8192-token chunks (the context is read back from the pool either way)."""
     model = models["deepseek_v3"]
     tokens = np.random.default_rng(3).integers(0, 256, (1, 16384)).astype(np.int32)
-    last = nnx.jit(functools.partial(prefill, attention="xla"))  # -> (last-token logits [B, V], pages)
+    # -> (last-token logits [B, V], pages)
+    last = nnx.jit(functools.partial(prefill, attention=AttentionBackend("xla")))
 
     def run(pages: KVPages, batch: PrefillBatch) -> tuple[jax.Array, KVPages]:
         logits, pages, _ = last(model, pages, batch)
@@ -239,7 +242,7 @@ def test_prefill_of_a_16k_prompt_runs_blockwise(models):
 def test_blockwise_reads_one_layer_of_a_bit_pattern_pool():
     """The engine's form of the blockwise call (all layers' bits, the layer picked inside each gather) equals the
     call on that layer's values, MLA fp8 and GQA bf16; a bits pool without its value dtype is refused."""
-    from pallas_kernels.reference_prefill import prefill_gqa_blockwise, prefill_mla_blockwise
+    from jaxserve.models.prefill_attention_xla import prefill_gqa_blockwise, prefill_mla_blockwise
 
     rng = np.random.default_rng(4)
     bt = jnp.asarray([[3, 1, 0], [2, 4, 5]], jnp.int32)

@@ -33,6 +33,7 @@ from jaxserve.engine.layouts import PhaseLayouts
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
+from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
 from jaxserve.models.build import dtype_of, matmuls, shard_model
 from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_sharding, state_shardings
@@ -111,7 +112,7 @@ def _take_pages(src: KVPages, page_ids: jax.Array) -> KVPages:
 
 
 def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: PrefillBatch,
-                 samp: SamplingArrays, *, attention: str = "xla", integrity: bool = True
+                 samp: SamplingArrays, *, attention: AttentionBackend = AttentionBackend(), integrity: bool = True
                  ) -> tuple[Sampled, jax.Array, KVPages]:
     """The prefill program's body: tag check, one chunk per row written and attended, first tokens sampled.
     -> (Sampled: tokens [B] int32, logprobs [B] f32, top alternatives; ok [B] bool; pages)."""
@@ -121,7 +122,7 @@ def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch
 
 
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: DecodeBatch,
-                samp: SamplingArrays, *, integrity: bool, attention: str
+                samp: SamplingArrays, *, integrity: bool, attention: AttentionBackend
                 ) -> tuple[Sampled, jax.Array, KVPages]:
     """The decode program's body: tag check, one token per row. -> (Sampled, ok [B] bool, pages)."""
     model = nnx.merge(graphdef, state)
@@ -140,8 +141,8 @@ class Programs:
         p_dev, d_dev = phase_devices(cfg)
         self.prefill_parallel = phase_parallel(cfg, p_dev)
         self.decode_parallel = phase_parallel(cfg, d_dev)
-        interpret = cfg.attention.endswith("_interpret")
-        backend = "tpu" if cfg.attention.startswith("pallas_tpu") else "gpu"  # the matmul kernels' tiling
+        interpret = cfg.attention_backend.interpret
+        backend = cfg.attention_backend.tiling  # the matmul kernels' tiling
 
         def fmt(name: str) -> WeightFormat:
             return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret,
@@ -192,14 +193,14 @@ class Programs:
     def _prefill_fn(self, params: list[jax.Array], pages: KVPages, batch: PrefillBatch, samp: SamplingArrays):
         self.compiles["prefill"] += 1
         ph = self.prefill_phase
-        return prefill_step(ph.graphdef, ph.params_of(params), pages, batch, samp, attention=self.cfg.attention,
+        return prefill_step(ph.graphdef, ph.params_of(params), pages, batch, samp, attention=self.cfg.attention_backend,
                             integrity=self.cfg.integrity)
 
     def _decode_fn(self, params: list[jax.Array], pages: KVPages, batch: DecodeBatch, samp: SamplingArrays):
         self.compiles["decode"] += 1
         ph = self.decode_phase
         return decode_step(ph.graphdef, ph.params_of(params), pages, batch, samp,
-                           integrity=self.cfg.integrity, attention=self.cfg.attention)
+                           integrity=self.cfg.integrity, attention=self.cfg.attention_backend)
 
     def _export_fn(self, pages: KVPages, page_ids: jax.Array) -> KVPages:
         self.compiles["handoff"] += 1
@@ -350,7 +351,7 @@ def weight_layout(cfg: EngineConfig, devices: list[jax.Device]) -> str:
     step, 2-8x a dense step on the embedded model), "packed" otherwise."""
     if cfg.weight_layout != "auto":
         return cfg.weight_layout
-    xla_only = not cfg.use_kernels and cfg.attention == "xla"
+    xla_only = not cfg.use_kernels and cfg.attention_backend.implementation == "xla"
     return "compute" if xla_only and all(d.platform == "cpu" for d in devices) else "packed"
 
 
