@@ -13,7 +13,7 @@ from tools.train_tiny import heldout_subset_perplexity
 from jaxserve.models import forward
 from jaxserve.tokenizer import Tokenizer
 
-CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi"
+CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi"
 pytestmark = pytest.mark.skipif(not (CKPT / "jaxserve.json").exists(), reason="checkpoints/tiny-kimi not present")
 
 

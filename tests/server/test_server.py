@@ -27,7 +27,7 @@ from jaxserve.server.limits import AppConfig
 from jaxserve.server.main import SPARE_THREADS, ServeConfig, make_server
 from jaxserve.tokenizer import Tokenizer
 
-TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi-tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi-tokenizer"
 MODEL = "tiny-test"
 # a Kimi-shaped (deepseek_v3) model small enough to compile in seconds; the tokenizer's 4096 ids
 TINY = {"model_type": "deepseek_v3", "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128,

@@ -20,7 +20,7 @@ from jaxserve.errors import KVIntegrityError
 from jaxserve.tokenizer import Tokenizer
 from test_integrity import stale, stray_write
 
-TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi-tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi-tokenizer"
 BASE = dict(num_decode_pages=128, num_prefill_pages=128, max_batch=8, max_prefill_tokens=32, prefill_chunk=16,
             max_model_len=64)
 

@@ -13,7 +13,7 @@ pid, n, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n, process_id=pid)
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]  # its test, tests/
 from engine_util import engine, prompts  # noqa: E402
 from test_engine_sharded import eight_head_model  # noqa: E402
 from jaxserve.engine import SamplingParams  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 import hf_tiny
 from jaxserve.convert.converter import convert
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "weight_formats.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "weight_formats.py"
 
 
 def test_quick_json_schema(tmp_path):

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def load(name: str) -> ModuleType:
@@ -116,7 +116,7 @@ def test_report(results: Path) -> None:
     assert "unexpected schema" not in text
 
 
-EMBEDDED = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi"
+EMBEDDED = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi"
 
 
 @pytest.mark.skipif(not (EMBEDDED / "jaxserve.json").exists(), reason="checkpoints/tiny-kimi not present")

@@ -27,7 +27,7 @@ def _cached(folder: Path) -> dict[str, int]:
 def test_serve_flags_enable_the_cache_and_a_restart_reads_it(tmp_path):
     folder = tmp_path / "xla"
     run = lambda: subprocess.run([sys.executable, "-c", _CHILD, str(folder)], check=True,  # noqa: E731
-                                 cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+                                 cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True)
     run()
     first = _cached(folder)
     assert first  # the compiled program was written

@@ -18,7 +18,7 @@ from jaxserve.quant.apply import quantize_model
 from jaxserve.quant.weight_format import WeightFormat
 from jaxserve.tokenizer import Tokenizer
 
-CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi"
+CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi"
 needs_embedded = pytest.mark.skipif(not (CKPT / "jaxserve.json").exists(),
                                     reason="checkpoints/tiny-kimi not present (trained and committed separately)")
 

@@ -148,7 +148,7 @@ def test_repeated_kimi_ids_become_unique_by_position():
 
 
 def test_family_from_template_or_architecture():
-    tok = Tokenizer(Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi-tokenizer")
+    tok = Tokenizer(Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi-tokenizer")
     assert family_of(tok.chat_template, "deepseek_v3") == "kimi"
     assert family_of("{{ '<arg_key>' }}", "deepseek_v3") == "glm"
     assert family_of(None, "glm4_moe") == "glm" and family_of(None, "glm_moe_dsa") == "glm"
@@ -168,7 +168,7 @@ def test_required_grammar_admits_exactly_valid_markup(setup, text, ok):
 
     import llguidance
 
-    tok = Tokenizer(Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi-tokenizer")
+    tok = Tokenizer(Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi-tokenizer")
     compiler = GrammarCompiler(tok, tok.vocab_size, tuple(tok.eos_token_ids))
     m = compiler.matcher(replace(setup, choice="required").grammar())
     ll = llguidance.LLTokenizer((tok.path / "tokenizer.json").read_text(), n_vocab=tok.vocab_size)
