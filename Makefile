@@ -24,8 +24,8 @@ serve: $(STAMP)
 # long process (likely the 65,530 memory-mapping limit: every live executable holds mappings; tests/conftest.py now
 # drops each module's compiled programs).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS) --ignore-glob='tests/test_server*'
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/test_server*.py
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS) --ignore=tests/server
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/server
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

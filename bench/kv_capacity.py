@@ -22,9 +22,9 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxserve.cache.pages import KVLayout, init_pages  # noqa: E402
+from jaxserve.cache import KVLayout, init_pages  # noqa: E402
 from jaxserve.config import from_hf_config  # noqa: E402
-from jaxserve.engine.programs import kv_layout  # noqa: E402
+from jaxserve.engine.layouts import kv_layout  # noqa: E402
 from jaxserve.plan import PRESETS  # noqa: E402
 
 GLM52 = from_hf_config(PRESETS["glm-5.2"])

@@ -31,7 +31,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from jaxserve.engine.programs import kv_layout  # noqa: E402
+from jaxserve.engine.layouts import kv_layout  # noqa: E402
 from jaxserve.engine.request import Request, Status  # noqa: E402
 from jaxserve.models import CausalLM  # noqa: E402
 

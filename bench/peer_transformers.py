@@ -185,7 +185,7 @@ def context_times(model: CausalLM, kind: str, spec: BenchSpec) -> list[dict]:
     that long, in the context's own page bucket, and the longest context's bucket with the rows' lengths cut to
     each shorter context (what the length-bounded attention saves within one compiled program). The rows read
     pages of a fresh pool (the program's cost does not depend on what they hold), so no prefill is needed."""
-    from jaxserve.engine.scheduler import dummy_decode
+    from jaxserve.engine.batch import dummy_decode
     from jaxserve.models.paged import DecodeBatch
     from jaxserve.models.paged_attention_xla import mla_decode
 

@@ -32,12 +32,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
-from jaxserve.cache.pages import KVLayout  # noqa: E402
+from jaxserve.cache import KVLayout  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
-from jaxserve.engine.programs import kv_layout  # noqa: E402
+from jaxserve.engine.layouts import kv_layout  # noqa: E402
 from jaxserve.models import CausalLM  # noqa: E402
 from jaxserve.quant import formats  # noqa: E402
-from jaxserve.quant.apply import WeightFormat, quantize_model  # noqa: E402
+from jaxserve.quant.apply import quantize_model  # noqa: E402
+from jaxserve.quant.weight_format import WeightFormat  # noqa: E402
 
 H200_HBM_BYTES_PER_S = 4.8e12  # NVIDIA's H200 SXM figure
 SEEDS_FP8_KV_TOKENS_PER_S = {1: 125, 8: 689, 16: 1028, 64: 2192}  # FACTS.md, Kimi K2.6 decode pool

@@ -34,7 +34,8 @@ from jaxserve.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxserve.engine.request import Request, Status  # noqa: E402
 from jaxserve.models import CausalLM  # noqa: E402
 from jaxserve.quant import formats  # noqa: E402
-from jaxserve.quant.apply import WeightFormat, quantize_model, weight_bytes  # noqa: E402
+from jaxserve.quant.apply import quantize_model, weight_bytes  # noqa: E402
+from jaxserve.quant.weight_format import WeightFormat  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,9 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.errors import CheckpointError
 from jaxserve.models import CausalLM
-from jaxserve.models.sharded import shard_model
-from jaxserve.quant.apply import WeightFormat, quantize_model
-from jaxserve.quant.formats import canonical_format
-from jaxserve.sharding import Parallel, ShardingRules, check_model, param_sharding
+from jaxserve.quant.weight_format import WeightFormat, WeightPlan
+from jaxserve.format_names import canonical_format
+from jaxserve.sharding import Parallel, ShardingRules, check_model, state_shardings
 
 MANIFEST = "jaxserve.json"
 ShardingFn = Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding]
@@ -100,13 +99,13 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding
     """Restore a converted checkpoint into a CausalLM.
 
     dtype: the model's compute/storage dtype (default: the checkpoint's). mesh (+ rules, default tensor
-    parallel): every array is restored straight into its NamedSharding from the logical-axis table (each host
-    reads only the shards it holds; nothing is staged whole on a host or on device 0), and the model's per-shard
-    paths are switched on. Otherwise sharding(path, abstract) -> the Sharding of each parameter (default: the
+    parallel): every array is restored straight into its NamedSharding from its declared logical axes (each host
+    reads only the shards it holds; nothing is staged whole on a host or on device 0), into a model built on that
+    mesh (its per-shard paths). Otherwise sharding(path, abstract) -> the Sharding of each parameter (default: the
     first device).
     weights: a format from `load_formats` (None: the checkpoint's own `params/`). A quantized format ("fp8",
-    "int4") is restored into a model built in that format: the abstract model comes from `quantize_model` under
-    `nnx.eval_shape`, so no BF16 copy of the quantized tensors is ever materialized.
+    "int4") is restored into a model built in that format (`WeightPlan`) under `nnx.eval_shape`, so no BF16 copy
+    of the quantized tensors is ever materialized.
     """
     checkpoint_dir = Path(checkpoint_dir).absolute()
     weights = canonical_format(weights)  # "float8_e4m3fn" names the stored "fp8" weights
@@ -116,8 +115,6 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding
     par = None if mesh is None else Parallel(mesh, rules or ShardingRules.tensor_parallel())
     if par is not None:
         check_model(par, cfg.num_heads, 0 if cfg.is_mla else cfg.num_kv_heads, cfg.n_routed_experts)
-        sharding = lambda path, sds: param_sharding(par, path, sds.shape)  # noqa: E731
-    sharding = sharding or _default_sharding
     base = _base_fmt(manifest)
     stored = manifest.get("formats", {})
     if weights is None or (weights == base and weights not in stored):
@@ -125,21 +122,24 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding
             raise CheckpointError(f"{checkpoint_dir} holds only quantized weights {sorted(stored)}: pass weights=",
                                   value=None, param="weights")
         params_dir = checkpoint_dir / "params"
-        abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+        plan = WeightPlan()
     elif weights in stored:
         spec = stored[weights]
         params_dir = checkpoint_dir / spec["dir"]
         # checkpoints written before int4_scope existed hold every MLP projection in INT4
         wf = WeightFormat(weights, int(spec["group_size"]), bool(spec["attention"]),
                           int4_scope=spec.get("int4_scope", "mlps"))
-        abstract = nnx.eval_shape(lambda: quantize_model(CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), wf))
+        plan = WeightPlan(wf)
     else:
         raise CheckpointError(f"checkpoint {checkpoint_dir} has no {weights!r} weights; it has "
                               f"{load_formats(checkpoint_dir)}", value=weights, param="weights")
-    model = _restore(params_dir, abstract, sharding)
-    if par is not None and mesh.devices.size > 1:
-        shard_model(model, par)
-    return cfg, model
+    placed = par if par is not None and mesh.devices.size > 1 else None
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), weights=plan, parallel=placed))
+    if par is not None:  # each parameter's NamedSharding from its declared logical axes
+        shardings = {_path_str(p): v.get_value() for p, v in
+                     nnx.to_flat_state(state_shardings(par, nnx.state(abstract)))}
+        sharding = lambda path, _: shardings[path]  # noqa: E731
+    return cfg, _restore(params_dir, abstract, sharding or _default_sharding)
 
 
 def _restore(params_dir: Path, abstract: CausalLM, sharding: ShardingFn) -> CausalLM:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jaxserve.errors import ConfigError
+from jaxserve.format_names import FORMATS, KV_DTYPES, canonical_format
 
 # model configs as their config.json files give them (MODEL_FORMATS.md): only the keys the models read
 PRESETS: dict[str, dict] = {
@@ -90,9 +91,6 @@ class PlanSpec:
     compile: bool = True
 
     def __post_init__(self) -> None:
-        from jaxserve.cache.pages import KV_DTYPES
-        from jaxserve.quant.formats import FORMATS, canonical_format
-
         for p in ("decode_weights", "prefill_weights", "kv_dtype"):  # accept "bfloat16", "float8_e4m3fn", ...
             object.__setattr__(self, p, canonical_format(getattr(self, p)))
         for p, allowed in (("decode_weights", FORMATS), ("prefill_weights", FORMATS), ("kv_dtype", KV_DTYPES)):
@@ -120,10 +118,10 @@ def _abstract(cfg, fmt: str, spec: PlanSpec):  # noqa: ANN001, ANN202 - ModelCon
     from flax import nnx
 
     from jaxserve.models import CausalLM
-    from jaxserve.quant.apply import WeightFormat, quantize_model
+    from jaxserve.quant.weight_format import WeightFormat, WeightPlan
 
-    wf = WeightFormat(fmt, spec.group_size)
-    return nnx.eval_shape(lambda: quantize_model(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), wf))
+    plan = WeightPlan(WeightFormat(fmt, spec.group_size))
+    return nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), weights=plan))
 
 
 def _per_device_bytes(model, par) -> int:  # noqa: ANN001
@@ -133,11 +131,11 @@ def _per_device_bytes(model, par) -> int:  # noqa: ANN001
     import jax
     from flax import nnx
 
-    from jaxserve.models.sharded import state_shardings
+    from jaxserve.sharding import state_shardings
 
     _, state = nnx.split(model)
     total = 0
-    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings(model, par))):
+    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings(par, state))):
         total += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
     return total
 
@@ -156,17 +154,19 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     from flax import nnx
 
     from jaxserve.cache import init_pages
-    from jaxserve.engine.programs import _pool_shardings, decode_step, kv_layout, prefill_step
-    from jaxserve.engine.scheduler import dummy_decode, dummy_prefill
+    from jaxserve.engine.layouts import kv_layout, prefill_kv_dtype
+    from jaxserve.engine.programs import _pool_shardings, decode_step, prefill_step
+    from jaxserve.engine.batch import dummy_decode, dummy_prefill
     from jaxserve.hlo import collectives, summarize
-    from jaxserve.models.sharded import state_shardings
+    from jaxserve.models.attention_backend import AttentionBackend
+    from jaxserve.sharding import state_shardings
 
     graphdef, state = nnx.split(model)
-    state = _with_shardings(state, state_shardings(model, par))
+    state = _with_shardings(state, state_shardings(par, state))
     rows = par.sharding(("batch",))
     dp = par.size("pages")
     ps = spec.page_size
-    kv = spec.kv_dtype if phase == "decode" else "bf16"
+    kv = spec.kv_dtype if phase == "decode" else prefill_kv_dtype(spec.kv_dtype)
     layout = kv_layout(cfg, ps, kv)
     ctx = spec.decode_context if phase == "decode" else spec.prefill_context
     m = -(-ctx // ps)
@@ -180,8 +180,8 @@ def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN2
     if phase == "decode":
         batch, samp = dummy_decode(b, m)
         # the pool is donated and comes back in its own layout, so it is updated in place (as in Programs)
-        fn = jax.jit(functools.partial(decode_step, graphdef, integrity=True, attention="xla"), donate_argnums=(1,),
-                     out_shardings=(rows, rows, pool_shardings))
+        step = functools.partial(decode_step, graphdef, integrity=True, attention=AttentionBackend("xla"))
+        fn = jax.jit(step, donate_argnums=(1,), out_shardings=(rows, rows, pool_shardings))
         lowered = fn.lower(state, pages, abstract(batch), abstract(samp))
     else:
         batch, samp = dummy_prefill(b, spec.prefill_chunk, m)
@@ -200,8 +200,8 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
     from tqdm import tqdm
 
     from jaxserve.config import from_hf_config
-    from jaxserve.engine.programs import kv_layout
-    from jaxserve.models.sharded import shard_model
+    from jaxserve.engine.layouts import kv_layout
+    from jaxserve.models.build import shard_model
     from jaxserve.sharding import Parallel, ShardingRules, make_mesh
 
     raw = PRESETS[cfg_or_preset] if isinstance(cfg_or_preset, str) else cfg_or_preset

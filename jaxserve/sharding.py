@@ -1,9 +1,9 @@
-"""Where every array lives: logical axes mapped to a 2-D device mesh ("dp", "tp"), in one table.
+"""Where every array lives: logical axes mapped to a 2-D device mesh ("dp", "tp"), by one set of rules.
 
-Every parameter path has declared logical axes (`PARAM_AXES`); `ShardingRules` maps each logical axis to mesh
-axes (or None: replicated). A dim whose size does not divide by its mesh axes is an error naming the parameter
-and dim, never a silent replication. A parameter that matches no pattern is an error too, so a new weight must
-be declared here.
+Every parameter declares its logical axes where the model creates it (`nnx.Param(value, axes=(...))`);
+`ShardingRules` maps each logical axis to mesh axes (or None: replicated). A dim whose size does not divide by its
+mesh axes is an error naming the parameter and dim, never a silent replication. A parameter declared without axes
+is an error too.
 
 Logical axes: batch (decode rows / prefill rows), heads (attention query heads), kv_heads (GQA K/V heads), embed
 (the hidden size), ffn (dense and shared-expert intermediate), experts (routed expert index), expert_ffn
@@ -18,12 +18,12 @@ Presets:
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.errors import ConfigError
@@ -126,6 +126,11 @@ class Parallel:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
+    def shard_map(self, fn: Callable, in_specs: object, out_specs: object) -> Callable:
+        """`fn` run per device with explicit specs over this mesh."""
+        # check_vma off: Pallas calls inside carry no varying-manual-axes annotations
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
     def check(self, name: str, shape: Sequence[int], axes: Axes) -> None:
         """Raise ShardingError when a split dim does not divide by its shard count."""
         if len(axes) != len(shape):
@@ -146,48 +151,42 @@ def make_mesh(devices: Sequence[jax.Device], dp: int = 1) -> Mesh:
     return Mesh(np.array(devices).reshape(dp, n // dp), MESH_AXES)
 
 
-# ---- the parameter table --------------------------------------------------------------------------------------
-# (path regex, logical axes of the dense weight). Quantized weights and their scales keep the dense weight's
-# axes: INT4 [K//2, N] + scale [K//g, N], FP8 [K, N] + scale [K/128, N/128] split along the same dims.
-PARAM_AXES: tuple[tuple[str, Axes], ...] = (
-    (r"^embed$", ("vocab", "embed")),
-    (r"^lm_head\.(weight|scale)$", ("embed", "vocab")),
-    (r"^lm_head\.bias$", ("vocab",)),
-    (r"attn\.(q_b|kv_b)\.(weight|scale)$", (None, "heads")),
-    (r"attn\.(q_proj|q)\.(weight|scale)$", ("embed", "heads")),
-    (r"attn\.q\.bias$", ("heads",)),
-    (r"attn\.(k|v)\.(weight|scale)$", ("embed", "kv_heads")),
-    (r"attn\.(k|v)\.bias$", ("kv_heads",)),
-    (r"attn\.o\.(weight|scale)$", ("heads", "embed")),
-    (r"attn\.o\.bias$", ("embed",)),
-    (r"mlp(\.shared)?\.(gate|up)\.(weight|scale)$", ("embed", "ffn")),
-    (r"mlp(\.shared)?\.down\.(weight|scale)$", ("ffn", "embed")),
-    (r"mlp\.experts\.(gate|up)(_scale)?$", ("experts", "embed", "expert_ffn")),
-    (r"mlp\.experts\.down(_scale)?$", ("experts", "expert_ffn", "embed")),
-    # replicated by declaration: the low-rank projections (small), the MLA latent path every head reads, norms,
-    # the router (expert choice needs every score) and the DSA indexer (its score sums over its heads)
-    (r"attn\.(q_a|kv_a)\.(weight|bias|scale)$", (None, None)),
-    (r"(norm|q_a_norm|kv_a_norm|q_norm|k_norm)\.(weight|bias)$", (None,)),
-    (r"mlp\.router$", (None, None)),
-    (r"mlp\.router_bias$", (None,)),
-    (r"attn\.indexer\.", ()),
-)
+# ---- parameters -----------------------------------------------------------------------------------------------
+# Each parameter declares its logical axes where it is created (`nnx.Param(value, axes=(...))`); quantized weights
+# and their scales keep the dense weight's axes: INT4 [K//2, N] + scale [K//g, N], FP8 [K, N] + scale
+# [K/128, N/128] split along the same dims.
+def param_axes(name: str, var: nnx.Variable) -> Axes:
+    """The logical axes `var` (the parameter at path `name`) was declared with."""
+    axes = var.get_metadata().get("axes")
+    if axes is None:
+        raise ShardingError(f"parameter {name} has no declared logical axes (create it as nnx.Param(..., axes=))",
+                            value=name, param="path")
+    return axes
 
 
-def param_axes(path: str, ndim: int) -> Axes:
-    """Logical axes of the parameter at NNX path `path` (e.g. layers.3.mlp.experts.gate)."""
-    for pattern, axes in PARAM_AXES:
-        if re.search(pattern, path):
-            return axes if axes else (None,) * ndim
-    raise ShardingError(f"parameter {path} has no declared logical axes (add it to jaxserve.sharding.PARAM_AXES)",
-                        value=path, param="path")
-
-
-def param_sharding(parallel: Parallel, path: str, shape: Sequence[int]) -> NamedSharding:
+def param_sharding(parallel: Parallel, name: str, var: nnx.Variable) -> NamedSharding:
     """NamedSharding of one parameter; raises ShardingError when a split dim does not divide."""
-    axes = param_axes(path, len(shape))
-    parallel.check(path, shape, axes)
+    axes = param_axes(name, var)
+    parallel.check(name, var.get_value().shape, axes)
     return parallel.sharding(axes)
+
+
+def _map_params(fn: Callable[[str, nnx.Variable], object], state: nnx.State) -> nnx.State:
+    def one(path: tuple, var: nnx.Variable) -> nnx.Variable:
+        return var.replace(fn(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), var))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_shardings(parallel: Parallel, state: nnx.State) -> nnx.State:
+    """The NamedSharding of every parameter of `state` (a State-shaped tree); raises ShardingError on a dim that
+    does not divide."""
+    return _map_params(lambda name, var: param_sharding(parallel, name, var), state)
+
+
+def state_specs(parallel: Parallel, state: nnx.State) -> nnx.State:
+    """The PartitionSpec of every parameter of `state` (a module's own state: names relative to it)."""
+    return _map_params(lambda name, var: parallel.spec(param_axes(name, var)), state)
 
 
 def check_model(parallel: Parallel, heads: int, kv_heads: int, experts: int) -> None:

@@ -37,7 +37,7 @@ def main() -> None:
     held = sum(s.data.nbytes for v in jax.tree.leaves(nnx.state(model)) for s in v.addressable_shards)
     par = Parallel(mesh, rules)
     wrong = [".".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
-             if v.get_value().sharding != param_sharding(par, ".".join(map(str, p)), v.get_value().shape)]
+             if v.get_value().sharding != param_sharding(par, ".".join(map(str, p)), v)]
     print("RESULT " + json.dumps({"base": base, "peak": peak, "after": after, "held": held, "wrong": wrong}), flush=True)
 
 

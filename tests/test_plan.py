@@ -59,7 +59,7 @@ def _kimi_decode_temp(layers: int) -> int:
     import jax
 
     from jaxserve.config import from_hf_config
-    from jaxserve.models.sharded import shard_model
+    from jaxserve.models.build import shard_model
     from jaxserve.plan import _abstract, _compile
     from jaxserve.sharding import Parallel, ShardingRules, make_mesh
 

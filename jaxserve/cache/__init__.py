@@ -1,11 +1,10 @@
-"""Paged KV cache: page pools (BF16/FP8), host allocator with generation tags, integrity checks."""
+"""Paged KV cache: the pool's static layout, device page pools (BF16/FP8) and their programs, the host allocator
+with generation tags, integrity checks."""
+from jaxserve.cache.allocator import PageAllocator
 from jaxserve.cache.integrity import check_tags, guard_tables, integrity_errors, mask_outputs, page_tags_at
-from jaxserve.cache.pages import (
-    FP8_MAX,
-    NULL_PAGE,
-    KVLayout,
+from jaxserve.cache.layout import FP8_MAX, NULL_PAGE, KVLayout
+from jaxserve.cache.pool import (
     KVPages,
-    PageAllocator,
     compile_tag_sync,
     convert_pages_to_fp8,
     dequantize_fp8,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.cache.pages import NULL_PAGE
+from jaxserve.cache.layout import NULL_PAGE
 from jaxserve.errors import KVIntegrityError
 
 

@@ -1,12 +1,12 @@
 """Engine configuration: formats per phase, pool sizes, batching limits, device layout."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from jaxserve.errors import ConfigError
-
-KVDtype = Literal["fp8", "bf16", "f32"]
+from jaxserve.format_names import FORMATS, KV_DTYPES, KVDtype, canonical_format
+from jaxserve.models.attention_backend import ATTENTION_NAMES, AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,8 @@ class EngineConfig:
     BF16 KV + FP8 weights in prefill, FP8 KV + INT4 weights in decode).
 
     attention: "xla" (gather + dense; the CPU default), "pallas" (GPU-shaped kernel), "pallas_tpu" (TPU-shaped MLA
-    kernel), or either + "_interpret" (the same kernel on CPU).
+    kernel), or either + "_interpret" (the same kernel on CPU); `attention_backend` is it parsed, what the programs
+    and the models read.
     devices: how many devices to use (tensor parallel over heads and expert FFN); disaggregate: split them in
     two halves, prefill on the first, decode on the second, KV handed off BF16 -> FP8 between them.
     """
@@ -34,6 +35,7 @@ class EngineConfig:
     weight_layout: Literal["auto", "packed", "compute"] = "auto"
     integrity: bool = True
     attention: str = "xla"
+    attention_backend: AttentionBackend = field(init=False, repr=False, compare=False)  # `attention`, parsed
     page_size: int = 16
     num_decode_pages: int = 1024
     num_prefill_pages: int = 512
@@ -64,9 +66,6 @@ class EngineConfig:
         def bad(param: str, msg: str) -> None:
             raise ConfigError(f"EngineConfig.{param} {msg}", value=getattr(self, param), param=param)
 
-        from jaxserve.cache.pages import KV_DTYPES
-        from jaxserve.quant.formats import FORMATS, canonical_format
-
         # accept the dtype names users type ("bfloat16", "float8_e4m3fn", ...)
         for p in ("kv_dtype", "index_kv_dtype", "prefill_weights", "decode_weights"):
             object.__setattr__(self, p, canonical_format(getattr(self, p)))
@@ -82,8 +81,9 @@ class EngineConfig:
                 bad(p, f"must be one of {', '.join(FORMATS)}")
         if self.weight_layout not in ("auto", "packed", "compute"):
             bad("weight_layout", "must be 'auto', 'packed' or 'compute'")
-        if self.attention not in ("xla", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret"):
+        if self.attention not in ATTENTION_NAMES:
             bad("attention", "must be 'xla', 'pallas', 'pallas_tpu' or one of those + '_interpret'")
+        object.__setattr__(self, "attention_backend", AttentionBackend.parse(self.attention))
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             bad("page_size", "must be a power of two")
         if self.prefill_chunk < 1 or self.prefill_chunk > self.max_prefill_tokens:

@@ -14,10 +14,11 @@ from typing import Literal
 import jax.numpy as jnp
 
 from jaxserve.checkpoint import load
+from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
-from jaxserve.engine.scheduler import Scheduler, compile_unpack
+from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
 from jaxserve.models import CausalLM

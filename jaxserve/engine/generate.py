@@ -8,7 +8,7 @@ from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import Request, SamplingParams
-from jaxserve.quant.formats import canonical_format
+from jaxserve.format_names import canonical_format
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -27,15 +27,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, init_pages, insert_pages, pages_to_fp8
-from jaxserve.config import ModelConfig
+from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.layouts import PhaseLayouts
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
+from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
-from jaxserve.models.sharded import shard_model, state_shardings
-from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_sharding
-from jaxserve.quant.apply import WeightFormat, compute_layout, quantize_model
+from jaxserve.models.build import dtype_of, matmuls, shard_model
+from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_sharding, state_shardings
+from jaxserve.quant.apply import compute_layout, quantize_model
+from jaxserve.quant.weight_format import WeightFormat
 
 
 def bucket(n: int, cap: int, floor: int = 1) -> int:
@@ -46,22 +49,8 @@ def bucket(n: int, cap: int, floor: int = 1) -> int:
     return min(b, cap)
 
 
-def kv_layout(cfg: ModelConfig, page_size: int, dtype: str, index_dtype: str | None = None) -> KVLayout:
-    """The page pool of `cfg`: MLA latent rows (+ DSA indexer keys of its full indexer layers) or GQA K/V.
-    index_dtype: the indexer keys' dtype when it differs from `dtype` (only "bf16" in an FP8 pool is useful)."""
-    if cfg.is_mla:
-        return KVLayout.mla(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size=page_size, dtype=dtype,
-                            index_layers=len(cfg.index_layers), index_head_dim=cfg.index_head_dim if cfg.has_indexer
-                            else 0, index_dtype=None if index_dtype in (None, dtype) else index_dtype)
-    return KVLayout.gqa(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size=page_size, dtype=dtype)
-
-
 POOL_FIELDS = tuple(POOL_AXES)
 FIRST_TAG_SYNCS = (1, 2, 4, 8)  # changed-page counts (padded to powers of two) a first short request syncs
-
-
-def _path(p: tuple) -> str:
-    return ".".join(str(x) for x in p)
 
 
 @dataclass
@@ -123,7 +112,7 @@ def _take_pages(src: KVPages, page_ids: jax.Array) -> KVPages:
 
 
 def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: PrefillBatch,
-                 samp: SamplingArrays, *, attention: str = "xla", integrity: bool = True
+                 samp: SamplingArrays, *, attention: AttentionBackend = AttentionBackend(), integrity: bool = True
                  ) -> tuple[Sampled, jax.Array, KVPages]:
     """The prefill program's body: tag check, one chunk per row written and attended, first tokens sampled.
     -> (Sampled: tokens [B] int32, logprobs [B] f32, top alternatives; ok [B] bool; pages)."""
@@ -133,7 +122,7 @@ def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch
 
 
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: DecodeBatch,
-                samp: SamplingArrays, *, integrity: bool, attention: str
+                samp: SamplingArrays, *, integrity: bool, attention: AttentionBackend
                 ) -> tuple[Sampled, jax.Array, KVPages]:
     """The decode program's body: tag check, one token per row. -> (Sampled, ok [B] bool, pages)."""
     model = nnx.merge(graphdef, state)
@@ -152,26 +141,25 @@ class Programs:
         p_dev, d_dev = phase_devices(cfg)
         self.prefill_parallel = phase_parallel(cfg, p_dev)
         self.decode_parallel = phase_parallel(cfg, d_dev)
-        interpret = cfg.attention.endswith("_interpret")
-        backend = "tpu" if cfg.attention.startswith("pallas_tpu") else "gpu"  # the matmul kernels' tiling
+        interpret = cfg.attention_backend.interpret
+        backend = cfg.attention_backend.tiling  # the matmul kernels' tiling
 
         def fmt(name: str) -> WeightFormat:
             return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret,
                                 backend, cfg.int4_scope)
 
-        prefill_kv = "f32" if cfg.kv_dtype == "f32" else "bf16"  # prefill writes BF16 pages (f32 for reference runs)
+        self.layouts = PhaseLayouts.of(model.cfg, cfg)  # the prefix-cache salt reads the prefill pool's dtype here
         self.weight_layout = {"prefill": weight_layout(cfg, p_dev), "decode": weight_layout(cfg, d_dev)}
 
         def phase_model(m: CausalLM, name: str, weights: str) -> CausalLM:
             out = _in_format(m, fmt(weights))
-            return compute_layout(out, _dtype_of(out)) if self.weight_layout[name] == "compute" else out
+            return compute_layout(out, dtype_of(out)) if self.weight_layout[name] == "compute" else out
 
         self.prefill_phase = self._phase(phase_model(model, "prefill", cfg.prefill_weights), self.prefill_parallel,
-                                         kv_layout(model.cfg, cfg.page_size, prefill_kv), cfg.num_prefill_pages)
+                                         self.layouts.prefill, cfg.num_prefill_pages)
         self.decode_phase = self._phase(phase_model(decode_model or model, "decode", cfg.decode_weights),
                                         self.decode_parallel,
-                                        kv_layout(model.cfg, cfg.page_size, cfg.kv_dtype, cfg.index_kv_dtype),
-                                        cfg.num_decode_pages)
+                                        self.layouts.decode, cfg.num_decode_pages)
         self.compiles: collections.Counter[str] = collections.Counter()
         pp, dp = self.prefill_parallel, self.decode_parallel
         rows_p, rows_d = pp.sharding(("batch",)), dp.sharding(("batch",))
@@ -192,8 +180,8 @@ class Programs:
 
     def _phase(self, model: CausalLM, par: Parallel, layout: KVLayout, num_pages: int) -> Phase:
         """Put a phase's model on its mesh (already-placed arrays stay where they are) and create its pool."""
-        shard_model(model, par if par.mesh.devices.size > 1 else None)
-        state_sharding = state_shardings(model, par)
+        model = shard_model(model, par if par.mesh.devices.size > 1 else None)
+        state_sharding = state_shardings(par, nnx.state(model))
         graphdef, state = nnx.split(model)
         state = jax.device_put(state, state_sharding)
         shape = jax.eval_shape(lambda: init_pages(layout, num_pages))
@@ -205,14 +193,14 @@ class Programs:
     def _prefill_fn(self, params: list[jax.Array], pages: KVPages, batch: PrefillBatch, samp: SamplingArrays):
         self.compiles["prefill"] += 1
         ph = self.prefill_phase
-        return prefill_step(ph.graphdef, ph.params_of(params), pages, batch, samp, attention=self.cfg.attention,
+        return prefill_step(ph.graphdef, ph.params_of(params), pages, batch, samp, attention=self.cfg.attention_backend,
                             integrity=self.cfg.integrity)
 
     def _decode_fn(self, params: list[jax.Array], pages: KVPages, batch: DecodeBatch, samp: SamplingArrays):
         self.compiles["decode"] += 1
         ph = self.decode_phase
         return decode_step(ph.graphdef, ph.params_of(params), pages, batch, samp,
-                           integrity=self.cfg.integrity, attention=self.cfg.attention)
+                           integrity=self.cfg.integrity, attention=self.cfg.attention_backend)
 
     def _export_fn(self, pages: KVPages, page_ids: jax.Array) -> KVPages:
         self.compiles["handoff"] += 1
@@ -337,8 +325,6 @@ class Programs:
     def _compile(self, kind: str, b: int, m: int, t: int, mode: SamplingMode = "greedy") -> None:
         """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched);
         mode: the sampling mode of the prefill / decode program (`sampling.sampling_mode`)."""
-        from jaxserve.engine.scheduler import dummy_decode, dummy_prefill  # the scheduler builds real batches
-
         spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the live pools may be donated meanwhile
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         p_ph, d_ph = self.prefill_phase, self.decode_phase
@@ -365,23 +351,16 @@ def weight_layout(cfg: EngineConfig, devices: list[jax.Device]) -> str:
     step, 2-8x a dense step on the embedded model), "packed" otherwise."""
     if cfg.weight_layout != "auto":
         return cfg.weight_layout
-    xla_only = not cfg.use_kernels and cfg.attention == "xla"
+    xla_only = not cfg.use_kernels and cfg.attention_backend.implementation == "xla"
     return "compute" if xla_only and all(d.platform == "cpu" for d in devices) else "packed"
-
-
-def _dtype_of(model: CausalLM) -> jnp.dtype:
-    """The model's activation dtype (its embedding table's)."""
-    return model.embed[...].dtype
 
 
 def _in_format(model: CausalLM, wf: WeightFormat) -> CausalLM:
     """`model` with its quantizable weights in wf.fmt; a weight already quantized differently is an error."""
-    from jaxserve.models.layers import Experts, Linear
-
     out = quantize_model(model, wf)
-    for path, module in nnx.iter_graph(out):
-        if isinstance(module, (Linear, Experts)) and module.fmt in ("fp8", "int4") and module.fmt != wf.fmt:
-            raise ConfigError(f"{_path(path)} is stored as {module.fmt}, but this phase runs {wf.fmt} weights",
+    for path, module in matmuls(out):
+        if module.fmt in ("fp8", "int4") and module.fmt != wf.fmt:
+            raise ConfigError(f"{path} is stored as {module.fmt}, but this phase runs {wf.fmt} weights",
                               value=module.fmt, param="weights")
     return out
 

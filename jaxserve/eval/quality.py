@@ -26,11 +26,12 @@ from jaxserve.eval import corpus
 from jaxserve.cache import init_pages
 from jaxserve.checkpoint import load, load_formats
 from jaxserve.engine import Engine, EngineConfig, SamplingParams
-from jaxserve.engine.programs import kv_layout
+from jaxserve.engine.layouts import kv_layout
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.paged import PrefillBatch, prefill
-from jaxserve.quant.apply import WeightFormat, quantize_model
+from jaxserve.quant.apply import quantize_model
+from jaxserve.quant.weight_format import WeightFormat
 from jaxserve.tokenizer import Tokenizer
 
 

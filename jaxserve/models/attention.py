@@ -17,6 +17,8 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import LayerNorm, Linear, RMSNorm
 from jaxserve.models.rope import apply_rope
+from jaxserve.quant.weight_format import WeightPlan
+from jaxserve.sharding import Axes, Parallel
 
 NEG_INF = float(jnp.finfo(jnp.float32).min)
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the module default, not rms_norm_eps (as in HF)
@@ -40,13 +42,20 @@ def index_scores(q: jax.Array, w: jax.Array, k: jax.Array) -> jax.Array:
 class Indexer(nnx.Module):
     """DSA lightning indexer: per query, the top-`index_topk` allowed keys by a ReLU multi-head score."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, path: str,
+                 weights: WeightPlan = WeightPlan(), parallel: Parallel | None = None) -> None:
         self.cfg = cfg
         nh, hd = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = Linear(cfg.q_lora_rank, nh * hd, dtype=dtype, rngs=rngs)
-        self.wk = Linear(cfg.hidden_size, hd, dtype=dtype, rngs=rngs)
+
+        def linear(name: str, din: int, dout: int, dtype: jnp.dtype) -> Linear:
+            # replicated: the index score sums over the indexer's heads
+            return Linear(din, dout, axes=(None, None), dtype=dtype, rngs=rngs,
+                          fmt=weights.linear(f"{path}.{name}", din), parallel=parallel)
+
+        self.wq_b = linear("wq_b", cfg.q_lora_rank, nh * hd, dtype)
+        self.wk = linear("wk", cfg.hidden_size, hd, dtype)
         self.k_norm = LayerNorm(hd, 1e-6, dtype=dtype)
-        self.weights_proj = Linear(cfg.hidden_size, nh, dtype=jnp.float32, rngs=rngs)  # kept f32, as HF does
+        self.weights_proj = linear("weights_proj", cfg.hidden_size, nh, jnp.float32)  # kept f32, as HF does
 
     def query(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [B, T, H], q_resid [B, T, q_lora] -> (queries [B, T, nh, hd] f32 (roped), head weights [B, T, nh] f32)."""
@@ -84,23 +93,31 @@ class Indexer(nnx.Module):
 class MLAttention(nnx.Module):
     """Multi-head latent attention. x [B, T, H] -> [B, T, H]."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, path: str,
+                 weights: WeightPlan = WeightPlan(), parallel: Parallel | None = None) -> None:
         self.cfg = cfg
         H, N = cfg.hidden_size, cfg.num_heads
         r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         bias = cfg.attention_bias
+
+        def linear(name: str, din: int, dout: int, axes: Axes, bias: bool = False) -> Linear:
+            return Linear(din, dout, axes=axes, dtype=dtype, rngs=rngs, bias=bias,
+                          fmt=weights.linear(f"{path}.{name}", din), parallel=parallel)
+
+        # the low-rank down projections are replicated (small; the latent is read by every head)
         if cfg.q_lora_rank:
-            self.q_a = Linear(H, cfg.q_lora_rank, dtype=dtype, rngs=rngs, bias=bias)
+            self.q_a = linear("q_a", H, cfg.q_lora_rank, (None, None), bias)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype=dtype)
-            self.q_b = Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, dtype=dtype, rngs=rngs)
+            self.q_b = linear("q_b", cfg.q_lora_rank, N * cfg.qk_head_dim, (None, "heads"))
         else:
-            self.q_proj = Linear(H, N * cfg.qk_head_dim, dtype=dtype, rngs=rngs)
-        self.kv_a = Linear(H, r + dr, dtype=dtype, rngs=rngs, bias=bias)
+            self.q_proj = linear("q_proj", H, N * cfg.qk_head_dim, ("embed", "heads"))
+        self.kv_a = linear("kv_a", H, r + dr, (None, None), bias)
         self.kv_a_norm = RMSNorm(r, LATENT_NORM_EPS, dtype=dtype)
-        self.kv_b = Linear(r, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dtype, rngs=rngs)
-        self.o = Linear(N * cfg.v_head_dim, H, dtype=dtype, rngs=rngs, bias=bias)
+        self.kv_b = linear("kv_b", r, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), (None, "heads"))
+        self.o = linear("o", N * cfg.v_head_dim, H, ("heads", "embed"), bias)
         full_indexer = cfg.has_indexer and cfg.indexer_types[layer_idx] == "full"
-        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if full_indexer else None
+        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs, path=f"{path}.indexer", weights=weights,
+                               parallel=parallel) if full_indexer else None
 
     def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """-> q_nope [B,T,N,dn], q_rope [B,T,N,dr] (roped), latent [B,T,r+dr] ([c_kv normed | k_rope roped]),
@@ -191,14 +208,20 @@ class MLAttention(nnx.Module):
 class GQAttention(nnx.Module):
     """Grouped-query attention with partial half-split rotary. x [B, T, H] -> [B, T, H]."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, path: str,
+                 weights: WeightPlan = WeightPlan(), parallel: Parallel | None = None) -> None:
         self.cfg = cfg
         H, N, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q = Linear(H, N * D, dtype=dtype, rngs=rngs, bias=bias)
-        self.k = Linear(H, K * D, dtype=dtype, rngs=rngs, bias=bias)
-        self.v = Linear(H, K * D, dtype=dtype, rngs=rngs, bias=bias)
-        self.o = Linear(N * D, H, dtype=dtype, rngs=rngs)  # o_proj never has a bias in GLM-4.5
+
+        def linear(name: str, din: int, dout: int, axes: Axes, bias: bool) -> Linear:
+            return Linear(din, dout, axes=axes, dtype=dtype, rngs=rngs, bias=bias,
+                          fmt=weights.linear(f"{path}.{name}", din), parallel=parallel)
+
+        self.q = linear("q", H, N * D, ("embed", "heads"), bias)
+        self.k = linear("k", H, K * D, ("embed", "kv_heads"), bias)
+        self.v = linear("v", H, K * D, ("embed", "kv_heads"), bias)
+        self.o = linear("o", N * D, H, ("heads", "embed"), False)  # o_proj never has a bias in GLM-4.5
         if cfg.use_qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)

@@ -5,19 +5,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
 from jaxserve.config import ModelConfig
 from jaxserve.models import sharded
 from jaxserve.quant import formats, ops
+from jaxserve.quant.weight_format import MatmulFormat, WeightPlan, dense_format
+from jaxserve.sharding import Axes, Parallel, ShardingError
 
 INIT_STD = 0.02
 DENSE_FORMATS = ("f32", "bf16")
+DENSE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 class RMSNorm(nnx.Module):
     """x [..., D] -> [..., D]; computes in f32, casts back to x.dtype, then multiplies by the weight (HF order)."""
 
     def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype) -> None:
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=(None,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -30,8 +35,8 @@ class LayerNorm(nnx.Module):
     """x [..., D] -> [..., D] with weight and bias (the DSA indexer's k_norm)."""
 
     def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype) -> None:
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=(None,))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype), axes=(None,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -42,19 +47,36 @@ class LayerNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
-class Linear(nnx.Module):
-    """x [..., din] -> [..., dout]. `weight` is [din, dout] in `fmt` ("bf16", "f32", "fp8", "int4"), `scale` beside it."""
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...]) -> jax.Array:
+    return jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD
 
-    def __init__(self, din: int, dout: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False) -> None:
-        self.fmt = "f32" if dtype == jnp.float32 else "bf16"
-        self.use_kernel = False  # quantized formats: Pallas kernels (GPU/TPU) instead of the XLA dequant path
-        self.interpret = False
-        self.backend = "gpu"  # the kernels' tiling: "gpu" (Triton) or "tpu" (Mosaic)
-        self.parallel = None  # a jaxserve.sharding.Parallel once `shard_model` placed the model on a mesh
-        self.path = ""  # this module's parameter path (the sharding table's key), set with `parallel`
-        self.weight = nnx.Param((jax.random.normal(rngs.params(), (din, dout), jnp.float32) * INIT_STD).astype(dtype))
-        self.scale = nnx.data(None)  # set to a Param when the weight is quantized
-        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
+
+def _weight(dense: jax.Array, fmt: MatmulFormat, stored: str, dtype: jnp.dtype, axes: Axes
+            ) -> tuple[nnx.Param, nnx.Param | None]:
+    """A weight (and its scale, None for dense formats) in format `stored`, from f32 values `dense`."""
+    if stored in DENSE_FORMATS:  # the module's dtype, or the other dense format a quantized weight was expanded to
+        to = dtype if stored == dense_format(dtype) else DENSE_DTYPES[stored]
+        return nnx.Param(dense.astype(to), axes=axes), None
+    w, s = formats.quantize(dense.astype(dtype).astype(jnp.float32), stored, fmt.group_size)
+    return nnx.Param(w, axes=axes), nnx.Param(s, axes=axes)
+
+
+class Linear(nnx.Module):
+    """x [..., din] -> [..., dout]. `weight` is [din, dout] in `fmt` ("bf16", "f32", "fp8", "int4"), `scale` beside it.
+
+    axes: the weight's logical axes (the bias takes the output one); `parallel`: the mesh it is placed on (a split
+    input dim makes it row-parallel, a split output dim column-parallel); `fmt`: its format and kernel switches."""
+
+    def __init__(self, din: int, dout: int, *, axes: Axes, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False,
+                 fmt: MatmulFormat = MatmulFormat(), parallel: Parallel | None = None) -> None:
+        self.fmt = fmt.resolve(dtype)
+        self.use_kernel = fmt.use_kernel  # quantized formats: Pallas kernels (GPU/TPU) instead of the XLA dequant path
+        self.interpret = fmt.interpret
+        self.backend = fmt.backend  # the kernels' tiling: "gpu" (Triton) or "tpu" (Mosaic)
+        self.parallel = parallel
+        self.weight, scale = _weight(_init(rngs, (din, dout)), fmt, self.fmt, dtype, axes)
+        self.scale = nnx.data(scale)
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype), axes=axes[1:]) if bias else None
 
     def dense_weight(self) -> jax.Array:
         """The weight as a dense [din, dout] array (dequantized f32 for quantized formats)."""
@@ -63,48 +85,69 @@ class Linear(nnx.Module):
         return formats.dequantize(self.weight[...], self.scale[...], self.fmt)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.parallel is not None:
-            return sharded.linear(self, x)
-        return self.local(x, self.weight[...], None if self.scale is None else self.scale[...],
-                          None if self.bias is None else self.bias[...])
+        par = self.parallel
+        axes = self.weight.get_metadata()["axes"]
+        k_ax, n_ax = (None, None) if par is None else (par.axis(axes[0]), par.axis(axes[1]))
+        if k_ax is None and n_ax is None:
+            return self.local(x)
+        if k_ax is not None and n_ax is not None:
+            raise ShardingError(f"a linear with both dims split: {axes}", value=axes, param="axes")
+        lead = (par.axis("batch"),) + (None,) * (x.ndim - 2)
+        specs = (P(*lead, k_ax), P(*lead, n_ax))
+        if k_ax is None:  # column-parallel: this device's output columns
+            return sharded.per_shard(self, lambda m, x: m.local(x), x, *specs)
 
-    def local(self, x: jax.Array, w: jax.Array, scale: jax.Array | None, bias: jax.Array | None) -> jax.Array:
-        """The matmul on given (possibly per-shard) arrays: x [..., din] @ w -> [..., dout] x.dtype."""
-        y = ops.linear(x, w, scale, self.fmt, use_kernel=self.use_kernel, interpret=self.interpret,
-                       backend=self.backend)
-        return y if bias is None else y + bias.astype(y.dtype)
+        def body(m: Linear, x: jax.Array) -> jax.Array:  # row-parallel: partial sums over the split input dim
+            y = jax.lax.psum(m.local(x, bias=False), k_ax)
+            return y if m.bias is None else y + m.bias[...].astype(y.dtype)
+
+        return sharded.per_shard(self, body, x, *specs)
+
+    def local(self, x: jax.Array, *, bias: bool = True) -> jax.Array:
+        """The matmul on this module's arrays (one shard's, inside a shard_map): x [..., din] -> [..., dout]."""
+        y = ops.linear(x, self.weight[...], None if self.scale is None else self.scale[...], self.fmt,
+                       use_kernel=self.use_kernel, interpret=self.interpret, backend=self.backend)
+        return y if self.bias is None or not bias else y + self.bias[...].astype(y.dtype)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). x [..., H] -> [..., H]."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). x [..., H] -> [..., H]; the intermediate dim is the "ffn" axis.
+    path: this module's parameter path (its Linears' formats are looked up in `weights` by path)."""
 
-    def __init__(self, hidden: int, inter: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.gate = Linear(hidden, inter, dtype=dtype, rngs=rngs)
-        self.up = Linear(hidden, inter, dtype=dtype, rngs=rngs)
-        self.down = Linear(inter, hidden, dtype=dtype, rngs=rngs)
+    def __init__(self, hidden: int, inter: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, path: str,
+                 weights: WeightPlan = WeightPlan(), parallel: Parallel | None = None) -> None:
+        def linear(name: str, din: int, dout: int, axes: Axes) -> Linear:
+            return Linear(din, dout, axes=axes, dtype=dtype, rngs=rngs, fmt=weights.linear(f"{path}.{name}", din),
+                          parallel=parallel)
+
+        self.gate = linear("gate", hidden, inter, ("embed", "ffn"))
+        self.up = linear("up", hidden, inter, ("embed", "ffn"))
+        self.down = linear("down", inter, hidden, ("ffn", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+    def local(self, x: jax.Array) -> jax.Array:
+        """On this module's arrays (FFN-split inside a shard_map: a partial sum of the output). x [N, H] -> [N, H]."""
+        return self.down.local(jax.nn.silu(self.gate.local(x)) * self.up.local(x))
 
 
 class Experts(nnx.Module):
     """Stacked routed experts: gate, up [E, H, I], down [E, I, H] in `fmt`, applied by grouped matmul."""
 
-    def __init__(self, n: int, hidden: int, inter: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.fmt = "f32" if dtype == jnp.float32 else "bf16"
-        self.use_kernel = False
-        self.interpret = False
-        self.backend = "gpu"
-
-        def init(shape: tuple[int, ...]) -> nnx.Param:
-            return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
-
-        self.gate = init((n, hidden, inter))
-        self.up = init((n, hidden, inter))
-        self.down = init((n, inter, hidden))
-        self.gate_scale = nnx.data(None)  # scales appear when the experts are quantized
-        self.up_scale = nnx.data(None)
-        self.down_scale = nnx.data(None)
+    def __init__(self, n: int, hidden: int, inter: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 fmt: MatmulFormat = MatmulFormat()) -> None:
+        self.fmt = fmt.resolve(dtype)
+        self.use_kernel = fmt.use_kernel
+        self.interpret = fmt.interpret
+        self.backend = fmt.backend
+        up_axes, down_axes = ("experts", "embed", "expert_ffn"), ("experts", "expert_ffn", "embed")
+        self.gate, gate_scale = _weight(_init(rngs, (n, hidden, inter)), fmt, self.fmt, dtype, up_axes)
+        self.up, up_scale = _weight(_init(rngs, (n, hidden, inter)), fmt, self.fmt, dtype, up_axes)
+        self.down, down_scale = _weight(_init(rngs, (n, inter, hidden)), fmt, self.fmt, dtype, down_axes)
+        self.gate_scale = nnx.data(gate_scale)  # None for dense formats
+        self.up_scale = nnx.data(up_scale)
+        self.down_scale = nnx.data(down_scale)
 
     def __call__(self, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """x_sorted [M, H] (rows grouped by expert), group_sizes [E] int32 -> [M, H]; rows past the sum give 0."""
@@ -151,17 +194,20 @@ class Experts(nnx.Module):
 class MoE(nnx.Module):
     """Sigmoid-scored, group-limited top-k routing with score-correction bias, routed + shared experts."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, path: str,
+                 weights: WeightPlan = WeightPlan(), parallel: Parallel | None = None) -> None:
         self.cfg = cfg
         E, H = cfg.n_routed_experts, cfg.hidden_size
-        # The router stays f32: expert choice is sensitive to rounding (HF keeps it f32 too).
-        self.parallel = None  # set by `shard_model` (see Linear)
-        self.path = ""
-        self.router = nnx.Param(jax.random.normal(rngs.params(), (H, E), jnp.float32) * INIT_STD)
-        self.router_bias = nnx.Param(jnp.zeros((E,), jnp.float32))
-        self.experts = Experts(E, H, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs)
+        self.parallel = parallel
+        # The router stays f32: expert choice is sensitive to rounding (HF keeps it f32 too). Replicated: expert
+        # choice needs every score.
+        self.router = nnx.Param(_init(rngs, (H, E)), axes=(None, None))
+        self.router_bias = nnx.Param(jnp.zeros((E,), jnp.float32), axes=(None,))
+        self.experts = Experts(E, H, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs,
+                               fmt=weights.experts(f"{path}.experts"))
         self.shared = (
-            MLP(H, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype, rngs=rngs)
+            MLP(H, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype, rngs=rngs, path=f"{path}.shared",
+                weights=weights, parallel=parallel)
             if cfg.n_shared_experts else None
         )
 
@@ -186,7 +232,10 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, H] -> [B, T, H]."""
         if self.parallel is not None:
-            return sharded.moe(self, x)
+            flat = x.reshape(-1, x.shape[-1])
+            b_ax = self.parallel.axis("batch")
+            # the routed sum is taken in f32 and cast once, as the unsharded path does
+            return sharded.per_shard(self, MoE.local, flat, P(b_ax), P(b_ax)).reshape(x.shape)
         flat = x.reshape(-1, x.shape[-1])
         w, ids = self.route(flat)
         out = self.routed(flat, w, ids, 0).astype(x.dtype)
@@ -224,3 +273,33 @@ class MoE(nnx.Module):
         y_sorted = self.experts(flat[token[order]], group_sizes)
         contrib = y_sorted.astype(jnp.float32) * weight[order][:, None]
         return jnp.zeros((n, flat.shape[-1]), jnp.float32).at[token[order]].add(contrib)
+
+    def local(self, flat: jax.Array) -> jax.Array:
+        """The block on this device's shard (inside a shard_map: experts or expert FFN split, shared expert FFN split,
+        rows split under DP attention), with its collectives. flat [N_local, H] -> [N_local, H]."""
+        par = self.parallel
+        b_ax, e_ax = par.axis("batch"), par.axis("experts")
+        routed_axes = _axes_tuple(e_ax) + _axes_tuple(par.axis("expert_ffn"))
+        shared_axes = _axes_tuple(par.axis("ffn"))
+        tokens = flat if b_ax is None else jax.lax.all_gather(flat, b_ax, axis=0, tiled=True)
+        w, ids = self.route(tokens)
+        first = 0 if e_ax is None else jax.lax.axis_index(e_ax) * self.experts.gate.shape[0]
+        y = self.routed(tokens, w, ids, first)
+        shared = None if self.shared is None else self.shared.local(flat).astype(jnp.float32)
+        if shared is not None and b_ax is None and set(shared_axes) == set(routed_axes):
+            y, shared = y + shared, None  # both partial over the same axes: one all-reduce for the block
+        if b_ax is not None:
+            y = jax.lax.psum_scatter(y, b_ax, scatter_dimension=0, tiled=True)  # back to this device's rows
+            rest = tuple(a for a in routed_axes if a != b_ax)
+            y = jax.lax.psum(y, rest) if rest else y
+        elif routed_axes:
+            y = jax.lax.psum(y, routed_axes)
+        out = y.astype(flat.dtype)
+        if shared is not None:
+            shared = jax.lax.psum(shared, shared_axes) if shared_axes else shared
+            out = out + shared.astype(flat.dtype)
+        return out
+
+
+def _axes_tuple(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)

@@ -7,24 +7,15 @@ Shapes: B batch rows, T chunk tokens, M pages per row (block table width), ps pa
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.cache import (KVPages, check_tags, gather_tokens, guard_tables, mask_outputs, page_tags_at,
                            write_index_keys, write_tokens)
-from jaxserve.models import dsa, paged_attention_xla, sharded
+from jaxserve.models import dsa
+from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.transformer import CausalLM
-from jaxserve.sharding import POOL_AXES, Parallel
-from pallas_kernels.paged_attention import paged_gqa_decode, paged_mla_decode
-from pallas_kernels.paged_attention_tpu import paged_gqa_decode_tpu, paged_mla_decode_tpu
-from pallas_kernels.paged_prefill import paged_prefill_gqa, paged_prefill_mla
-from pallas_kernels.reference_prefill import prefill_gqa_blockwise, prefill_mla_blockwise
-
-# "pallas": the GPU-shaped (Triton) kernels; "pallas_tpu": the TPU-shaped (Mosaic) MLA and GQA kernels;
-# *_interpret run the same kernels on CPU; "xla": the length-bounded page-block loop (paged_attention_xla).
-AttentionImpl = Literal["pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret", "xla"]
 
 
 @jax.tree_util.register_dataclass
@@ -69,16 +60,18 @@ class DecodeBatch:
 
 
 def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits: bool = False,
-            attention: AttentionImpl = "xla", integrity: bool = True) -> tuple[jax.Array, KVPages, jax.Array]:
+            attention: AttentionBackend = AttentionBackend(), integrity: bool = True
+            ) -> tuple[jax.Array, KVPages, jax.Array]:
     """Write the chunk's KV into `pages` and attend over the row's whole context read back from the pool.
 
     Reading the context (this chunk included) from the pool makes the result independent of how a prompt is
     chunked or whether its prefix came from the prefix cache; over an FP8 pool it is exactly what decode reads.
-    Attention reads the pool block by block (online softmax): "xla" the blockwise XLA form, "pallas*" the flash
-    prefill kernels (GPU or TPU tiling), the XLA form with bf16 dot operands for a bf16 model over bf16 / fp8 pages
-    (`prefill_dot_dtype`); MLA in the absorbed form (MQA over the latent pages, no kv_b expansion
-    of the context). GLM-5 DSA layers (`_dsa_prefill_attention`): the plain dense form while the block table spans
-    at most index_topk tokens, else absorbed attention over each query's top-k selected latent rows.
+    Attention reads the pool block by block (online softmax) through `attention`: "xla" the blockwise XLA form,
+    "pallas*" the flash prefill kernels (GPU or TPU tiling), the XLA form with bf16 dot operands for a bf16 model
+    over bf16 / fp8 pages (`prefill_attention_xla.prefill_dot_dtype`); MLA in the absorbed form (MQA over the
+    latent pages, no kv_b expansion of the context). GLM-5 DSA layers (`_dsa_prefill_attention`): the plain dense
+    form while the block table spans at most index_topk tokens, else absorbed attention over each query's top-k
+    selected latent rows.
     With `batch.expected_tags`, the tag check runs first over every page the chunk reads (prefix-cache pages
     included): a failed row reads only the null page, writes nothing and gets zero logits.
     Without all_logits the last layer's output projection and MLP run at each row's last chunk token only.
@@ -108,14 +101,15 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
             q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
             q = attn.absorb_query(q_nope, q_rope)  # [B, T, N, r + dr] f32
-            o_lat = _mla_prefill_attention(model.parallel, q, pages, i, tables, cfg.kv_lora_rank,
-                                           cfg.softmax_scale, attention, x.dtype)
+            o_lat = attention.prefill(model.parallel, q, pages, i, tables, softmax_scale=cfg.softmax_scale,
+                                      act_dtype=x.dtype)
             o = attn.absorb_output(o_lat, x.dtype)
         else:
             q, k, v = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, (k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])),
                                  flat_slots, slot_tags)
-            o = _gqa_prefill_attention(model.parallel, q, pages, i, tables, cfg.softmax_scale, attention, x.dtype)
+            o = attention.prefill(model.parallel, q, pages, i, tables, softmax_scale=cfg.softmax_scale,
+                                  act_dtype=x.dtype)
             o = o.astype(x.dtype)
         o = o.reshape(B, T, -1)
         if i == len(model.layers) - 1 and not all_logits:
@@ -135,7 +129,7 @@ def _at_last(x: jax.Array, chunk_lens: jax.Array) -> jax.Array:
 
 
 def decode(model: CausalLM, pages: KVPages, batch: DecodeBatch, *, integrity: bool,
-           attention: AttentionImpl) -> tuple[jax.Array, KVPages, jax.Array]:
+           attention: AttentionBackend) -> tuple[jax.Array, KVPages, jax.Array]:
     """One decode step. The tag check (against `pages.tags`, the device's witness) runs first: a failed row writes
     nothing, its block table is the null page before any gather or kernel sees it, its attention output is masked
     to zero, and it is reported. Each write stamps the row's tag of the page it writes.
@@ -161,14 +155,14 @@ def decode(model: CausalLM, pages: KVPages, batch: DecodeBatch, *, integrity: bo
             q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, latent[:, 0], slots, slot_tags)
             q = attn.absorb_query(q_nope, q_rope)[:, 0]  # [B, N, r + dr] f32
-            o_lat = _mla_attention(model.parallel, q, pages, i, batch.block_tables, lengths, cfg.kv_lora_rank,
-                                   cfg.softmax_scale, attention)
+            o_lat = attention.decode(model.parallel, q, pages, i, batch.block_tables, lengths,
+                                     softmax_scale=cfg.softmax_scale)
             o = attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype)
         else:
             q, k, v = attn.project(x, cos, sin)
             pages = write_tokens(pages, i, (k[:, 0], v[:, 0]), slots, slot_tags)
-            o = _gqa_attention(model.parallel, q[:, 0], pages, i, batch.block_tables, lengths, cfg.softmax_scale,
-                               attention)
+            o = attention.decode(model.parallel, q[:, 0], pages, i, batch.block_tables, lengths,
+                                 softmax_scale=cfg.softmax_scale)
             o = mask_outputs(ok, o)[:, None].astype(x.dtype)
         h = h + attn.o(o.reshape(B, 1, -1))
         h = h + layer.mlp(layer.post_norm(h))
@@ -207,7 +201,7 @@ def _dsa_prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages
 
 def _dsa_decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batch: DecodeBatch,
                           ok: jax.Array, cos: jax.Array, sin: jax.Array, prev: dsa.Selection | None,
-                          slot_tags: jax.Array | None, attention: AttentionImpl
+                          slot_tags: jax.Array | None, attention: AttentionBackend
                           ) -> tuple[jax.Array, KVPages, dsa.Selection | None]:
     """GLM-5 layer i's decode attention (`batch` already tag-checked: a failed row has slot -1, length 0 and the
     null page as its table): writes the new token's latent row and indexer key, stamping `slot_tags`, then the
@@ -222,8 +216,7 @@ def _dsa_decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages,
         pages = write_index_keys(pages, cfg.index_slot(i), attn.indexer.key(x, cos, sin)[:, 0], slots, slot_tags)
     if not dsa.is_sparse(bt.shape[1] * pages.layout.page_size, cfg.index_topk):
         q = attn.absorb_query(q_nope, q_rope)[:, 0]
-        o_lat = _mla_attention(model.parallel, q, pages, i, bt, lengths, cfg.kv_lora_rank, cfg.softmax_scale,
-                               attention)
+        o_lat = attention.decode(model.parallel, q, pages, i, bt, lengths, softmax_scale=cfg.softmax_scale)
         return attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype), pages, None
     sel = prev
     if attn.indexer is not None:
@@ -231,123 +224,3 @@ def _dsa_decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages,
         sel = dsa.select_topk(q, w, pages, cfg.index_slot(i), bt, batch.positions[:, None], lengths, cfg.index_topk)
     o = attn.attend_sparse(q_nope, q_rope, dsa.sparse_rows(pages, i, bt, sel), sel[1])
     return mask_outputs(ok, o), pages, sel
-
-
-def _mla_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, bt: jax.Array,
-                   lengths: jax.Array, rank: int, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
-    """q [B, N, r + dr] f32 over layer `layer` of an MLA pool -> [B, N, r] f32; per shard on a mesh (heads split
-    under TP attention; rows and pages under DP attention). "xla" reads the whole pool's bits (all layers, the
-    layer picked inside its gathers); the kernels read the layer's value view [P, ps, r + dr] and scale [P, ps]."""
-    xla = impl == "xla"
-    pools = (pages.latent, pages.latent_scale) if xla else pages.layer(layer)
-    lay = pages.layout
-
-    def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
-        (lat, scale), (bt, lengths) = pools, tables
-        if xla:
-            return paged_attention_xla.mla_decode(q, lat, scale, bt, lengths, layer=layer, layout=lay,
-                                                  kv_lora_rank=rank, softmax_scale=softmax_scale)
-        if impl.startswith("pallas_tpu"):
-            return paged_mla_decode_tpu(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
-                                        interpret=impl.endswith("interpret"))
-        return paged_mla_decode(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
-                                interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
-
-    if par is None:
-        return kernel(q, pools, (bt, lengths))
-    axes = (POOL_AXES["latent"], POOL_AXES["latent_scale"])
-    pool_axes = axes if xla else tuple(a[1:] for a in axes)  # the kernels get one layer: no leading layer axis
-    return sharded.attention(par, kernel, q, pools, (bt, lengths), pool_axes=pool_axes,
-                             q_axes=("batch", "heads", None))
-
-
-def _gqa_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, bt: jax.Array,
-                   lengths: jax.Array, softmax_scale: float, impl: AttentionImpl) -> jax.Array:
-    """q [B, Hq, D] over layer `layer` of a GQA pool -> [B, Hq, D] f32; per shard on a mesh (q heads and kv heads
-    split together under TP). "xla" reads the whole pool's bits; the kernels read the layer's value views (k/v
-    pages [P, ps, Hkv, D], scales [P, ps, Hkv] | None)."""
-    xla = impl == "xla"
-    pools = (pages.k, pages.v, pages.k_scale, pages.v_scale) if xla else pages.layer(layer)
-    lay = pages.layout
-
-    def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
-        (kp, vp, ks, vs), (bt, lengths) = pools, tables
-        if xla:
-            return paged_attention_xla.gqa_decode(q, kp, vp, ks, vs, bt, lengths, layer=layer, layout=lay,
-                                                  softmax_scale=softmax_scale)
-        if impl.startswith("pallas_tpu"):
-            return paged_gqa_decode_tpu(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale,
-                                        interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
-        return paged_gqa_decode(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale,
-                                interpret=impl.endswith("interpret"), out_dtype=jnp.float32)
-
-    if par is None:
-        return kernel(q, pools, (bt, lengths))
-    axes = tuple(POOL_AXES[f] for f in ("k", "v", "k_scale", "v_scale"))
-    pool_axes = axes if xla else tuple(a[1:] for a in axes)
-    return sharded.attention(par, kernel, q, pools, (bt, lengths), pool_axes=pool_axes,
-                             q_axes=("batch", "heads", None))
-
-
-def prefill_dot_dtype(activations: jnp.dtype, values: jnp.dtype) -> jnp.dtype:
-    """The XLA prefill attention's matmul operand dtype: bf16 for a model computing in bf16 (its query already comes
-    out of bf16 matmuls) over bf16 / fp8 pages (bf16 holds those values exactly), as the flash kernels; f32 otherwise,
-    so an f32 model stays exact. bf16 dots ran 1.4x faster than f32 on the CPU host (AVX-512 BF16)."""
-    low = jnp.dtype(activations).itemsize <= 2 and jnp.dtype(values).itemsize <= 2
-    return jnp.dtype(jnp.bfloat16) if low else jnp.dtype(jnp.float32)
-
-
-def _mla_prefill_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, tables: tuple,
-                           rank: int, softmax_scale: float, impl: AttentionImpl, act_dtype: jnp.dtype) -> jax.Array:
-    """q [B, T, N, r + dr] f32 (absorbed) over layer `layer` of an MLA pool, tables (block_tables [B, M],
-    positions [B, T], ctx_lens [B]) -> [B, T, N, r] f32; per shard on a mesh (as `_mla_attention`). "xla" reads
-    the whole pool's bits, the layer picked inside its gathers, with `prefill_dot_dtype(act_dtype, pool values)`
-    dots; the kernels read the layer's value views."""
-    xla = impl == "xla"
-    pools = (pages.latent, pages.latent_scale) if xla else pages.layer(layer)
-    value_dtype = jnp.dtype(pages.layout.jnp_dtype)
-
-    def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
-        (lat, scale), (bt, positions, ctx_lens) = pools, tables
-        if xla:
-            return prefill_mla_blockwise(q, lat, bt, positions, ctx_lens, scale, kv_lora_rank=rank,
-                                         softmax_scale=softmax_scale, value_dtype=value_dtype, layer=layer,
-                                         dot_dtype=prefill_dot_dtype(act_dtype, value_dtype))
-        return paged_prefill_mla(q, lat, bt, positions, ctx_lens, scale, kv_lora_rank=rank,
-                                 softmax_scale=softmax_scale, backend=_kernel_backend(impl),
-                                 interpret=impl.endswith("interpret"))
-
-    if par is None:
-        return kernel(q, pools, tables)
-    axes = (POOL_AXES["latent"], POOL_AXES["latent_scale"])
-    pool_axes = axes if xla else tuple(a[1:] for a in axes)
-    return sharded.attention(par, kernel, q, pools, tables, pool_axes=pool_axes, q_axes=("batch", None, "heads", None))
-
-
-def _gqa_prefill_attention(par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, tables: tuple,
-                           softmax_scale: float, impl: AttentionImpl, act_dtype: jnp.dtype) -> jax.Array:
-    """q [B, T, Hq, D] over layer `layer` of a GQA pool, tables as in `_mla_prefill_attention` -> [B, T, Hq, D]
-    f32; per shard on a mesh (q heads and kv heads split together under TP). Pools as `_mla_prefill_attention`."""
-    xla = impl == "xla"
-    pools = (pages.k, pages.v, pages.k_scale, pages.v_scale) if xla else pages.layer(layer)
-    value_dtype = jnp.dtype(pages.layout.jnp_dtype)
-
-    def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
-        (kp, vp, ks, vs), (bt, positions, ctx_lens) = pools, tables
-        if xla:
-            return prefill_gqa_blockwise(q, kp, vp, bt, positions, ctx_lens, ks, vs, softmax_scale=softmax_scale,
-                                         value_dtype=value_dtype, layer=layer,
-                                         dot_dtype=prefill_dot_dtype(act_dtype, value_dtype))
-        return paged_prefill_gqa(q, kp, vp, bt, positions, ctx_lens, ks, vs, softmax_scale=softmax_scale,
-                                 backend=_kernel_backend(impl), interpret=impl.endswith("interpret"))
-
-    if par is None:
-        return kernel(q, pools, tables)
-    axes = tuple(POOL_AXES[f] for f in ("k", "v", "k_scale", "v_scale"))
-    pool_axes = axes if xla else tuple(a[1:] for a in axes)
-    return sharded.attention(par, kernel, q, pools, tables, pool_axes=pool_axes, q_axes=("batch", None, "heads", None))
-
-
-def _kernel_backend(impl: AttentionImpl) -> str:
-    """The Pallas tiling an attention impl selects: "tpu" (Mosaic) for pallas_tpu*, else "gpu" (Triton)."""
-    return "tpu" if impl.startswith("pallas_tpu") else "gpu"

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.cache import KVLayout
-from jaxserve.cache.pages import from_bits
+from jaxserve.cache.pool import from_bits
 
 # Tokens one loop iteration reads per row: 128 and 256 ran alike on the CPU host (16 rows x 2000 tokens: 1.8 ms a
 # layer, vs 11-20 ms for gathering the padded context); the smaller block halves the working set.

@@ -5,39 +5,57 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
 from jaxserve.config import ModelConfig
-from jaxserve.models import sharded
 from jaxserve.models.attention import GQAttention, MLAttention
 from jaxserve.models.layers import INIT_STD, MLP, Linear, MoE, RMSNorm
 from jaxserve.models.rope import cos_sin
+from jaxserve.quant.weight_format import WeightPlan
+from jaxserve.sharding import Parallel
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)). The layer's parameters sit under
+    `layers.{layer_idx}` (its Linears' formats are looked up in `weights` by that path)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 weights: WeightPlan = WeightPlan(), parallel: Parallel | None = None) -> None:
+        path = f"layers.{layer_idx}"
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.attn = (MLAttention(cfg, layer_idx, dtype=dtype, rngs=rngs) if cfg.is_mla
-                     else GQAttention(cfg, dtype=dtype, rngs=rngs))
+        self.attn = (MLAttention(cfg, layer_idx, dtype=dtype, rngs=rngs, path=f"{path}.attn", weights=weights,
+                                 parallel=parallel) if cfg.is_mla
+                     else GQAttention(cfg, dtype=dtype, rngs=rngs, path=f"{path}.attn", weights=weights,
+                                      parallel=parallel))
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs) if cfg.mlp_layer_types[layer_idx] == "sparse"
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
+        mlp = f"{path}.mlp"
+        self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, path=mlp, weights=weights, parallel=parallel)
+                    if cfg.mlp_layer_types[layer_idx] == "sparse"
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs, path=mlp, weights=weights,
+                             parallel=parallel))
 
 
 class CausalLM(nnx.Module):
-    """tokens [B, T] int32 -> logits [B, T, vocab] f32. One definition for deepseek_v3, glm_moe_dsa and glm4_moe."""
+    """tokens [B, T] int32 -> logits [B, T, vocab] f32. One definition for deepseek_v3, glm_moe_dsa and glm4_moe.
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs) -> None:
+    weights: the format of each matmul weight (default: every weight dense in `dtype`); parallel: the mesh the
+    model is placed on (None: one device). Both are fixed at construction; `jaxserve.models.build` rebuilds a
+    model with others."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs,
+                 weights: WeightPlan = WeightPlan(), parallel: Parallel | None = None) -> None:
         self.cfg = cfg
-        self.parallel = None  # set by `jaxserve.models.sharded.shard_model`
-        self.path = ""
+        self.weights = weights
+        self.parallel = parallel
         self.embed = nnx.Param(
-            (jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32) * INIT_STD).astype(dtype)
-        )
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
+            (jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32) * INIT_STD).astype(dtype),
+            axes=("vocab", "embed"))
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, weights=weights, parallel=parallel)
+                                for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
-                                                                   rngs=rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), dtype=dtype, rngs=rngs,
+            fmt=weights.linear("lm_head", cfg.hidden_size), parallel=parallel)
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """positions [B, T] -> cos, sin [B, T, rope_dim // 2] f32."""
@@ -45,18 +63,41 @@ class CausalLM(nnx.Module):
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] int32 -> [B, T, H]."""
-        if self.parallel is not None:
-            return sharded.embed(self, tokens)
-        return jnp.take(self.embed[...], tokens, axis=0)
+        par = self.parallel
+        v_ax = None if par is None else par.axis("vocab")
+        if v_ax is None:
+            return jnp.take(self.embed[...], tokens, axis=0)
+        b_ax = par.axis("batch")
+
+        def body(tokens: jax.Array, table: jax.Array) -> jax.Array:
+            # vocab-parallel: each device holds a vocab slice; rows outside it are 0; one psum
+            start = jax.lax.axis_index(v_ax) * table.shape[0]
+            local = tokens - start
+            inside = (local >= 0) & (local < table.shape[0])
+            rows = jnp.take(table, jnp.where(inside, local, 0), axis=0)
+            return jax.lax.psum(jnp.where(inside[..., None], rows, 0), v_ax)
+
+        return par.shard_map(body, (P(b_ax, None), P(v_ax, None)), P(b_ax, None, None))(tokens, self.embed[...])
 
     def logits(self, h: jax.Array) -> jax.Array:
         """h [..., H] (before the final norm) -> logits [..., V] f32."""
         h = self.norm(h)
         if self.lm_head is None and self.parallel is not None:
-            return sharded.tied_logits(self, h)
+            return self._tied_logits(h)
         if self.lm_head is None:
             return jnp.dot(h, self.embed[...].T.astype(h.dtype), preferred_element_type=jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
+
+    def _tied_logits(self, h: jax.Array) -> jax.Array:
+        """Logits through the (vocab-split) embedding table: h [..., H] -> [..., V] f32, split over vocab."""
+        par = self.parallel
+        v_ax = par.axis("vocab")
+        lead = (par.axis("batch"),) + (None,) * (h.ndim - 2)
+
+        def body(h: jax.Array, table: jax.Array) -> jax.Array:
+            return jnp.dot(h, table.T.astype(h.dtype), preferred_element_type=jnp.float32)
+
+        return par.shard_map(body, (P(*lead, None), P(v_ax, None)), P(*lead, v_ax))(h, self.embed[...])
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, lengths: jax.Array | None = None,
                  *, absorbed: bool = False) -> jax.Array:

@@ -25,10 +25,12 @@ from tqdm import tqdm
 from jaxserve.checkpoint import (MANIFEST, format_dir, group_trees, load, load_formats, partial_output, read_manifest,
                                  save_group)
 from jaxserve.errors import CheckpointError, ConfigError
+from jaxserve.format_names import canonical_format
 from jaxserve.models import CausalLM
 from jaxserve.models.layers import Linear
 from jaxserve.quant import formats
-from jaxserve.quant.apply import WeightFormat, quantize_model, weight_bytes
+from jaxserve.quant.apply import quantize_model, weight_bytes
+from jaxserve.quant.weight_format import WeightFormat
 
 QUANTIZED_FORMATS = ("fp8", "int4")
 
@@ -47,7 +49,7 @@ class QuantizeSpec:
 
     def __post_init__(self) -> None:
         for param in ("weights", "prefill_weights"):
-            v = formats.canonical_format(getattr(self, param))  # accept "float8_e4m3fn", "uint4", ...
+            v = canonical_format(getattr(self, param))  # accept "float8_e4m3fn", "uint4", ...
             object.__setattr__(self, param, v)
             if v not in QUANTIZED_FORMATS and not (param == "prefill_weights" and v is None):
                 raise ConfigError(f"--{param.replace('_', '-')} must be one of {QUANTIZED_FORMATS}, got {v!r}",

@@ -28,17 +28,9 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.errors import CheckpointError, ConfigError
+from jaxserve.format_names import FORMATS
 from jaxserve.quant import hf_formats
 
-FORMATS: Final = ("bf16", "f32", "fp8", "int4")
-# dtype names users type for a format (numpy / ml_dtypes / torch spellings)
-FORMAT_ALIASES: Final = {"bfloat16": "bf16", "float32": "f32", "fp32": "f32", "float8_e4m3fn": "fp8",
-                         "float8_e4m3": "fp8", "fp8_e4m3": "fp8", "e4m3": "fp8", "uint4": "int4", "w4a16": "int4"}
-
-
-def canonical_format(name: str) -> str:
-    """A format name or a dtype alias ("bfloat16", "float8_e4m3fn", ...) -> the format name (others unchanged)."""
-    return FORMAT_ALIASES.get(name.lower(), name.lower()) if isinstance(name, str) else name
 FP8_BLOCK: Final = 128
 FP8_MAX: Final = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 INT4_MAX: Final = 7  # symmetric absmax/7 keeps -8 unused by the quantizer, as compressed-tensors does

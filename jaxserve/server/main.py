@@ -31,7 +31,7 @@ from waitress.task import ErrorTask
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.errors import ConfigError
-from jaxserve.quant.formats import canonical_format
+from jaxserve.format_names import canonical_format
 from jaxserve.server.limits import DEFAULT_CHAT_MAX_TOKENS, MAX_BODY_BYTES, AppConfig
 
 SPARE_THREADS = 4  # beyond the admission limit: /health, /metrics and refusals never wait for a stream to end

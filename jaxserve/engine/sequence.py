@@ -1,0 +1,62 @@
+"""A request's serving state while the scheduler holds it (`Sequence`), and the scheduler's counters (`Stats`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.engine.request import Request, Status
+
+
+@dataclass
+class Sequence:
+    """A request's serving state."""
+
+    req: Request
+    order: int  # admission order, for FCFS and for choosing whom to preempt (the youngest)
+    status: Status = Status.WAITING
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prefill_pages: list[tuple[int, int]] = field(default_factory=list)
+    decode_pages: list[tuple[int, int]] = field(default_factory=list)
+    target: int = 0  # tokens to prefill (prompt + already generated, after a preemption)
+    computed: int = 0  # tokens of `target` already in the prefill pool
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    decode_len: int = 0  # tokens in the decode pool
+    text_sent: int = 0  # characters of `text` already streamed
+    text: str = ""
+    decoder: object = None  # tokenizer.StreamDecoder, when the engine has a tokenizer
+    preemptions: int = 0
+    pending: tuple[int, float, tuple] | None = None  # first token sampled by prefill, emitted after the hand-off
+    slot: int = -1  # row of DecodeRows while decoding
+    matcher: object = None  # llguidance.LLMatcher of a structured-output request (engine.structured)
+    rank: int = 0  # data-parallel attention rank: its pages and batch rows live on that rank's devices
+
+    @property
+    def special(self) -> bool:
+        """Needs more than the plain sampling programs: penalties/biases, a grammar or top logprobs."""
+        p = self.req.params
+        return p.adjusts_logits or self.matcher is not None or p.top_logprobs > 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.req.prompt + self.generated
+
+    def at_length_limit(self, max_model_len: int, pending: int = 0) -> bool:
+        """The sequence ends by length (max_tokens, or the context window) once its accepted tokens plus `pending`
+        tokens read but not accepted yet are in (after a token; the overlap's look-ahead with pending=1)."""
+        return len(self.generated) + pending >= self.req.params.max_tokens or \
+            self.decode_len + pending + 1 >= max_model_len
+
+
+@dataclass
+class Stats:
+    """The scheduler's running counters (`Engine.stats` reports them)."""
+
+    tag_mismatches: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    steps: int = 0
+    overlapped: int = 0  # decode steps dispatched before the previous one was read
