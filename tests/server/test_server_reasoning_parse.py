@@ -15,7 +15,7 @@ from jaxserve.server.responses import Choice, split_output
 from jaxserve.server.toolcalls import ToolSetup
 from jaxserve.tokenizer import Tokenizer
 
-TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-kimi-tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi-tokenizer"
 TOOLS = ({"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},)
 KIMI = ToolSetup("kimi", TOOLS)
