@@ -65,6 +65,12 @@ class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
 
 
+class ResponseNotFoundError(NotFoundError):
+    """A /v1/responses id (`previous_response_id`, GET) that was never stored, or was evicted or expired."""
+
+    code = "response_not_found"
+
+
 class ContextLengthError(InvalidRequestError):
     """prompt + max_tokens exceeds the engine's context window."""
 

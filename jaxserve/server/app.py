@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one Engine: `create_app(engine, model_name) -> Flask`, its routes and handlers.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
-Server-Sent Events ending in `data: [DONE]`), GET /health, GET /metrics, GET /openapi.json.
+Server-Sent Events ending in `data: [DONE]`), POST /v1/responses and GET /v1/responses/{id} (`server.responses_api`:
+a chat request underneath), GET /health, GET /metrics, GET /openapi.json.
 
 A generation request's body is read as strict JSON (`server.body`: 415 unless declared JSON) and validated into a
 `Generation` (`server.protocol`: a 400 naming the field) before anything reaches the engine; then it is admitted
@@ -34,6 +35,7 @@ from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openapi import openapi_spec
 from jaxserve.server.chat_request import parse_chat
 from jaxserve.server.protocol import Generation, parse_completion
+from jaxserve.server.responses_api import ResponsesApi
 from jaxserve.server.responses import (CHAT, COMPLETION, Reply, Shape, TokenText, complete, error_response,
                                        single_choice, stream)
 
@@ -136,6 +138,16 @@ def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) ->
     @app.post("/v1/chat/completions")
     def chat_completions() -> Response:
         return generate(parse_chat, CHAT)
+
+    responses = ResponsesApi(generate)
+
+    @app.post("/v1/responses")
+    def create_response() -> Response:
+        return name_ignored(*responses.create(_request_json()))
+
+    @app.get("/v1/responses/<response_id>")
+    def get_response(response_id: str) -> Response:
+        return responses.get(response_id)
 
     _add_info_routes(app, engine, model_name, metrics)
     _add_error_handlers(app, cfg, metrics)

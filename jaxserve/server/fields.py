@@ -35,6 +35,15 @@ CHAT_FIELDS = COMMON_FIELDS | IGNORED | {
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content",
                             "refusal", "annotations", "audio", "function_call"})
 STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+# vLLM's sampling extensions, which /v1/responses passes on to the chat path under the same names
+RESPONSES_EXTENSIONS = ("top_k", "seed", "stop", "ignore_eos", "stop_token_ids", "repetition_penalty", "min_tokens",
+                        "cache_salt", "presence_penalty", "frequency_penalty", "logit_bias", "chat_template_kwargs")
+RESPONSES_FIELDS = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "parallel_tool_calls",
+    "previous_response_id", "reasoning", "safety_identifier", "service_tier", "store", "stream", "stream_options",
+    "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "user", "include",
+    "background", "conversation", "prompt", "prompt_cache_key", "prompt_cache_retention", "context_management",
+    *RESPONSES_EXTENSIONS})
 
 
 @dataclass(frozen=True)

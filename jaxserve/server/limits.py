@@ -21,19 +21,24 @@ MAX_DEPTH = 64  # JSON nesting; deeper bodies would overflow the recursive walks
 MAX_N = 16  # choices per request: each is a sequence in the engine
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_CACHE_SALT_CHARS = 1024
+STORED_RESPONSES = 1024  # /v1/responses answers kept for previous_response_id (oldest evicted first)
+STORED_RESPONSE_TTL_S = 3600.0  # and for at most this long
 
 
 @dataclass(frozen=True)
 class AppConfig:
     """The HTTP layer's limits. max_inflight: generation requests admitted at once (each holds a WSGI thread until it
     ends: the server needs more threads than this, so /health and refusals always find one). strict_fields: refuse
-    (400) a body field no schema here knows, instead of ignoring it and naming it in a response header."""
+    (400) a body field no schema here knows, instead of ignoring it and naming it in a response header.
+    stored_responses, stored_response_ttl_s: how many /v1/responses answers `previous_response_id` reaches, how long."""
 
     max_inflight: int = 16
     max_body_bytes: int = MAX_BODY_BYTES
     default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     retry_after_s: int = RETRY_AFTER_S
     strict_fields: bool = False
+    stored_responses: int = STORED_RESPONSES
+    stored_response_ttl_s: float = STORED_RESPONSE_TTL_S
 
 
 class Admission:
