@@ -1,4 +1,4 @@
-"""Lenient, documented request fields: every field of OpenAI's current chat and completions request schemas is
+"""Lenient, documented request fields: every field of OpenAI's current chat, completions and responses request schemas is
 accepted (null is "unset"), those with meaning here are honored, an unknown field is named in the
 `x-jaxserve-ignored-fields` header (or refused under `strict_fields`), and a known field of the wrong type is
 still a 400."""
@@ -14,6 +14,7 @@ from test_server import MODEL, TIMEOUT, Served, serve, session_ids, shared_serve
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+RESPONSES = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
 # each field of item 2 with a value a real client sends (and null, which is always unset)
 FIELDS = [
     ("metadata", {"trace": "abc"}), ("store", False), ("service_tier", "auto"), ("reasoning_effort", "low"),
@@ -24,6 +25,16 @@ FIELDS = [
 ]
 CHAT_ONLY = [("parallel_tool_calls", True), ("max_completion_tokens", 2), ("top_logprobs", None),
              ("functions", None), ("function_call", None), ("chat_template_kwargs", {"thinking": False})]
+# /v1/responses' own fields (and the chat ones it shares), each with a value the openai client sends
+RESPONSES_FIELDS = [
+    ("metadata", {"trace": "abc"}), ("store", False), ("service_tier", "auto"), ("prompt_cache_key", "conv-7"),
+    ("safety_identifier", "user-hash"), ("user", "u1"), ("include", ["reasoning.encrypted_content"]),
+    ("truncation", "disabled"), ("parallel_tool_calls", True), ("max_tool_calls", 3), ("top_logprobs", 0),
+    ("reasoning", {"effort": "low", "summary": "auto"}), ("text", {"format": {"type": "text"}, "verbosity": "low"}),
+    ("background", False), ("prompt_cache_retention", "in_memory"), ("instructions", "Be brief."),
+    ("previous_response_id", None), ("stream_options", None), ("tool_choice", "auto"), ("tools", []),
+    ("conversation", None), ("prompt", None), ("seed", 3), ("top_k", 5),
+]
 
 
 @functools.cache
@@ -42,6 +53,7 @@ def srv() -> Served:
 @pytest.mark.parametrize("path,base,field,value", [
     *[("/v1/chat/completions", CHAT, f, v) for f, v in FIELDS + CHAT_ONLY],
     *[("/v1/completions", COMPLETION, f, v) for f, v in FIELDS],
+    *[("/v1/responses", RESPONSES, f, v) for f, v in RESPONSES_FIELDS],
     *[(p, b, f, None) for p, b in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION))
       for f, _ in FIELDS],
 ])
@@ -60,7 +72,8 @@ def test_a_dumped_assistant_message_goes_back_as_it_is(srv):
     assert r.status_code == 200 and "x-jaxserve-ignored-fields" not in r.headers, r.text
 
 
-@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
+                                       ("/v1/responses", RESPONSES)])
 def test_unknown_fields_are_named_in_a_header_or_refused_when_strict(srv, path, base):
     body = {**base, "banana": 1, "stream_options": None, "zz_extra": {"a": 1}}
     r = httpx.post(f"{srv.base}{path}", json=body, timeout=TIMEOUT)
