@@ -1,5 +1,5 @@
-"""Lenient, documented request fields: every field of OpenAI's current chat, completions and responses request schemas is
-accepted (null is "unset"), those with meaning here are honored, an unknown field is named in the
+"""Lenient, documented request fields: every field of OpenAI's current chat, completions and responses request
+schemas is accepted (null is "unset"), those with meaning here are honored, an unknown field is named in the
 `x-jaxserve-ignored-fields` header (or refused under `strict_fields`), and a known field of the wrong type is
 still a 400."""
 from __future__ import annotations
