@@ -88,6 +88,17 @@ def test_streamed_tool_call_events(srv):
     assert events[-1].response.output[0].call_id == done.call_id
 
 
+def test_text_format_json_schema_constrains_the_output(srv):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "ok": {"type": "boolean"}},
+              "required": ["name", "ok"], "additionalProperties": False}
+    r = client(srv).responses.create(model=MODEL, input="person", temperature=0, max_output_tokens=60,
+                                     text={"format": {"type": "json_schema", "name": "person", "schema": schema,
+                                                      "strict": True}})
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
 def test_store_false_cannot_be_continued(srv):
     c = client(srv)
     r = c.responses.create(**BASE, input="hi", store=False)
