@@ -158,6 +158,16 @@ _CHAT_COMPLETION = {"type": "object", "properties": {
             "type": "object", "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
                                              "bytes": {"type": ["array", "null"]}}}}}}}}}}}
 
+_RESPONSES_REQUEST = {"type": "object", "required": ["model"], "properties": {
+    "model": {"type": "string"}, "input": {"type": ["string", "array"]}, "instructions": {"type": ["string", "null"]},
+    "tools": {"type": "array"}, "tool_choice": {"type": ["string", "object"]}, "max_output_tokens": {"type": "integer"},
+    "previous_response_id": {"type": ["string", "null"]}, "store": {"type": "boolean"}, "stream": {"type": "boolean"},
+    "text": {"type": "object"}, "reasoning": {"type": "object"}, "metadata": {"type": "object"}}}
+_RESPONSE = {"type": "object", "properties": {
+    "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
+    "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]}, "model": {"type": "string"},
+    "output": {"type": "array", "items": {"type": "object"}}, "usage": {"type": ["object", "null"]}}}
+
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
@@ -188,6 +198,12 @@ def _paths() -> dict[str, Any]:
         "/v1/completions": _generation("text completion", "CompletionRequest", "Completion"),
         "/v1/chat/completions": _generation("chat completion (the tokenizer's chat template)", "ChatRequest",
                                             "ChatCompletion"),
+        "/v1/responses": _generation("OpenAI Responses API, run as a chat completion (typed SSE events when "
+                                     "streamed)", "ResponsesRequest", "Response"),
+        "/v1/responses/{response_id}": {"get": {
+            "summary": "a stored response", "parameters": [{"name": "response_id", "in": "path", "required": True,
+                                                            "schema": {"type": "string"}}],
+            "responses": {"200": _json(_ref("Response"), "the response object"), **_errors("404")}}},
         "/health": {"get": {"summary": "liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
             "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
@@ -204,5 +220,6 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
                  "description": f"OpenAI-compatible API serving `{model_name}`."},
         "paths": _paths(),
         "components": {"schemas": {"CompletionRequest": _COMPLETION_REQUEST, "ChatRequest": _CHAT_REQUEST,
-                                   "Completion": _COMPLETION, "ChatCompletion": _CHAT_COMPLETION, "Error": _ERROR}},
+                                   "Completion": _COMPLETION, "ChatCompletion": _CHAT_COMPLETION, "Error": _ERROR,
+                                   "ResponsesRequest": _RESPONSES_REQUEST, "Response": _RESPONSE}},
     }

@@ -145,3 +145,9 @@ def test_a_thinking_model_answers_with_a_reasoning_item(thinking):
                {"role": "assistant", "content": "", "reasoning_content": reasoning},
                {"role": "user", "content": "and 3+3?"}]
     assert again.usage.input_tokens == len(thinking.engine.tokenizer.encode_chat(history))
+
+
+def test_openapi_describes_the_responses_paths(srv):
+    spec = httpx.get(f"{srv.base}/openapi.json", timeout=TIMEOUT).json()
+    assert {"/v1/responses", "/v1/responses/{response_id}"} <= set(spec["paths"])
+    assert set(spec["components"]["schemas"]) >= {"ResponsesRequest", "Response"}
