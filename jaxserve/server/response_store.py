@@ -1,8 +1,9 @@
 """The in-memory store of /v1/responses answers that `previous_response_id` and `GET /v1/responses/{id}` read.
 
 A stored response keeps the conversation it answered (earlier turns included, as chat messages) and its own output
-items, so a next turn renders `conversation + output + new input` without walking a chain. The store is bounded by count (the oldest is evicted first) and by age (an entry older than `ttl_s` is gone);
-it lives in one process and is lost on restart, as a self-hosted server's cache of recent turns should be.
+items, so a next turn renders `conversation + output + new input` without walking a chain. The store is bounded by
+count (the oldest is evicted first) and by age (an entry older than `ttl_s` is gone); it lives in one process and is
+lost on restart, as a self-hosted server's cache of recent turns should be.
 """
 from __future__ import annotations
 
