@@ -23,7 +23,7 @@ class SamplingParams:
     top_logprobs: alternatives (0..20) returned with each token. min_tokens: end tokens (eos, stop_token_ids) are
     banned until this many tokens exist. structured: a grammar the output must match (engine.structured).
     prompt_logprobs: None (off), 0 (each prompt token's logprob), k in 1..20 (also its top k alternatives), computed
-    by the prefill program (`PromptLogprobs`). max_tokens 0 scores the prompt only: no token is generated.
+    by the prefill program (`PromptLogprobs`); with them max_tokens may be 0: the prompt scored, nothing generated.
     """
 
     max_tokens: int = 16
@@ -58,8 +58,10 @@ class SamplingParams:
         def is_num(x: object) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool)
 
+        least = 0 if self.prompt_logprobs is not None else 1
         checks = [
-            ("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 0, "an integer >= 0"),
+            ("max_tokens", is_int(self.max_tokens) and self.max_tokens >= least,
+             "an integer >= 1 (0 only with prompt_logprobs: the prompt scored, nothing generated)"),
             ("temperature", is_num(self.temperature) and 0 <= self.temperature <= 100,
              "a number in [0, 100]"),
             ("top_k", is_int(self.top_k) and 0 <= self.top_k <= vocab_size, f"an integer in [0, {vocab_size}]"),
