@@ -240,7 +240,9 @@ class Engine:
         for req, stream in zip(reqs, streams):
             ids, lps, text = [], [], []
             end: TokenEvent | None = None
+            scores = None
             for ev in stream:
+                scores = ev.prompt_logprobs or scores
                 if ev.token_id is not None:
                     ids.append(ev.token_id)
                     lps.append(ev.logprob)
@@ -248,7 +250,7 @@ class Engine:
                 if ev.finish_reason is not None:
                     end = ev
             outs.append(RequestOutput(req.request_id, len(req.prompt), ids, lps, "".join(text), end.finish_reason,
-                                      end.cached_tokens, end.error))
+                                      end.cached_tokens, end.error, scores))
         return outs
 
     # ---- the loop ----------------------------------------------------------------------------------------

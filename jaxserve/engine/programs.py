@@ -31,6 +31,7 @@ from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.layouts import PhaseLayouts
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
+from jaxserve.engine.scoring import PromptScores, prompt_scores
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.attention_backend import AttentionBackend
@@ -121,6 +122,20 @@ def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch
     return sample(logits, samp), ok, pages
 
 
+def prefill_scored_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: PrefillBatch,
+                        samp: SamplingArrays, targets: jax.Array, top: int, *,
+                        attention: AttentionBackend = AttentionBackend(), integrity: bool = True
+                        ) -> tuple[Sampled, jax.Array, KVPages, PromptScores]:
+    """`prefill_step` with the last layer's tail and the head at every chunk position (its own program: rows
+    without prompt logprobs never run it), also returning the prompt logprobs of targets [B, T] int32 (-1: none)
+    with `top` (static) alternatives. -> (Sampled, ok [B] bool, pages, PromptScores)."""
+    model = nnx.merge(graphdef, state)
+    logits, pages, ok = prefill(model, pages, batch, all_logits=True, attention=attention, integrity=integrity)
+    last = jnp.clip(batch.chunk_lens - 1, 0, logits.shape[1] - 1)
+    at_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    return sample(at_last, samp), ok, pages, prompt_scores(logits, targets, top)
+
+
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch: DecodeBatch,
                 samp: SamplingArrays, *, integrity: bool, attention: AttentionBackend
                 ) -> tuple[Sampled, jax.Array, KVPages]:
@@ -172,6 +187,10 @@ class Programs:
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
                                 in_shardings=(jax.tree.leaves(ph.state_sharding), ph.pages_sharding, rows_p, rows_p),
                                 out_shardings=(rows_p, rows_p, ph.pages_sharding))
+        self._prefill_scored = jax.jit(self._prefill_scored_fn, donate_argnums=(1,), static_argnums=(5,),
+                                       in_shardings=(jax.tree.leaves(ph.state_sharding), ph.pages_sharding, rows_p,
+                                                     rows_p, rows_p),
+                                       out_shardings=(rows_p, rows_p, ph.pages_sharding, rows_p))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
                                in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d),
                                out_shardings=(rows_d, rows_d, dh.pages_sharding))
@@ -196,6 +215,13 @@ class Programs:
         return prefill_step(ph.graphdef, ph.params_of(params), pages, batch, samp, attention=self.cfg.attention_backend,
                             integrity=self.cfg.integrity)
 
+    def _prefill_scored_fn(self, params: list[jax.Array], pages: KVPages, batch: PrefillBatch,
+                           samp: SamplingArrays, targets: jax.Array, top: int):
+        self.compiles["prefill_scored"] += 1
+        ph = self.prefill_phase
+        return prefill_scored_step(ph.graphdef, ph.params_of(params), pages, batch, samp, targets, top,
+                                   attention=self.cfg.attention_backend, integrity=self.cfg.integrity)
+
     def _decode_fn(self, params: list[jax.Array], pages: KVPages, batch: DecodeBatch, samp: SamplingArrays):
         self.compiles["decode"] += 1
         ph = self.decode_phase
@@ -209,11 +235,16 @@ class Programs:
         return _take_pages(pages, page_ids)
 
     # ---- host entry points -----------------------------------------------------------------------------------
-    def run_prefill(self, batch: PrefillBatch, samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:
-        """-> (Sampled with numpy fields, ok [B] bool: the row's pages passed the tag check)."""
+    def run_prefill(self, batch: PrefillBatch, samp: SamplingArrays, targets: np.ndarray | None = None,
+                    top: int = 0) -> tuple[Sampled, np.ndarray, PromptScores | None]:
+        """-> (Sampled with numpy fields, ok [B] bool: the row's pages passed the tag check, the prompt logprobs
+        of `targets` [B, T] int32 (`scoring.score_targets`) with `top` alternatives: None without targets)."""
         ph = self.prefill_phase
-        sampled, ok, ph.pages = self._prefill(ph.params, ph.pages, batch, samp)
-        return jax.tree.map(np.asarray, sampled), np.asarray(ok)
+        if targets is None:
+            sampled, ok, ph.pages = self._prefill(ph.params, ph.pages, batch, samp)
+            return jax.tree.map(np.asarray, sampled), np.asarray(ok), None
+        sampled, ok, ph.pages, scores = self._prefill_scored(ph.params, ph.pages, batch, samp, targets, top)
+        return jax.tree.map(np.asarray, sampled), np.asarray(ok), jax.tree.map(np.asarray, scores)
 
     def run_decode(self, batch: DecodeBatch, samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:
         """-> (Sampled with numpy fields, ok [B] bool)."""

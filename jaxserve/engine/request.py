@@ -22,6 +22,8 @@ class SamplingParams:
     logits of tokens in the prompt or output. logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
     top_logprobs: alternatives (0..20) returned with each token. min_tokens: end tokens (eos, stop_token_ids) are
     banned until this many tokens exist. structured: a grammar the output must match (engine.structured).
+    prompt_logprobs: None (off), 0 (each prompt token's logprob), k in 1..20 (also its top k alternatives), computed
+    by the prefill program (`PromptLogprobs`); with them max_tokens may be 0: the prompt scored, nothing generated.
     """
 
     max_tokens: int = 16
@@ -40,6 +42,7 @@ class SamplingParams:
     top_logprobs: int = 0
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def adjusts_logits(self) -> bool:
@@ -55,8 +58,10 @@ class SamplingParams:
         def is_num(x: object) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool)
 
+        least = 0 if self.prompt_logprobs is not None else 1
         checks = [
-            ("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
+            ("max_tokens", is_int(self.max_tokens) and self.max_tokens >= least,
+             "an integer >= 1 (0 only with prompt_logprobs: the prompt scored, nothing generated)"),
             ("temperature", is_num(self.temperature) and 0 <= self.temperature <= 100,
              "a number in [0, 100]"),
             ("top_k", is_int(self.top_k) and 0 <= self.top_k <= vocab_size, f"an integer in [0, {vocab_size}]"),
@@ -78,6 +83,8 @@ class SamplingParams:
             ("top_logprobs", is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20, "an integer in [0, 20]"),
             ("min_tokens", is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              "an integer in [0, max_tokens]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or is_int(self.prompt_logprobs)
+             and 0 <= self.prompt_logprobs <= 20, "null or an integer in [0, 20]"),
         ]
         for name, ok, want in checks:
             if not ok:
@@ -113,11 +120,23 @@ def request_seed(req: Request) -> int:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt's own logprobs (`SamplingParams.prompt_logprobs`): logprobs[t] = log p(prompt[t] | prompt[:t]), None
+    for t = 0 (nothing precedes it); top[t]: the top k (token id, logprob) at position t, most likely first (empty
+    for t = 0 or k = 0)."""
+
+    logprobs: tuple[float | None, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One streamed step of a request: a new token (token_id set), or its end (finish_reason set).
 
     finish_reason: "stop" (eos, stop token or stop string), "length" (max_tokens or context), "abort", "error".
     text: the newly completed text, when the engine has a tokenizer.
+    prompt_logprobs: set on a request's first event (its first token, or its end when it generates none) when the
+    request asked for them.
     """
 
     request_id: str
@@ -130,6 +149,7 @@ class TokenEvent:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -144,3 +164,4 @@ class RequestOutput:
     finish_reason: str
     cached_tokens: int
     error: JaxserveError | None = None
+    prompt_logprobs: PromptLogprobs | None = None

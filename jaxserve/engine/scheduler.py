@@ -41,6 +41,7 @@ from jaxserve.engine.prefix_cache import PrefixCache, engine_salt
 from jaxserve.engine.programs import Programs
 from jaxserve.engine.request import Request, Status, TokenEvent
 from jaxserve.engine.sampling import Sampled, SamplingArrays
+from jaxserve.engine.scoring import prompt_result, score_targets, take_scores, wants_scores
 from jaxserve.engine.sequence import Sequence, Stats
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.errors import JaxserveError, KVIntegrityError, OutOfPagesError, PageAllocatorError
@@ -184,7 +185,8 @@ class Scheduler:
         if rank is None:
             return False  # FCFS: nobody overtakes a request that waits for decode pages
         cache = self.prefix_caches[rank] if self.prefix_caches else None
-        cached = cache.lookup(tokens, seq.req.cache_salt) if cache else []
+        # a scoring request recomputes its prompt: cached positions would have no logits (engine.scoring)
+        cached = cache.lookup(tokens, seq.req.cache_salt) if cache and not wants_scores(seq) else []
         need = self._pages_for(len(tokens)) - len(cached)
         fresh = self._allocate(self.prefill_alloc, need, evict=True, rank=rank)
         if fresh is None:
@@ -220,7 +222,8 @@ class Scheduler:
         rows: list[tuple[Sequence, int, int]] = []  # (seq, start, n)
         widest = 0
         for seq in self.running:
-            if seq.status is not Status.PREFILLING or seq.computed >= seq.target or budget <= 0:
+            if seq.status is not Status.PREFILLING or seq.computed >= seq.target or budget <= 0 or \
+                    rows and wants_scores(seq) != wants_scores(rows[0][0]):  # scoring rows run their own program
                 continue
             n = min(cfg.prefill_chunk, seq.target - seq.computed, budget)
             b, _ = rank_rows([s.rank for s, _, _ in rows] + [seq.rank], self.ranks, cfg.row_buckets)
@@ -239,12 +242,15 @@ class Scheduler:
             for i, (seq, _, _) in zip(place, rows):
                 by_row[i] = seq
             self.programs.sync_tags(self.prefill_alloc, self.decode_alloc)
-            out, ok = self.programs.run_prefill(batch, sampling_arrays(by_row, self._extras(by_row)))
+            out, ok, scores = self.programs.run_prefill(batch, sampling_arrays(by_row, self._extras(by_row)),
+                                                        *score_targets(rows, place, B, T))
             for i, (seq, start, n) in zip(place, rows):
                 if not ok[i]:  # its context (prefix-cache pages included) no longer holds its tags: it read nothing
                     self._fail(seq, self._integrity_error(seq, "prefill"))
                     continue
                 seq.computed = start + n
+                if scores is not None:
+                    take_scores(seq, scores, i, start, n)
                 if seq.computed == seq.target:
                     self._guarded(seq, self._complete_prefill, seq, int(out.tokens[i]), float(out.logprobs[i]),
                                   top_alternatives(out, i, seq))
@@ -259,6 +265,8 @@ class Scheduler:
         if self.prefix_caches:
             self.prefix_caches[seq.rank].insert(seq.tokens[: seq.target], seq.prefill_pages, seq.req.cache_salt)
         seq.pending = (token, logprob, top)  # the first token; emitted once the hand-off is done
+        if seq.req.params.max_tokens == 0:  # scored the prompt only
+            self._finish(seq, "length")
 
     def _handoffs(self, seqs: list[Sequence]) -> None:
         """Move prefilled sequences to the decode pool: decode pages for each (one that gets none waits for the
@@ -431,7 +439,8 @@ class Scheduler:
         seq.logprobs.append(logprob)
         self.stats.generated_tokens += 1
         delta, reason = token_output(seq, token, self.eos, self.cfg.max_model_len)
-        self.emit(TokenEvent(seq.req.request_id, token_id=token, logprob=logprob, text=delta, top_logprobs=top))
+        self.emit(TokenEvent(seq.req.request_id, token_id=token, logprob=logprob, text=delta, top_logprobs=top,
+                             prompt_logprobs=prompt_result(seq)))
         if reason is not None:
             self._finish(seq, reason)
 
@@ -479,5 +488,5 @@ class Scheduler:
         self.stats.finished += 1
         self.emit(TokenEvent(seq.req.request_id, finish_reason=reason, error=error,
                              prompt_tokens=len(seq.req.prompt), cached_tokens=seq.cached_tokens,
-                             completion_tokens=len(seq.generated)))
+                             completion_tokens=len(seq.generated), prompt_logprobs=prompt_result(seq)))
 

@@ -29,6 +29,7 @@ class Sequence:
     slot: int = -1  # row of DecodeRows while decoding
     matcher: object = None  # llguidance.LLMatcher of a structured-output request (engine.structured)
     rank: int = 0  # data-parallel attention rank: its pages and batch rows live on that rank's devices
+    prompt_scores: list | None = None  # (logprob, top) per prompt position, until sent (engine.scoring)
 
     @property
     def special(self) -> bool:

@@ -19,6 +19,7 @@ DEFAULT_CHAT_MAX_TOKENS = 1024  # chat's default, bounded so a request without m
 DISCONNECT_POLL_S = 0.05
 MAX_DEPTH = 64  # JSON nesting; deeper bodies would overflow the recursive walks (here, the template's tojson)
 MAX_N = 16  # choices per request: each is a sequence in the engine
+MAX_PROMPTS = 64  # a batched completion's prompts x n: each choice is a sequence in the engine
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_CACHE_SALT_CHARS = 1024
 STORED_RESPONSES = 1024  # /v1/responses answers kept for previous_response_id (oldest evicted first)

@@ -16,7 +16,8 @@ from jaxserve.engine.structured import StructuredOutput
 from jaxserve.errors import ContextLengthError, ModelNotFoundError, UnsupportedParameterError
 from jaxserve.server.body import Body, UnknownFields, field_error, json_kind
 from jaxserve.server.fields import COMPLETION_FIELDS, STREAM_OPTIONS, Extras, read_extras
-from jaxserve.server.limits import DEFAULT_COMPLETION_MAX_TOKENS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_N, AppConfig
+from jaxserve.server.limits import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_N,
+                                   MAX_PROMPTS, AppConfig)
 from jaxserve.server.reasoning import ReasoningParser, ReasoningSetup
 from jaxserve.server.toolcalls import ToolCallParser, ToolSetup
 
@@ -26,7 +27,8 @@ class Generation:
     """A validated generation request, what the handlers consume: the prompt's token ids, the sampling parameters,
     how to shape the answer (stream, usage chunk, logprobs, n choices, tool calls, reasoning), the prefix-cache
     salt, the known fields that route it (`extras`) and the unknown fields it carried (`ignored`, named in the
-    answer's `x-jaxserve-ignored-fields` header)."""
+    answer's `x-jaxserve-ignored-fields` header). A batched completion's further prompts are `more_prompts`
+    (n choices each, in prompt order); `echo`: a completion's per-prompt text to prepend (empty: no echo)."""
 
     prompt: list[int]
     params: SamplingParams
@@ -39,6 +41,12 @@ class Generation:
     reasoning: ReasoningSetup | None = None  # a thinking model's output: reasoning_content split out
     extras: Extras = Extras()
     ignored: tuple[str, ...] = ()
+    more_prompts: tuple[list[int], ...] = ()
+    echo: tuple[str, ...] = ()
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.prompt, *self.more_prompts]
 
     def tool_parser(self) -> ToolCallParser | None:
         """A fresh per-choice tool-call parser, None when the output is plain text."""
@@ -52,13 +60,13 @@ class Generation:
         """The engine requests of the n choices (choice i samples with seed + i when a seed is given). session:
         the x-session-affinity header, else the body's prompt_cache_key."""
         session = session if session is not None else self.extras.affinity
-        if self.n == 1:
+        if self.n == 1 and not self.more_prompts:
             return [Request(self.prompt, self.params, request_id=rid, session_id=session,
                             cache_salt=self.cache_salt)]
         p = self.params
-        return [Request(self.prompt, p if p.seed is None else replace(p, seed=(p.seed + i) % 2**32),
-                        request_id=f"{rid}-{i}", session_id=session, cache_salt=self.cache_salt)
-                for i in range(self.n)]
+        return [Request(prompt, p if p.seed is None else replace(p, seed=(p.seed + i) % 2**32),
+                        request_id=f"{rid}-{k * self.n + i}", session_id=session, cache_salt=self.cache_salt)
+                for k, prompt in enumerate(self.prompts) for i in range(self.n)]
 
 
 def cache_salt(body: Body) -> str | None:
@@ -142,9 +150,9 @@ def choices_n(body: Body) -> int:
     return body.integer("n", 1, MAX_N, 1)
 
 
-def max_tokens_of(body: Body, max_len: int, *names: str) -> int | None:
-    """The completion length from the first of `names` given; two given with different values is a 400."""
-    given = [(name, v) for name in names if (v := body.integer(name, 1, max_len)) is not None]
+def max_tokens_of(body: Body, max_len: int, *names: str, lo: int = 1) -> int | None:
+    """The completion length (>= lo) from the first of `names` given; two given with different values is a 400."""
+    given = [(name, v) for name in names if (v := body.integer(name, lo, max_len)) is not None]
     if len({v for _, v in given}) > 1:
         (a, va), (b, vb) = given[:2]
         raise field_error(b, f"conflicts with '{a}' ({vb} != {va}); send one of them", vb)
@@ -180,36 +188,66 @@ def _encode_user_text(engine: Engine, text: str, max_len: int) -> list[int]:
     return tok.encode(text, special_tokens=False, limit=max_len)
 
 
+def _completion_prompts(engine: Engine, p: Any, max_len: int) -> tuple[list[list[int]], list[str | None]]:
+    """/v1/completions' `prompt`: a string, token ids, or an array of either -> (token ids per prompt, the text
+    given per prompt: None for token ids)."""
+    vocab = engine.model_cfg.vocab_size
+    if p is None:
+        raise field_error("prompt", "is required")
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(p, str) or is_ids(p):
+        items = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) or (is_ids(x) and x) for x in p):
+        items = p
+    else:
+        raise field_error("prompt", "must be a string, an array of token ids, or a non-empty array of either")
+    if len(items) > MAX_PROMPTS:  # before any is encoded
+        raise field_error("prompt", f"at most {MAX_PROMPTS} prompts per request", len(items))
+    prompts: list[list[int]] = []
+    for x in items:
+        if isinstance(x, str):
+            prompts.append(_encode_user_text(engine, x, max_len))
+        elif not all(0 <= t < vocab for t in x):
+            raise field_error("prompt", f"token ids must be in [0, {vocab})")
+        else:
+            prompts.append(list(x))
+        if not prompts[-1]:
+            raise field_error("prompt", "is empty")
+    return prompts, [x if isinstance(x, str) else None for x in items]
+
+
 def parse_completion(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppConfig()) -> Generation:
-    """Validate a /v1/completions body."""
+    """Validate a /v1/completions body. `echo` (not streamed) prepends each prompt's text and, with `logprobs`, its
+    tokens' logprobs (computed by the prefill: SamplingParams.prompt_logprobs); max_tokens 0 needs echo."""
     body = Body(raw, COMPLETION_FIELDS, unknown=UnknownFields(cfg.strict_fields))
     check_model(body, model_name)
-    body.only("echo", (False,), "echo is not supported")
     body.only("best_of", (1,), "only best_of=1 is supported")
     body.only("suffix", ("",), "suffix is not supported")
     extras = read_extras(body)
     vocab, max_len = engine.model_cfg.vocab_size, engine.cfg.max_model_len
-    p = body.raw.get("prompt")
-    if p is None:
-        raise field_error("prompt", "is required")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # the one-element batch forms: ["text"] and [[ids]]
-    if isinstance(p, str):
-        prompt = _encode_user_text(engine, p, max_len)
-    elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        if not all(0 <= t < vocab for t in p):
-            raise field_error("prompt", f"token ids must be in [0, {vocab})")
-        prompt = list(p)
-    elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise UnsupportedParameterError("'prompt': batched prompts are not supported; send one prompt per request",
-                                        value=len(p), param="prompt")
-    else:
-        raise field_error("prompt", "must be a string, an array of token ids, or a one-element array of either")
-    if not prompt:
-        raise field_error("prompt", "is empty")
+    prompts, texts = _completion_prompts(engine, body.raw.get("prompt"), max_len)
     logprobs = body.integer("logprobs", 0, 5)
     stream = body.boolean("stream", False)
-    params = common_params(body, prompt, max_tokens_of(body, max_len, "max_tokens"), DEFAULT_COMPLETION_MAX_TOKENS,
-                           max_len, vocab, logprobs is not None, "prompt", top_logprobs=logprobs or 0)
-    return Generation(prompt, params, stream, stream_options(body, stream), logprobs is not None, choices_n(body),
-                      cache_salt=cache_salt(body), extras=extras, ignored=tuple(body.unknown.names))
+    echo = body.boolean("echo", False)
+    if echo and stream:
+        raise UnsupportedParameterError("echo is not supported with stream: send stream false", value=True,
+                                        param="echo")
+    max_tokens = max_tokens_of(body, max_len, "max_tokens", lo=0)
+    if max_tokens == 0 and not echo:
+        raise field_error("max_tokens", "may be 0 only with echo (the prompt scored, nothing generated)", 0)
+    longest = max(prompts, key=len)
+    params = common_params(body, longest, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, max_len, vocab,
+                           logprobs is not None, "prompt", top_logprobs=logprobs or 0)
+    if echo and (logprobs is not None or max_tokens == 0):  # the engine generates nothing only for a scoring request
+        params = replace(params, prompt_logprobs=logprobs or 0)
+    tok = engine.tokenizer
+    echoed = tuple(t if t is not None else tok.decode(ids) if tok is not None else ""
+                   for t, ids in zip(texts, prompts)) if echo else ()
+    n = choices_n(body)
+    if len(prompts) * n > MAX_PROMPTS:
+        raise field_error("prompt", f"at most {MAX_PROMPTS} choices (prompts x n) per request", len(prompts) * n)
+    return Generation(prompts[0], params, stream, stream_options(body, stream), logprobs is not None,
+                      n, cache_salt=cache_salt(body), extras=extras, ignored=tuple(body.unknown.names),
+                      more_prompts=tuple(prompts[1:]), echo=echoed)

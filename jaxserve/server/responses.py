@@ -17,6 +17,7 @@ from typing import Any
 from flask import Response
 
 from jaxserve.engine import TokenEvent
+from jaxserve.engine.request import PromptLogprobs
 from jaxserve.errors import JaxserveError, QueueFullError, RequestAbortedError, http_status
 from jaxserve.server.limits import RETRY_AFTER_S, DisconnectWatcher
 from jaxserve.server.metrics import ServerMetrics
@@ -56,13 +57,14 @@ def error_response(err: JaxserveError, retry_after_s: int = RETRY_AFTER_S) -> Re
     return resp
 
 
-def usage(ends: list[TokenEvent]) -> dict[str, Any]:
-    """Usage of a request's choices: the prompt counts once (its first choice's), completions add up."""
-    first = ends[0]
+def usage(ends: list[TokenEvent], n: int = 1) -> dict[str, Any]:
+    """Usage of a request's choices (n per prompt, in prompt order): each prompt counts once (its first choice's),
+    completions add up."""
+    firsts = ends[::n]
+    prompt = sum(e.prompt_tokens for e in firsts)
     completion = sum(e.completion_tokens for e in ends)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(e.cached_tokens for e in firsts)}}
 
 
 @dataclass
@@ -163,7 +165,21 @@ class Reply:
     metrics: ServerMetrics
 
     def choices(self) -> list[Choice]:
-        return [Choice(self.gen.tool_parser(), self.gen.reasoning_parser()) for _ in range(self.gen.n)]
+        """n fresh choices per prompt; an echoed prompt's text starts its choices' text."""
+        echo = self.gen.echo or ("",) * len(self.gen.prompts)
+        return [Choice(self.gen.tool_parser(), self.gen.reasoning_parser(), [e] if e else [], offset=len(e))
+                for e in echo for _ in range(self.gen.n)]
+
+    def prompt_entries(self, i: int, scores: PromptLogprobs) -> list[dict[str, Any]]:
+        """Choice i's echoed prompt tokens in a completion's one-token column form (the first token's logprob and
+        top alternatives are null, as OpenAI's)."""
+        tokens, offset, out = self.tokens, 0, []
+        for tid, lp, top in zip(self.gen.prompts[i // self.gen.n], scores.logprobs, scores.top):
+            text = tokens.text(tid)
+            alts = {tokens.text(t): v for t, v in top} if top else None
+            out.append({"tokens": [text], "token_logprobs": [lp], "top_logprobs": [alts], "text_offset": [offset]})
+            offset += len(text)
+        return out
 
     def logprob_entry(self, ev: TokenEvent, offset: int) -> dict[str, Any]:
         """One sampled token's logprobs: chat's entry, or a completion's one-token column form."""
@@ -202,6 +218,8 @@ def complete(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float, 
     try:
         for i, ev in events:
             c = choices[i]
+            if ev.prompt_logprobs is not None and reply.gen.logprobs:  # echo: the prompt's entries come first
+                c.lps[:0] = reply.prompt_entries(i, ev.prompt_logprobs)
             if ev.token_id is not None:
                 timer.token()
                 if reply.gen.logprobs:
@@ -226,7 +244,8 @@ def complete(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float, 
             return error_response(err)
     out_choices = [_choice_json(reply, i, c) for i, c in enumerate(choices)]
     body = {"id": reply.rid, "object": reply.shape.object_name, "created": int(time.time()),
-            "model": reply.model_name, "choices": out_choices, "usage": usage(ends), "system_fingerprint": None}
+            "model": reply.model_name, "choices": out_choices, "usage": usage(ends, reply.gen.n),
+            "system_fingerprint": None}
     return Response(json.dumps(body), mimetype="application/json")
 
 
@@ -273,7 +292,7 @@ def stream(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float,
     finished = False
     try:
         if reply.shape.chat:
-            for i in range(reply.gen.n):
+            for i in range(len(choices)):
                 yield reply.chunk(stamp, i, {"role": "assistant", "content": ""}, None)
         for i, ev in events:
             c = choices[i]
@@ -295,7 +314,8 @@ def stream(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float,
                 ended.set()
                 if reply.gen.include_usage:
                     yield sse({"id": reply.rid, "object": reply.shape.chunk_object, "created": stamp,
-                               "model": reply.model_name, "choices": [], "usage": usage([x.end for x in choices]),
+                               "model": reply.model_name, "choices": [],
+                               "usage": usage([x.end for x in choices], reply.gen.n),
                                "system_fingerprint": None})
         yield DONE
     except JaxserveError as err:

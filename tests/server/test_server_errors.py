@@ -70,12 +70,12 @@ COMPLETION_CASES = [
     ("temperature", 3.0), ("top_p", 0), ("top_p", 1.5), ("seed", -1), ("seed", 2**64),
     ("stream", "yes"), ("stop", 5), ("stop", [""]), ("stop", ["a"] * 17), ("prompt", {"a": 1}), ("prompt", [True]),
     ("prompt", [-1]), ("prompt", [4096]), ("prompt", ""), ("prompt", None), ("model", None), ("model", 3),
-    ("logprobs", "x"), ("logprobs", 6), ("n", 0), ("n", 17), ("n", 1.5), ("echo", True), ("top_k", -1),
+    ("logprobs", "x"), ("logprobs", 6), ("n", 0), ("n", 17), ("n", 1.5), ("echo", "yes"), ("top_k", -1),
     ("stream_options", {"x": 1}), ("stream_options", {"include_usage": True}), ("ignore_eos", 1),
     ("stop_token_ids", [5000]), ("frequency_penalty", 2.5), ("presence_penalty", "x"), ("presence_penalty", -3),
     ("repetition_penalty", 0), ("repetition_penalty", 2.5), ("logit_bias", [1]), ("logit_bias", {"4096": 1}),
     ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"5": "1"}), ("min_tokens", -1),
-    ("min_tokens", 3), ("prompt", ["a", "b"]),
+    ("min_tokens", 3), ("prompt", ["a", 5]), ("prompt", [[1], []]), ("prompt", ["a"] * 65),
 ]
 
 
