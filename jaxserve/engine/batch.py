@@ -57,7 +57,8 @@ def _pow2(n: int) -> int:
 
 def sampling_extras(seqs: list[Sequence | None], vocab: int, eos: set[int], grammar: GrammarCompiler | None
                     ) -> SamplingExtras:
-    """Penalty/bias arrays, grammar bitmasks and the top-logprobs width for a batch's rows (None = padding).
+    """Penalty/bias arrays, grammar bitmasks (a one-token mask for a row whose next token is forced, see
+    engine.budget) and the top-logprobs width for a batch's rows (None = padding).
     Widths are padded to powers of two so the adjusting program compiles per bucket, not per request."""
     live = [s for s in seqs if s is not None]
     if not any(s.special for s in live):
@@ -91,10 +92,14 @@ def sampling_extras(seqs: list[Sequence | None], vocab: int, eos: set[int], gram
                 bias[i, :len(pairs)] = [b for _, b in pairs]
         adjust = LogitAdjust(*jax.device_put((history, prompt_len, rep, freq, pres, bias_ids, bias)))
     mask = None
-    if grammar is not None and any(s.matcher is not None for s in live):
-        m = np.full((B, grammar.words), -1, np.int32)
+    forced = {i: t for i, s in enumerate(seqs) if s is not None and (t := s.forced_token()) is not None}
+    if forced or grammar is not None and any(s.matcher is not None for s in live):
+        m = np.full((B, (vocab + 31) // 32), -1, np.int32)
         for i, s in enumerate(seqs):
-            if s is not None and s.matcher is not None:
+            if i in forced:  # a spent thinking budget's end token: the only one allowed (instead of any grammar's)
+                m[i] = 0
+                m[i, forced[i] // 32] = np.uint32(1 << (forced[i] % 32)).view(np.int32)
+            elif s is not None and s.matcher is not None:
                 m[i] = grammar.bitmask(s.matcher)
         mask = jax.device_put(m)
     top_n = min(TOP_LOGPROBS_MAX, vocab) if any(s.req.params.top_logprobs for s in live) else 0

@@ -13,8 +13,10 @@ from jaxserve.engine.sequence import Sequence
 
 def token_output(seq: Sequence, token: int, eos: set[int], max_model_len: int) -> tuple[str, str | None]:
     """After `token` was appended to seq.generated -> (text to stream now, finish reason: "stop", "length" or
-    None). Advances seq.text / seq.text_sent and the grammar matcher."""
+    None). Advances seq.text / seq.text_sent, the grammar matcher and the thinking budget."""
     p = seq.req.params
+    if seq.budget is not None:
+        seq.budget.observe(seq.generated)
     reason = None
     if not p.ignore_eos and token in eos or token in p.stop_token_ids:
         reason = "stop"

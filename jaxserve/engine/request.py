@@ -24,6 +24,8 @@ class SamplingParams:
     banned until this many tokens exist. structured: a grammar the output must match (engine.structured).
     prompt_logprobs: None (off), 0 (each prompt token's logprob), k in 1..20 (also its top k alternatives), computed
     by the prefill program (`PromptLogprobs`); with them max_tokens may be 0: the prompt scored, nothing generated.
+    thinking_budget: (N, end_ids): the output starts inside a thinking block; if its first N tokens do not close it
+    with end_ids, end_ids are forced right after them (engine.budget).
     """
 
     max_tokens: int = 16
@@ -43,6 +45,7 @@ class SamplingParams:
     min_tokens: int = 0
     structured: StructuredOutput | None = None
     prompt_logprobs: int | None = None
+    thinking_budget: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def adjusts_logits(self) -> bool:
@@ -85,10 +88,20 @@ class SamplingParams:
              "an integer in [0, max_tokens]"),
             ("prompt_logprobs", self.prompt_logprobs is None or is_int(self.prompt_logprobs)
              and 0 <= self.prompt_logprobs <= 20, "null or an integer in [0, 20]"),
+            ("thinking_budget", self.thinking_budget is None or _budget_ok(self.thinking_budget, vocab_size),
+             f"null or (a non-negative integer, non-empty token ids in [0, {vocab_size}))"),
         ]
         for name, ok, want in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} must be {want}", value=getattr(self, name), param=name)
+
+
+def _budget_ok(budget: object, vocab_size: int) -> bool:
+    if not isinstance(budget, tuple) or len(budget) != 2:
+        return False
+    n, end = budget
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0 and isinstance(end, tuple) and bool(end) \
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in end)
 
 
 class Status(Enum):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxserve.engine.budget import ThinkingBudget
 from jaxserve.engine.request import Request, Status
 
 
@@ -30,12 +31,23 @@ class Sequence:
     matcher: object = None  # llguidance.LLMatcher of a structured-output request (engine.structured)
     rank: int = 0  # data-parallel attention rank: its pages and batch rows live on that rank's devices
     prompt_scores: list | None = None  # (logprob, top) per prompt position, until sent (engine.scoring)
+    budget: ThinkingBudget | None = None  # from params.thinking_budget (engine.budget)
+
+    def __post_init__(self) -> None:
+        if self.budget is None:
+            self.budget = ThinkingBudget.of(self.req.params.thinking_budget)
 
     @property
     def special(self) -> bool:
-        """Needs more than the plain sampling programs: penalties/biases, a grammar or top logprobs."""
+        """Needs more than the plain sampling programs: penalties/biases, a grammar, top logprobs, or a thinking
+        budget not spent yet (whether it forces a token depends on the previous one)."""
         p = self.req.params
-        return p.adjusts_logits or self.matcher is not None or p.top_logprobs > 0
+        return p.adjusts_logits or self.matcher is not None or p.top_logprobs > 0 or \
+            self.budget is not None and not self.budget.closed
+
+    def forced_token(self) -> int | None:
+        """The token the next step must produce (a spent thinking budget's end), None if it samples freely."""
+        return self.budget.forced() if self.budget is not None else None
 
     @property
     def tokens(self) -> list[int]:
