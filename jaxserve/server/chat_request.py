@@ -8,6 +8,7 @@ none/minimal turns thinking off). A thinking template's output is split into rea
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -155,10 +156,6 @@ def _template_variables(body: Body, effort: str | None) -> dict[str, Any]:
 def _reasoning(body: Body, tok: Any, prompt: list[int], tools: ToolSetup | None) -> ReasoningSetup | None:
     """How the output of a thinking model splits, from what the template rendered last (None: not a thinking
     template, or thinking off)."""
-    budget = body.raw.get("max_thinking_tokens")
-    if budget is not None:  # a grammar cannot force </think> at a budget: the engine has no forced-token path yet
-        raise UnsupportedParameterError("'max_thinking_tokens': a thinking budget is not supported yet",
-                                        value=json_kind(budget), param="max_thinking_tokens")
     if THINK_BEGIN not in (tok.chat_template or ""):
         return None
     setup = ReasoningSetup.of(tok.decode(prompt[-8:]))
@@ -167,6 +164,22 @@ def _reasoning(body: Body, tok: Any, prompt: list[int], tools: ToolSetup | None)
     special = {m: i for m in (THINK_BEGIN, THINK_END)
                if (i := tok.token_to_id(m)) is not None and i in tok.special_token_ids}
     return ReasoningSetup(setup.opened, tools.start_marker() if tools is not None else "", special)
+
+
+def _thinking_budget(body: Body, tok: Any, reasoning: ReasoningSetup | None, max_len: int
+                     ) -> tuple[int, tuple[int, ...]] | None:
+    """`max_thinking_tokens` -> the engine's thinking_budget (N, the ids of `</think>`: its special token, else its
+    text's tokens). Ignored with thinking off (nothing to bound); refused when the template leaves `<think>` to the
+    model (the budget counts from an open block)."""
+    n = body.integer("max_thinking_tokens", 0, max_len)
+    if n is None or reasoning is None:
+        return None
+    if not reasoning.opened:
+        raise UnsupportedParameterError("'max_thinking_tokens' needs a chat template that opens the thinking block "
+                                        "itself; this one leaves <think> to the model", value=n,
+                                        param="max_thinking_tokens")
+    special = reasoning.special.get(THINK_END)
+    return n, (special,) if special is not None else tuple(tok.encode(THINK_END, special_tokens=False))
 
 
 def parse_chat(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppConfig()) -> Generation:
@@ -194,6 +207,7 @@ def parse_chat(raw: Any, engine: Engine, model_name: str, cfg: AppConfig = AppCo
     reasoning = _reasoning(body, tok, prompt, parsed)
     params = common_params(body, prompt, mt, cfg.default_chat_max_tokens, max_len, vocab, logprobs, "messages",
                            top_logprobs=top, structured=_structured(body, setup, reasoning))
+    params = dataclasses.replace(params, thinking_budget=_thinking_budget(body, tok, reasoning, max_len))
     return Generation(prompt, params, stream, stream_options(body, stream), logprobs, choices_n(body), parsed,
                       cache_salt=cache_salt(body), reasoning=reasoning, extras=extras,
                       ignored=tuple(body.unknown.names))

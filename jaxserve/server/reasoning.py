@@ -12,9 +12,9 @@ is content (then read for tool calls). A tool call that begins inside the thinki
 close the block but is calling a tool, and the call is parsed as one.
 
 `ReasoningSetup.grammar` wraps a request's grammar (response_format, forced tool calls) so that it applies only
-after `</think>`. A thinking budget (`max_thinking_tokens`) is not enforceable in a grammar: llguidance's rule
-`max_tokens` ends the thinking lexeme at the budget but cannot then force `</think>` without also refusing the
-model's own `</think>` before it, so it needs the engine to force tokens (see the server README).
+after `</think>`. A thinking budget (`max_thinking_tokens`) is not enforceable in a grammar (llguidance's rule
+`max_tokens` ends the thinking lexeme but cannot then force `</think>`): the engine forces it
+(`SamplingParams.thinking_budget`, engine.budget), and a grammar's matcher consumes the forced tokens.
 """
 from __future__ import annotations
 

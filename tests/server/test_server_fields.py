@@ -87,7 +87,7 @@ def test_unknown_fields_are_named_in_a_header_or_refused_when_strict(srv, path, 
     ("metadata", "x"), ("metadata", {"k": 1}), ("store", "yes"), ("service_tier", 1), ("verbosity", "loud"),
     ("reasoning_effort", "max"), ("prompt_cache_key", ""), ("modalities", "text"), ("modalities", ["audio"]),
     ("audio", {"voice": "alloy", "format": "mp3"}), ("prediction", "hi"), ("user", 5), ("functions", {}),
-    ("chat_template_kwargs", {"messages": []}), ("max_thinking_tokens", 16),
+    ("chat_template_kwargs", {"messages": []}), ("max_thinking_tokens", "16"), ("max_thinking_tokens", -1),
 ])
 def test_a_known_field_of_the_wrong_type_is_still_400(srv, field, value):
     r = httpx.post(f"{srv.base}/v1/chat/completions", json={**CHAT, field: value}, timeout=TIMEOUT)

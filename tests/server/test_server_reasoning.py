@@ -72,3 +72,30 @@ def test_earlier_reasoning_is_rendered_back(srv):
     rendered = srv.engine.tokenizer.apply_chat_template(history)  # the server renders the same messages
     assert "<think>add them</think>4" in rendered
     assert r.usage.prompt_tokens == len(srv.engine.tokenizer.encode_chat(history))
+
+
+def test_a_thinking_budget_closes_the_block_and_the_answer_follows(srv):
+    """max_thinking_tokens=3: the first 3 tokens are the reasoning (the same as an unbudgeted run's first 3), then
+    the server forces `</think>` and the rest of max_tokens is content; whole and streamed agree, and every token
+    (the forced ones too, with the model's logprob of them) is in logprobs."""
+    first3 = srv.client().chat.completions.create(**{**BODY, "max_tokens": 3}).choices[0].message.reasoning_content
+    body = {**BODY, "max_tokens": 12, "logprobs": True,
+            "extra_body": {"ignore_eos": True, "max_thinking_tokens": 3}}
+    whole = srv.client().chat.completions.create(**body)
+    msg = whole.choices[0].message
+    assert msg.reasoning_content == first3 and msg.content and whole.usage.completion_tokens == 12
+    lps = whole.choices[0].logprobs.content
+    assert len(lps) == 12 and all(lp.logprob <= 0 for lp in lps)
+    assert "".join(lp.token for lp in lps[3:]).startswith("</think>")
+    chunks = list(srv.client().chat.completions.create(**body, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == msg.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == msg.content
+
+
+def test_a_thinking_budget_with_thinking_off_is_ignored(srv):
+    off = {**BODY, "reasoning_effort": "none"}
+    plain = srv.client().chat.completions.create(**off).choices[0].message
+    budgeted = srv.client().chat.completions.create(
+        **{**off, "extra_body": {"ignore_eos": True, "max_thinking_tokens": 2}}).choices[0].message
+    assert budgeted.content == plain.content and getattr(budgeted, "reasoning_content", None) is None
