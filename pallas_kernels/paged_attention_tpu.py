@@ -96,7 +96,7 @@ def choose_tpu_blocks(page_size: int, max_pages: int, rows: int, *, block_h: int
                       pages_per_chunk: int | None = None) -> TpuDecodeBlocks:
     """Default tiling; any argument given overrides it.
 
-    rows: MLA query heads (block_h from choose_block_h) or the GQA group size (block_h = group). Compute block
+    rows: MLA query heads (block_h from choose_block_h) or all GQA q heads (block_h = rows). Compute block
     ~TOKENS_PER_COMPUTE_BLOCK tokens (at least one page, at most the table); chunk: the whole table up to
     MAX_PAGES_PER_CHUNK entries, rounded up to a multiple of CHUNK_ALIGN and of the compute block.
     """
@@ -131,6 +131,11 @@ def block_bytes(blocks: TpuDecodeBlocks, page_size: int, *, batch: int, kv_width
             "smem_x1": [((batch,), jnp.int32)]}
 
 
+def _precision(dtype) -> lax.Precision | None:
+    """Mosaic refuses an fp32-precision contraction of bf16 operands (jax_default_matmul_precision="highest")."""
+    return None if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
 def _last_chunk(b, lens_ref, page_size: int, pages_per_chunk: int) -> jax.Array:
     """Index of the last block-table chunk holding a page of sequence b (0 for an empty one), int32 scalar."""
     return jnp.maximum(pl.cdiv(lens_ref[b], page_size * pages_per_chunk) - 1, 0)
@@ -161,13 +166,15 @@ def _scale_row(s: jax.Array, page_size: int) -> jax.Array:
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
-                   pages_per_compute_block: int, softmax_scale: float, compute_dtype):
-    """One (sequence b, head block / kv head h, block-table chunk c) step.
+                   kv_heads: int, pages_per_compute_block: int, softmax_scale: float, compute_dtype):
+    """One (sequence b, head block h, block-table chunk c) step.
 
     lens_ref [B] int32 (SMEM, scalar prefetch); bt_ref [chunk] int32 (SMEM); q_ref [rows, Dk].
-    MLA HBM refs: latent pages [P, ps, Dl], (scales [P, ps] f32). GQA: k, v pages [P, ps, Hkv, D], (k, v scales
-    [P, ps, Hkv] f32). o_ref [rows, Dv] f32. Scratch: one [2, ppcb, ps, width] page buffer per K/V part, (one
-    [2, ppcb, ps] f32 scale buffer per part), DMA semaphores [2], m, l [rows, 1] f32, acc [rows, Dv] f32.
+    MLA HBM refs: latent pages [P, ps, Dl], (scales [P, ps] f32). GQA (all kv heads in one program, rows = all q
+    heads, query head r reads kv head r // (rows / Hkv)): k, v pages [P, ps * Hkv, D] (row = slot * Hkv + head),
+    (k, v scales [P, ps * Hkv] f32). o_ref [rows, Dv] f32. Scratch: one [2, ppcb, ps * Hkv, width] page buffer
+    per K/V part, (one [2, ppcb, ps * Hkv] f32 scale buffer per part), DMA semaphores [2], m, l [rows, 1] f32,
+    acc [rows, Dv] f32.
     """
     n_parts = 1 if mla else 2
     hbm, rest = refs[:n_parts], refs[n_parts:]
@@ -179,14 +186,11 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ppcb = pages_per_compute_block
     pages_per_chunk = bt_ref.shape[0]
-    bk = ppcb * page_size
+    page_rows = page_size * kv_heads  # a GQA page is DMA'd whole: a per-head slice is not tile-aligned
+    bk = ppcb * page_rows
     length = lens_ref[b]
     n_pages = jnp.clip(pl.cdiv(length, page_size) - c * pages_per_chunk, 0, pages_per_chunk)
     n_blocks = pl.cdiv(n_pages, ppcb)
-
-    def src(ref, page):
-        # MLA: the whole latent row; GQA: kv head h's [ps, D] (or [ps] scale) column of the page
-        return ref.at[page] if mla else ref.at[page, :, h]
 
     def copies(blk, slot) -> list[tuple[jax.Array, pltpu.AsyncCopyDescriptor]]:
         """(needed, copy) for every page (and scale row) of chunk-local compute block blk into buffer slot."""
@@ -195,11 +199,11 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
             p = blk * ppcb + j
             page = bt_ref[p]
             for part in range(n_parts):
-                out.append((p < n_pages, pltpu.make_async_copy(src(hbm[part], page), bufs[part].at[slot, j],
+                out.append((p < n_pages, pltpu.make_async_copy(hbm[part].at[page], bufs[part].at[slot, j],
                                                                sems.at[slot])))
                 if fp8:
-                    out.append((p < n_pages, pltpu.make_async_copy(src(s_hbm[part], page),
-                                                                   s_bufs[part].at[slot, j], sems.at[slot])))
+                    out.append((p < n_pages, pltpu.make_async_copy(s_hbm[part].at[page], s_bufs[part].at[slot, j],
+                                                                   sems.at[slot])))
         return out
 
     def start(blk, slot):
@@ -221,14 +225,20 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
         k = bufs[0][slot].astype(compute_dtype).reshape(bk, bufs[0].shape[-1])
         v = k[:, :value_dim] if mla else bufs[1][slot].astype(compute_dtype).reshape(bk, value_dim)
         tok0 = (c * pages_per_chunk + blk * ppcb) * page_size
-        valid = tok0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1) < length  # [1, bk]
+        col = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        valid = tok0 + col // kv_heads < length  # [1, bk]
         # scale rows of uncopied pages are stale (NaN in interpret mode): zero them, 0 * NaN would leak
-        scale = lambda part: jnp.where(valid, _scale_row(s_bufs[part][slot], page_size), 0.0)  # noqa: E731
-        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        scale = lambda part: jnp.where(valid, _scale_row(s_bufs[part][slot], page_rows), 0.0)  # noqa: E731
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                 precision=_precision(compute_dtype))
         if fp8:
             k_row = scale(0)
             logits = logits * k_row  # K-side dequant: (q . k8) s == q . (k8 s)
-        logits = jnp.where(valid, logits * softmax_scale, MASK_VALUE)
+        keep = valid
+        if kv_heads > 1:  # each query row attends to its own kv head's columns only
+            group = q.shape[0] // kv_heads
+            keep = keep & (lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) // group == col % kv_heads)
+        logits = jnp.where(keep, logits * softmax_scale, MASK_VALUE)
         m_prev, l_prev = m_sc[...], l_sc[...]
         m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
         correction = jnp.exp(m_prev - m_next)
@@ -238,8 +248,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
         if fp8:  # V-side dequant, after the sum so l stays the plain softmax denominator
             p = p * (k_row if mla else scale(1))
         # zero V rows past the length: stale or uncopied buffer rows may hold anything (NaN included)
-        v = jnp.where(tok0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < length, v, jnp.zeros((), v.dtype))
-        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        v = jnp.where(tok0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) // kv_heads < length, v,
+                      jnp.zeros((), v.dtype))
+        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                                                         precision=_precision(v.dtype))
 
     @pl.when(n_blocks > 0)
     def _run():
@@ -300,7 +312,7 @@ def paged_mla_decode_tpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array
     scratch += [pltpu.VMEM((2, ppcb, page_size), jnp.float32)] if fp8 else []
     row_map = lambda b_, h_, c_, lens_: (b_, h_, 0)  # noqa: E731
     kernel = functools.partial(_decode_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
-                               pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
+                               kv_heads=1, pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
                                compute_dtype=jnp.dtype(compute_dtype or q.dtype))
     return _pallas(kernel, blocks, page_size, lens, bt, q, hbm + s_hbm, scratch, grid_h=h // bh,
                    q_block=(None, bh, dl), q_map=row_map, out_block=(None, bh, kv_lora_rank), out_map=row_map,
@@ -316,8 +328,9 @@ def paged_gqa_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, b
                          pages_per_chunk: int | None = None, compute_dtype: jnp.dtype | None = None,
                          interpret: bool | pltpu.InterpretParams = False,
                          out_dtype: jnp.dtype | None = None) -> jax.Array:
-    """GQA decode attention over paged K/V (TPU: HBM pool, multi-page double-buffered DMAs, one kv head per
-    program). Same contract as paged_attention.paged_gqa_decode.
+    """GQA decode attention over paged K/V (TPU: HBM pool, multi-page double-buffered DMAs of whole pages, all kv
+    heads in one program, each query row masked to its kv head's columns). Same contract as
+    paged_attention.paged_gqa_decode.
 
     q: [batch, q_heads, head_dim] bf16|f32; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
     bf16|float8_e4m3fn (one layer); k_scales, v_scales: [num_pages, page_size, kv_heads] f32 for fp8, else None;
@@ -334,23 +347,23 @@ def paged_gqa_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, b
     fp8 = k_scales is not None
     if fp8 and (k_scales.shape != (num_pages, page_size, hkv) or v_scales.shape != k_scales.shape):
         raise ValueError(f"k_scales {k_scales.shape}, v_scales {v_scales.shape} != {(num_pages, page_size, hkv)}")
-    group = hq // hkv
-    blocks = choose_tpu_blocks(page_size, block_tables.shape[1], group,
+    # one program per sequence holds every kv head: each page is DMA'd once, whole (tile-aligned), as
+    # [ps * Hkv, D] rows (a row-major [P, ps, Hkv, D] pool reshapes to that for free)
+    blocks = choose_tpu_blocks(page_size, block_tables.shape[1], hq,
                                pages_per_compute_block=pages_per_compute_block, pages_per_chunk=pages_per_chunk)
     bt, lens = _prepare_tables(block_tables, lengths, page_size, blocks)
-    ppcb = blocks.pages_per_compute_block
-    s_hbm = [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)] if fp8 else []
-    scratch = [pltpu.VMEM((2, ppcb, page_size, d), k_pages.dtype)] * 2
-    scratch += [pltpu.VMEM((2, ppcb, page_size), jnp.float32)] * 2 if fp8 else []
-    row_map = lambda b_, h_, c_, lens_: (b_, h_, 0, 0)  # noqa: E731
+    ppcb, rows = blocks.pages_per_compute_block, page_size * hkv
+    hbm = [k_pages.reshape(num_pages, rows, d), v_pages.reshape(num_pages, rows, d)]
+    s_hbm = [s.astype(jnp.float32).reshape(num_pages, rows) for s in (k_scales, v_scales)] if fp8 else []
+    scratch = [pltpu.VMEM((2, ppcb, rows, d), k_pages.dtype)] * 2
+    scratch += [pltpu.VMEM((2, ppcb, rows), jnp.float32)] * 2 if fp8 else []
+    row_map = lambda b_, h_, c_, lens_: (b_, 0, 0)  # noqa: E731
     kernel = functools.partial(_decode_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size,
-                               pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
+                               kv_heads=hkv, pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
                                compute_dtype=jnp.dtype(compute_dtype or q.dtype))
-    out = _pallas(kernel, blocks, page_size, lens, bt, q.reshape(b, hkv, group, d), [k_pages, v_pages] + s_hbm,
-                  scratch, grid_h=hkv, q_block=(None, None, group, d), q_map=row_map,
-                  out_block=(None, None, group, d), out_map=row_map, out_shape=(b, hkv, group, d),
-                  out_dtype=out_dtype or q.dtype, name="paged_gqa_decode_tpu", interpret=interpret)
-    return out.reshape(b, hq, d)
+    return _pallas(kernel, blocks, page_size, lens, bt, q, hbm + s_hbm, scratch, grid_h=1, q_block=(None, hq, d),
+                   q_map=row_map, out_block=(None, hq, d), out_map=row_map, out_shape=(b, hq, d),
+                   out_dtype=out_dtype or q.dtype, name="paged_gqa_decode_tpu", interpret=interpret)
 
 
 def _prepare_tables(block_tables: jax.Array, lengths: jax.Array, page_size: int,
