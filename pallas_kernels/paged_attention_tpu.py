@@ -131,7 +131,12 @@ def block_bytes(blocks: TpuDecodeBlocks, page_size: int, *, batch: int, kv_width
             "smem_x1": [((batch,), jnp.int32)]}
 
 
-def _precision(dtype) -> lax.Precision | None:
+def token_of_row(row: jax.Array, kv_heads: int) -> jax.Array:
+    """Token of a whole-page row (row = token * Hkv + head); no vector division when there is one kv head."""
+    return row if kv_heads == 1 else lax.div(row, kv_heads)
+
+
+def dot_precision(dtype) -> lax.Precision | None:
     """Mosaic refuses an fp32-precision contraction of bf16 operands (jax_default_matmul_precision="highest")."""
     return None if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
@@ -226,18 +231,18 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
         v = k[:, :value_dim] if mla else bufs[1][slot].astype(compute_dtype).reshape(bk, value_dim)
         tok0 = (c * pages_per_chunk + blk * ppcb) * page_size
         col = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        valid = tok0 + col // kv_heads < length  # [1, bk]
+        valid = tok0 + token_of_row(col, kv_heads) < length  # [1, bk]
         # scale rows of uncopied pages are stale (NaN in interpret mode): zero them, 0 * NaN would leak
         scale = lambda part: jnp.where(valid, _scale_row(s_bufs[part][slot], page_rows), 0.0)  # noqa: E731
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                 precision=_precision(compute_dtype))
+                                 precision=dot_precision(compute_dtype))
         if fp8:
             k_row = scale(0)
             logits = logits * k_row  # K-side dequant: (q . k8) s == q . (k8 s)
         keep = valid
         if kv_heads > 1:  # each query row attends to its own kv head's columns only
             group = q.shape[0] // kv_heads
-            keep = keep & (lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) // group == col % kv_heads)
+            keep = keep & (lax.div(lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0), group) == lax.rem(col, kv_heads))
         logits = jnp.where(keep, logits * softmax_scale, MASK_VALUE)
         m_prev, l_prev = m_sc[...], l_sc[...]
         m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
@@ -248,10 +253,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
         if fp8:  # V-side dequant, after the sum so l stays the plain softmax denominator
             p = p * (k_row if mla else scale(1))
         # zero V rows past the length: stale or uncopied buffer rows may hold anything (NaN included)
-        v = jnp.where(tok0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) // kv_heads < length, v,
+        v = jnp.where(tok0 + token_of_row(lax.broadcasted_iota(jnp.int32, (bk, 1), 0), kv_heads) < length, v,
                       jnp.zeros((), v.dtype))
         acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                                                         precision=_precision(v.dtype))
+                                                         precision=dot_precision(v.dtype))
 
     @pl.when(n_blocks > 0)
     def _run():

@@ -62,6 +62,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention_tpu import dot_precision, token_of_row
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
@@ -280,7 +282,7 @@ def _paged_prefill_gqa_gpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scale
 
 
 def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp8: bool, value_dim: int,
-                page_size: int, block_k: int, num_row_blocks: int, softmax_scale: float):
+                page_size: int, block_k: int, num_row_blocks: int, softmax_scale: float, kv_heads: int = 1):
     """One (batch row b, kv head j, row block r) program; the key loop runs inside it.
 
     Scalar prefetch (SMEM): nblk_ref [B * nR] int32 (key blocks this row block needs: its causal limit),
@@ -288,14 +290,17 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
     pos_ref [br, 1] int32 (row positions, -1 on padding rows).
     MLA refs: latent pool [P, ps, Dl] (HBM), (scales [P, ps, 1] f32 HBM), o [br, Dv] f32, then scratch:
     kbuf [2, bk, Dl], (sbuf [2, bk, 1] f32), sem DMA[2], acc [br, Dv] f32, m, l [br, 1] f32.
-    GQA refs: k pool, v pool [P, ps, Hkv, D] (HBM), (k, v scales [P, ps, Hkv, 1] f32 HBM), o [br, D] f32,
-    scratch kbuf, vbuf [2, bk, D], (ksbuf, vsbuf [2, bk, 1] f32), sem DMA[2], acc, m, l.
+    GQA refs: k pool, v pool [P, ps * Hkv, D] (HBM; row = slot * Hkv + head), (k, v scales [P, ps * Hkv, 1]
+    f32 HBM), o [br, D] f32, scratch kbuf, vbuf [2, bk * Hkv, D], (ksbuf, vsbuf [2, bk * Hkv, 1] f32), sem
+    DMA[2], acc, m, l. Whole pages are DMA'd (a per-head slice is not tile-aligned); columns of other kv heads
+    than j are masked.
     """
     n_src = (2 if fp8 else 1) * (1 if mla else 2)  # HBM sources: pools, then their scales
     srcs, (o_ref, *scratch) = refs[:n_src], refs[n_src:]
     bufs, (sem, acc_sc, m_sc, l_sc) = scratch[:n_src], scratch[n_src:]
     b, j, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ppb = block_k // page_size
+    page_rows = page_size * kv_heads
     n_blocks = nblk_ref[b * num_row_blocks + r]
     ctx_len = lens_ref[b]
 
@@ -305,9 +310,8 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
         for p in range(ppb):
             page = bt_ref[0, i * ppb + p]
             for src, buf in zip(srcs, bufs):
-                # GQA sources carry a kv-head axis: take head j ([ps, D] or [ps, 1], strided in HBM)
-                s = src.at[page] if mla else src.at[page, :, j]
-                out.append(pltpu.make_async_copy(s, buf.at[slot, pl.ds(p * page_size, page_size)], sem.at[slot]))
+                out.append(pltpu.make_async_copy(src.at[page], buf.at[slot, pl.ds(p * page_rows, page_rows)],
+                                                 sem.at[slot]))
         return out
 
     @pl.when(n_blocks > 0)
@@ -345,9 +349,13 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
             k = dequant(bufs[0], bufs[2] if fp8 else None, slot)
             v = dequant(bufs[1], bufs[3] if fp8 else None, slot)
         # q [br, Dk] . k [bk, Dk]^T over the whole key width (MLA: nope + rope parts)
-        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        kpos = i * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        mask = (kpos <= pos) & (kpos < ctx_len)  # [br, bk]
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                 precision=dot_precision(q.dtype))
+        col = lax.broadcasted_iota(jnp.int32, (1, block_k * kv_heads), 1)
+        kpos = i * block_k + token_of_row(col, kv_heads)
+        mask = (kpos <= pos) & (kpos < ctx_len)  # [br, bk * Hkv]
+        if kv_heads > 1:
+            mask = mask & (lax.rem(col, kv_heads) == j)
         logits = jnp.where(mask, logits * softmax_scale, MASK_VALUE)
         m_prev = m_sc[...]
         m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
@@ -357,9 +365,10 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
         l_sc[...] = correction * l_sc[...] + p.sum(axis=-1, keepdims=True)
         m_sc[...] = m_next
         # zero V rows past ctx_len: a tail page may hold anything (NaN included) and 0 * NaN would leak
-        kcol = i * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        kcol = i * block_k + token_of_row(lax.broadcasted_iota(jnp.int32, (block_k * kv_heads, 1), 0), kv_heads)
         v = jnp.where(kcol < ctx_len, v, jnp.zeros((), v.dtype))
-        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                                                         precision=dot_precision(v.dtype))
         return carry
 
     lax.fori_loop(0, n_blocks, body, 0)
@@ -428,14 +437,15 @@ def _paged_prefill_gqa_tpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scale
                            interpret):
     """q rows [B, Hkv, R, D]; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, Hkv, R, D] f32."""
     num_pages, page_size, hkv, d = k_pages.shape
-    bk, fp8 = blocks.block_k, k_scales is not None
+    bk, fp8, rows = blocks.block_k, k_scales is not None, page_size * hkv
     kernel = functools.partial(_tpu_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size, block_k=bk,
-                               softmax_scale=softmax_scale)
-    srcs = [k_pages, v_pages]
-    bufs = [pltpu.VMEM((2, bk, d), k_pages.dtype), pltpu.VMEM((2, bk, d), v_pages.dtype)]
+                               softmax_scale=softmax_scale, kv_heads=hkv)
+    # whole pages as [ps * Hkv, D] rows (free for a row-major pool): a per-head DMA is not tile-aligned
+    srcs = [k_pages.reshape(num_pages, rows, d), v_pages.reshape(num_pages, rows, d)]
+    bufs = [pltpu.VMEM((2, bk * hkv, d), k_pages.dtype), pltpu.VMEM((2, bk * hkv, d), v_pages.dtype)]
     if fp8:
-        srcs += [s.astype(jnp.float32).reshape(num_pages, page_size, hkv, 1) for s in (k_scales, v_scales)]
-        bufs += [pltpu.VMEM((2, bk, 1), jnp.float32), pltpu.VMEM((2, bk, 1), jnp.float32)]
+        srcs += [s.astype(jnp.float32).reshape(num_pages, rows, 1) for s in (k_scales, v_scales)]
+        bufs += [pltpu.VMEM((2, bk * hkv, 1), jnp.float32), pltpu.VMEM((2, bk * hkv, 1), jnp.float32)]
     return _tpu_call(kernel, q, pos, bt, lens, srcs, bufs, d, blocks, interpret, "paged_prefill_gqa_tpu")
 
 

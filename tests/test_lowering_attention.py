@@ -101,8 +101,9 @@ def _gpu_smem(blocks, page_size: int, tiles: dict) -> int:
                                           ("gqa", jnp.float32)])
 def test_gpu_blocks_fit_h200_shared_memory(kv_dtype, page_size, kind, q_dtype):
     blocks, tiles = _gpu_blocks(kind, page_size, kv_dtype, q_dtype)
-    used = _gpu_smem(blocks, page_size, tiles)
-    assert used == gpu.smem_bytes(blocks, page_size, **tiles)  # the kernel's own count agrees
+    assert _gpu_smem(blocks, page_size, tiles) == gpu.smem_bytes(blocks, page_size, **tiles)  # the model agrees
+    # the compiler's measured bytes where known (tests/compile checks them), else the model
+    used = gpu.smem_estimate(blocks, page_size, **tiles)
     within(used, H200_SMEM_BYTES, f"{kind} {blocks}")
     assert blocks.tokens_per_step(page_size) >= 16  # Triton's dot minimum
 
