@@ -39,9 +39,11 @@ toy dims with page sizes 8 and 16, batch 1 and 3, ragged lengths 0..several page
 non-contiguous block tables; and the real per-device dims: MLA 8 heads x (512 + 64), GQA 12 q / 1 kv heads x
 128, bf16 and fp8). Cross-lowering for `cuda` with `jax.export` on CPU (tests/test_lowering_attention.py: Kimi
 K2.6 / GLM-5.2 / GLM-4.5 per-device and unsharded shapes, page 16 and 64, batch 1..64, block tables up to
-262,144 tokens): this runs the Pallas -> Triton IR lowering only. What was NOT checked: Triton's own compilation
-to PTX (it happens in XLA's GPU compiler, which needs a GPU), hence its real shared-memory use and register
-pressure; running on any GPU; speed. No GPU was available.
+262,144 tokens): this runs the Pallas -> Triton IR lowering only. Compiled by XLA:GPU + Triton for an H200
+(sm_90a) on the CPU host (tests/compile): Kimi K2.6 / GLM-5.2 MLA TP and DP, GLM-4.5 GQA TP and DP, bf16 and fp8,
+page 16 and 64, all fit; the shared memory Triton allocates is below the model's count (MLA 1.1-1.3x, GQA
+2.3-2.5x over), so `_MEASURED_SMEM` (the compiler's bytes, checked against it in tests/compile) takes precedence
+in choose_blocks. What was NOT checked: running on any GPU, register pressure, speed. No GPU was available.
 """
 from __future__ import annotations
 

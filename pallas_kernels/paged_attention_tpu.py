@@ -3,8 +3,11 @@
 The page pool stays in HBM (`memory_space=pl.ANY`); the kernel copies the pages a sequence uses into VMEM itself,
 several pages per compute block, double-buffered: while block k is computed, the pages of block k + 1 are in
 flight (`pltpu.make_async_copy`, one DMA per page and per scale row, one DMA semaphore per buffer slot), the
-pattern of JAX's own TPU paged attention and tpu-inference's ragged paged attention. Grid (batch, head block or
-kv head, block-table chunk): the block table, flattened, reaches the kernel one chunk of `pages_per_chunk`
+pattern of JAX's own TPU paged attention and tpu-inference's ragged paged attention. Grid (batch, head block,
+block-table chunk); GQA has one head block holding every kv head: each page is DMA'd once and whole, as
+[ps * Hkv, D] rows (row = slot * Hkv + head; a per-head `.at[page, :, head]` slice is not tile-aligned and Mosaic
+refuses it), and each query row's logits are masked to its own kv head's columns (Hkv x the MXU work of a
+per-head kernel, none of its extra DMA; decode is bound by the page reads). The block table: the block table, flattened, reaches the kernel one chunk of `pages_per_chunk`
 entries (a multiple of 128, at most 1024) per grid step as a 1-D SMEM block, so SMEM holds 2 x pages_per_chunk
 page ids (double-buffered by the pipeline) plus the [batch] lengths (scalar prefetch) whatever the context
 length (the previous version scalar-prefetched the whole [B, M] table: 4 MiB at batch 64 and 262,144 tokens,
@@ -15,9 +18,8 @@ the last used chunk (no new SMEM copy). Pages past the length are not copied; to
 a block are masked (logits to a large negative, V rows to 0, so stale or NaN buffer contents cannot leak).
 
 Dequantization: BF16 or FP8 e4m3 pages are cast to the compute dtype (the query's, bf16 or f32; e4m3 -> bf16 is
-exact) and fed to the MXU with f32 accumulation. The per-token f32 scales (MLA [P, ps]; GQA [P, ps, Hkv], one
-kv head's column copied per page) arrive one page row per DMA as [pages, ps]; an exact 0/1 matmul spreads them
-into the block's [1, tokens] row, which multiplies the logits (K side) and the probabilities after the softmax
+exact) and fed to the MXU with f32 accumulation. The per-token f32 scales (MLA [P, ps]; GQA [P, ps, Hkv] viewed
+as [P, ps * Hkv]) arrive one page row per DMA; an exact 0/1 matmul spreads them into the block's [1, rows] row, which multiplies the logits (K side) and the probabilities after the softmax
 sum (V side), as in the GPU kernel. A length of 0 gives an output of 0.
 
 Not done (yet): prefetch across grid steps (the first block of every chunk and sequence is waited for, one
@@ -25,21 +27,18 @@ exposed DMA latency per chunk; JAX's kernel carries a buffer index across steps 
 beyond the "parallel" batch and head axes; a tuned block table (TOKENS_PER_COMPUTE_BLOCK is a prior: ~256
 tokens per block, 16 page DMAs in flight per slot).
 
-What was checked: CPU only. TPU interpret mode (`pltpu.InterpretParams()`) and legacy `interpret=True` against
+What was checked: TPU interpret mode (`pltpu.InterpretParams()`) and legacy `interpret=True` against
 `reference_paged.py` (tests/test_paged_attention_tpu.py: toy dims, page sizes 8 and 16, lengths 0, 1, ps-1, ps,
-several pages, the full table, random non-contiguous block tables, bf16 and fp8, one and two head blocks, NaN
-past the length; three block-table chunks in legacy mode; real per-device dims MLA 8 heads x (512 + 64) and GQA
-12 / 1 heads x 128, bf16 and fp8 pages, bf16 and f32 query), and the interpreter's race detector (eager DMAs,
-NaN-initialised VMEM) finds no race in the double buffer (it does flag the kernel with its waits removed).
-Cross-lowering with `jax.export(platforms=["tpu"])` for a declared v6e (tests/test_lowering_attention.py, Kimi
-K2.6 / GLM-5.2 / GLM-4.5 shapes, page 16 and 64, batch 1..64, up to 262,144 tokens): that runs Pallas -> Mosaic
-MLIR only. VMEM / SMEM bytes of the chosen blocks (block_bytes, padded to (8 x packing, 128) tiles) are checked
-against 32 MiB scoped VMEM and 1 MiB SMEM (about 1.4 MiB VMEM and 8.5 KiB SMEM for MLA at batch 64).
-What was NOT checked: Mosaic's own compile in libtpu (its layout passes: the [ppcb, ps, Dl] -> [ppcb * ps, Dl]
-reshape after the cast, the f8 -> compute-dtype cast itself (v5e has no fp8), the strided single-head DMAs
-`.at[page, :, head]` of the GQA pool and of the [P, ps] scale rows, the HIGHEST-precision f32 0/1 matmul, the
-(rows, 1) softmax-state scratch may be rejected or slow there), the XLA TPU layout of the engine's [P, ps] f32
-scale arrays in HBM (lane-padded, perhaps 8x), running on any TPU, DMA overlap and speed. No TPU was available.
+several pages, the full table, random non-contiguous block tables, bf16 and fp8, one and two head blocks, 1 and 2
+kv heads, NaN past the length; three block-table chunks in legacy mode; real per-device dims MLA 8 heads x
+(512 + 64) and GQA 12 / 1 heads x 128), and the interpreter's race detector finds no race in the double buffer.
+Real compiles by XLA:TPU + Mosaic (libtpu 0.0.42.1) for v5e, v5p and v6e on the CPU host (tests/compile:
+Kimi K2.6 / GLM-5.2 MLA TP 8 and DP 64 heads, GLM-4.5 GQA TP 12/1 and DP 96/8 heads, bf16 and fp8 pages, page
+16 and 64, up to 1,048,576 tokens): all compile; scoped VMEM as the compiler reports it is ~0.8 MiB (MLA, page
+64) to a few MiB, and Mosaic refuses a 1024-page compute block (VMEM OOM). With XLA:TPU's default layout a
+[P, ps, 576] pool is page-minor and the compiled program copies the whole pool to the row-major layout this
+kernel's call requires: the caller must hold the pool row-major (tests/compile/test_compile_controls.py).
+What was NOT checked: running on any TPU, DMA overlap and speed. No TPU was available.
 """
 from __future__ import annotations
 
@@ -60,9 +59,6 @@ MAX_PAGES_PER_CHUNK = 1024
 # The chunk is a 1-D SMEM block of the flattened table: Mosaic wants its size a multiple of 128.
 CHUNK_ALIGN = 128
 TOKENS_PER_COMPUTE_BLOCK = 256  # per compute block: 16 pages of 16, 4 of 64 (~300 KiB of a BF16 latent)
-
-Tile = tuple[tuple[int, ...], jnp.dtype]
-
 
 @dataclass(frozen=True)
 class TpuDecodeBlocks:
@@ -108,27 +104,6 @@ def choose_tpu_blocks(page_size: int, max_pages: int, rows: int, *, block_h: int
         raise ValueError(f"pages_per_chunk {chunk} must be a multiple of {CHUNK_ALIGN} and of "
                          f"pages_per_compute_block {ppcb}")
     return TpuDecodeBlocks(bh, ppcb, chunk)
-
-
-def block_bytes(blocks: TpuDecodeBlocks, page_size: int, *, batch: int, kv_widths: tuple[int, ...], q_width: int,
-                out_width: int, kv_dtype, q_dtype, fp8: bool) -> dict[str, list[Tile]]:
-    """The buffers of one program, by memory and buffering (unpadded shapes; a consumer pads them to tiles).
-
-    "vmem_x2": double-buffered: each K/V page buffer [ppcb, ps, width] in the page dtype, scale rows [ppcb, ps]
-    f32 (fp8; one per K/V part), the pipelined q [bh, q_width] and out [bh, out_width] blocks.
-    "vmem_x1": scratch m, l [bh, 1] and acc [bh, out_width] f32, and the largest temporaries: the block converted
-    to the compute dtype (q_dtype) [bk, width], logits/p [bh, bk] f32, and for fp8 the scale spreading's [ps, bk]
-    and [ppcb, bk] f32. "smem_x2": the block-table chunk [pages_per_chunk] int32. "smem_x1": lengths [batch] int32.
-    """
-    ppcb, bh, bk = blocks.pages_per_compute_block, blocks.block_h, blocks.pages_per_compute_block * page_size
-    x2 = [((ppcb, page_size, w), kv_dtype) for w in kv_widths]
-    x2 += [((ppcb, page_size), jnp.float32)] * (len(kv_widths) if fp8 else 0)
-    x2 += [((bh, q_width), q_dtype), ((bh, out_width), jnp.float32)]
-    x1 = [((bh, 1), jnp.float32), ((bh, 1), jnp.float32), ((bh, out_width), jnp.float32)]
-    x1 += [((bk, w), q_dtype) for w in kv_widths] + [((bh, bk), jnp.float32)] * 2
-    x1 += [((page_size, bk), jnp.float32), ((ppcb, bk), jnp.float32)] if fp8 else []
-    return {"vmem_x2": x2, "vmem_x1": x1, "smem_x2": [((blocks.pages_per_chunk,), jnp.int32)],
-            "smem_x1": [((batch,), jnp.int32)]}
 
 
 def token_of_row(row: jax.Array, kv_heads: int) -> jax.Array:
@@ -188,7 +163,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
     bufs, rest = rest[:n_parts], rest[n_parts:]
     s_bufs, rest = (rest[:n_parts], rest[n_parts:]) if fp8 else ((), rest)
     sems, m_sc, l_sc, acc_sc = rest
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, c = pl.program_id(0), pl.program_id(2)
     ppcb = pages_per_compute_block
     pages_per_chunk = bt_ref.shape[0]
     page_rows = page_size * kv_heads  # a GQA page is DMA'd whole: a per-head slice is not tile-aligned

@@ -28,7 +28,10 @@ may hold anything, NaN included: their logits are masked, their V rows and V sca
   flight while this one computes, page ids read from that batch row's block table held in SMEM (one row, a
   [1, M] block: 64 KiB at 262,144 tokens of 16-token pages, double-buffered, independent of the batch); the
   per-row-block key-block counts are scalar-prefetched. FP8 rows are dequantized in VMEM (x8 -> f32 times the
-  scale column -> q's dtype) before the dots.
+  scale column -> q's dtype) before the dots. GQA pages are DMA'd whole, as [ps * Hkv, D] rows (a per-head slice
+  of the [P, ps, Hkv, D] pool is not tile-aligned: Mosaic refuses it, and strided VMEM loads exist for 32-bit
+  data only), and the logits of other kv heads' columns are masked: Hkv x the key reads and dot work of a
+  per-head kernel when a device holds several kv heads (GLM-4.5 DP attention: 8), none with one (TP: 1).
 
 What was checked (CPU only, JAX 0.10.2; tests/test_paged_prefill.py): against the dense f32 reference with a
 derived per-element bound, GPU layout in legacy `interpret=True`, TPU layout in TPU interpret mode
@@ -41,13 +44,12 @@ cross-lowering with `jax.export` for cuda and tpu at chunk 256 and 512 over bloc
 bf16 and fp8 (this runs the Pallas -> Triton and Pallas -> Mosaic lowerings, including Pallas' power-of-two
 and TPU block-shape rules); per-stage shared-memory / VMEM / SMEM estimates of the default blocks against H200
 and TPU budgets (a model of the buffers, not a compiler's number).
-What was NOT checked: any compiled kernel. Triton's compilation to PTX and Mosaic's layout passes run only on
-a GPU / TPU and have never run here: register pressure of the 64 x 512 f32 MLA accumulator (spills?), whether
-Triton pipelines the gathered page loads, Mosaic's handling of 16-row page DMAs into fp8 VMEM buffers (fp8
-sublane tiles are 32 rows; page_size >= 32 or an int32-packed layout may be needed), of GQA's strided
-per-kv-head DMAs and of the [ps, 1] scale-column DMAs. Block sizes are untuned; no speed was measured anywhere.
-The TPU variant does not prefetch the next row block's first key block across grid steps (a DMA bubble per row
-block).
+Real compiles (tests/compile, on the CPU host): XLA:GPU + Triton for H200 (sm_90a) and XLA:TPU + Mosaic for
+v5e, v5p and v6e, Kimi K2.6 / GLM-5.2 MLA (TP 8, DP 64 heads) and GLM-4.5 GQA (TP 12/1, DP 96/8 heads), chunk 256,
+bf16 and fp8, page 16 and 64: all compile (they did not before: every TPU variant failed, the GQA DMAs on tile
+alignment and the MLA ones on an fp32-precision bf16 dot under jax_default_matmul_precision="highest").
+What was NOT checked: running on any device, register pressure and speed. Block sizes are untuned. The TPU
+variant does not prefetch the next row block's first key block across grid steps (a DMA bubble per row block).
 """
 from __future__ import annotations
 
