@@ -7,9 +7,9 @@ PYTEST_ARGS ?=
 
 .PHONY: install install-aot serve test test-compile test-slow peers clean
 
-$(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+%/bin/python:  # a venv: .venv, .venv-aot
+	$(PYTHON) -m venv $*
+	$*/bin/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
@@ -22,10 +22,6 @@ install: $(STAMP)
 AOT_VENV := .venv-aot
 AOT_BIN := $(AOT_VENV)/bin
 AOT_STAMP := $(AOT_VENV)/.installed
-
-$(AOT_BIN)/python:
-	$(PYTHON) -m venv $(AOT_VENV)
-	$(AOT_BIN)/python -m pip install --quiet --upgrade pip
 
 $(AOT_STAMP): pyproject.toml | $(AOT_BIN)/python
 	$(AOT_BIN)/python -m pip install --quiet -e '.[aot]'

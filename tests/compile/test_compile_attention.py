@@ -24,21 +24,14 @@ TARGETS = pytest.mark.parametrize("target", ALL_TARGETS)
 @GEOMS
 @DTYPES
 @PAGES
-def test_decode_compiles(target, geo, kv_dtype, page_size):
-    fn, args = decode_program(target, geo, page_size, kv_dtype)
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_attention_compiles(kind, target, geo, kv_dtype, page_size):
+    program = decode_program if kind == "decode" else prefill_program
+    fn, args = program(target, geo, page_size, kv_dtype)
     result = compile_for(target, fn, *args)
-    name = ("paged_mla_decode" if geo.mla else "paged_gqa_decode") + ("" if target == "h200" else "_tpu")
+    name = "paged_" + ("" if kind == "decode" else "prefill_") + ("mla" if geo.mla else "gqa")
+    name += "_decode" * (kind == "decode") + "_tpu" * (kind == "decode" and target != "h200")
     check_budget(target, result, name)
-    if target == "h200":  # the blocks were chosen from the compiler's measured bytes: they must still be its bytes
+    if kind == "decode" and target == "h200":  # blocks chosen by the compiler's measured bytes must still be its own
         blocks, tiles = gpu_decode_blocks(geo, page_size, kv_dtype)
         assert kernel_smem(result, name) == gpu.measured_smem(blocks, page_size, **tiles)
-
-
-@TARGETS
-@GEOMS
-@DTYPES
-@PAGES
-def test_prefill_compiles(target, geo, kv_dtype, page_size):
-    fn, args = prefill_program(target, geo, page_size, kv_dtype)
-    result = compile_for(target, fn, *args)
-    check_budget(target, result, "paged_prefill_mla" if geo.mla else "paged_prefill_gqa")

@@ -9,29 +9,15 @@ and M = 64 (decode) for Kimi EP.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax.numpy as jnp
 import pytest
 
 from aot import ALL_TARGETS, check_budget, compile_for, sds
 from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.moe_gmm import moe_gmm
+from test_lowering_matmul import DENSE, MOE_SHARDS  # the per-device shapes the lowering tests use
 
 GROUP = 32
-DENSE = {"q_b": (1536, 1536), "o": (1024, 7168), "lm_head": (7168, 20480)}  # [K, N] per device
-
-
-@dataclass(frozen=True)
-class MoeShard:
-    name: str
-    experts: int
-    hidden: int
-    ffn: int
-
-
-MOE = (MoeShard("kimi-ep8", 48, 7168, 2048), MoeShard("kimi-tp8", 384, 7168, 256),
-       MoeShard("glm5-ep8", 32, 6144, 2048), MoeShard("glm4.5-ep8", 20, 5120, 1536))
 
 
 def weight_args(target: str, fmt: str, k: int, n: int, experts: int | None = None) -> list:
@@ -51,8 +37,8 @@ def test_int4_matmul_compiles(target, proj, m):
     check_budget(target, compile_for(target, lambda x, w, s: int4_matmul(x, w, s, backend=backend), *args))
 
 
-GMM_CASES = [(s, fmt, proj, 4096) for s in MOE for fmt in ("int4", "fp8") for proj in ("gate_up", "down")]
-GMM_CASES += [(MOE[0], fmt, proj, 64) for fmt in ("int4", "fp8") for proj in ("gate_up", "down")]
+GMM_CASES = [(s, fmt, proj, 4096) for s in MOE_SHARDS for fmt in ("int4", "fp8") for proj in ("gate_up", "down")]
+GMM_CASES += [(MOE_SHARDS[0], fmt, proj, 64) for fmt in ("int4", "fp8") for proj in ("gate_up", "down")]
 
 
 @pytest.mark.parametrize("target", ALL_TARGETS)
