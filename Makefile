@@ -5,11 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-slow peers clean
+.PHONY: install install-aot serve test test-compile test-slow peers clean
 
-$(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+%/bin/python:  # a venv: .venv, .venv-aot
+	$(PYTHON) -m venv $*
+	$*/bin/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
@@ -17,15 +17,35 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# The compile tier's own venv (the "aot" extra: CUDA plugin + nvcc, libtpu): the kernels are compiled for H200 and
+# TPU v5e/v5p/v6e on this CPU host. Kept out of .venv, whose CPU runtime must not see the CUDA plugin.
+AOT_VENV := .venv-aot
+AOT_BIN := $(AOT_VENV)/bin
+AOT_STAMP := $(AOT_VENV)/.installed
+
+$(AOT_STAMP): pyproject.toml | $(AOT_BIN)/python
+	$(AOT_BIN)/python -m pip install --quiet -e '.[aot]'
+	touch $(AOT_STAMP)
+
+install-aot: $(AOT_STAMP)
+
 serve: $(STAMP)
 	$(BIN)/jaxserve serve
 
 # Two processes: the HTTP server tests compile their engines in a fresh one. Late XLA compiles crashed twice in one
 # long process (likely the 65,530 memory-mapping limit: every live executable holds mappings; tests/conftest.py now
 # drops each module's compiled programs).
-test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS) --ignore=tests/server
+test: $(STAMP) $(AOT_STAMP)
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS) --ignore=tests/server --ignore=tests/compile
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/server
+	$(COMPILE_TIER)
+
+# Real compiles (not lowerings) of every Pallas kernel for H200 and TPU v5e/v5p/v6e, in .venv-aot; with
+# JAXSERVE_COMPILE_TIER=1 a missing compiler fails the run instead of skipping it. JAX_PLATFORMS=cpu: the CUDA
+# plugin must not look for a driver.
+COMPILE_TIER = JAX_PLATFORMS=cpu JAXSERVE_COMPILE_TIER=1 $(AOT_BIN)/python -m pytest -q --durations=10 tests/compile
+test-compile: $(AOT_STAMP)
+	$(COMPILE_TIER)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
@@ -45,4 +65,4 @@ peers: $(STAMP)
 	tar -xzf $(PEERS_CACHE)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(PEERS_CACHE)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(AOT_VENV) .pytest_cache .hypothesis

@@ -39,9 +39,11 @@ toy dims with page sizes 8 and 16, batch 1 and 3, ragged lengths 0..several page
 non-contiguous block tables; and the real per-device dims: MLA 8 heads x (512 + 64), GQA 12 q / 1 kv heads x
 128, bf16 and fp8). Cross-lowering for `cuda` with `jax.export` on CPU (tests/test_lowering_attention.py: Kimi
 K2.6 / GLM-5.2 / GLM-4.5 per-device and unsharded shapes, page 16 and 64, batch 1..64, block tables up to
-262,144 tokens): this runs the Pallas -> Triton IR lowering only. What was NOT checked: Triton's own compilation
-to PTX (it happens in XLA's GPU compiler, which needs a GPU), hence its real shared-memory use and register
-pressure; running on any GPU; speed. No GPU was available.
+262,144 tokens): this runs the Pallas -> Triton IR lowering only. Compiled by XLA:GPU + Triton for an H200
+(sm_90a) on the CPU host (tests/compile): Kimi K2.6 / GLM-5.2 MLA TP and DP, GLM-4.5 GQA TP and DP, bf16 and fp8,
+page 16 and 64, all fit; the shared memory Triton allocates is below the model's count (MLA 1.1-1.3x, GQA
+2.3-2.5x over), so `_MEASURED_SMEM` (the compiler's bytes, checked against it in tests/compile) takes precedence
+in choose_blocks. What was NOT checked: running on any GPU, register pressure, speed. No GPU was available.
 """
 from __future__ import annotations
 
@@ -71,6 +73,34 @@ _TRITON_TABLE: dict[tuple[int, int, int, int], tuple[int, int]] = {
     (16, 256, 64, 1): (4, 3),
 }
 _DEFAULT_TRITON = (4, 2)
+# Shared memory XLA:GPU's Triton compile allocates (sm_90a, jaxlib 0.10.2; tests/compile checks every default choice
+# against the compiler), keyed (block_h, loaded width, page_size, pages_per_compute_block, page_splits, page dtype,
+# compute dtype), with the launch parameters choose_blocks gives them. It overrides the model where known: the
+# model over-counts (MLA 1.1-1.3x, GQA 2.3-2.5x) and so halved the fp8 MLA steps the compiler accepts.
+_MEASURED_SMEM: dict[tuple[int, int, int, int, int, str, str], int] = {
+    (16, 576, 16, 2, 1, "bfloat16", "float32"): 141_312,  # MLA TP (8 heads padded to 16), 32-token steps
+    (16, 576, 16, 4, 1, "bfloat16", "float32"): 245_760,  # over the H200's 232,448: refused
+    (16, 576, 16, 2, 1, "float8_e4m3fn", "float32"): 123_008,
+    (16, 576, 16, 4, 1, "float8_e4m3fn", "float32"): 209_152,
+    (16, 576, 64, 1, 2, "bfloat16", "float32"): 141_312,
+    (16, 576, 64, 1, 1, "bfloat16", "float32"): 245_760,
+    (16, 576, 64, 1, 2, "float8_e4m3fn", "float32"): 123_008,
+    (16, 576, 64, 1, 1, "float8_e4m3fn", "float32"): 209_152,
+    (64, 576, 16, 1, 1, "bfloat16", "float32"): 198_656,  # MLA DP (64 heads), 16-token steps
+    (64, 576, 16, 2, 1, "bfloat16", "float32"): 249_856,
+    (64, 576, 16, 1, 1, "float8_e4m3fn", "float32"): 189_504,
+    (64, 576, 16, 2, 1, "float8_e4m3fn", "float32"): 231_552,
+    (64, 576, 16, 4, 1, "float8_e4m3fn", "float32"): 315_648,
+    (64, 576, 64, 1, 4, "bfloat16", "float32"): 198_656,
+    (64, 576, 64, 1, 2, "bfloat16", "float32"): 249_856,
+    (64, 576, 64, 1, 4, "float8_e4m3fn", "float32"): 189_504,
+    (64, 576, 64, 1, 2, "float8_e4m3fn", "float32"): 231_552,
+    (64, 576, 64, 1, 1, "float8_e4m3fn", "float32"): 315_648,
+    (16, 256, 16, 4, 1, "bfloat16", "bfloat16"): 55_312,  # GQA head_dim 128, 64-token steps
+    (16, 256, 16, 4, 1, "float8_e4m3fn", "bfloat16"): 39_456,
+    (16, 256, 64, 1, 1, "bfloat16", "bfloat16"): 55_300,
+    (16, 256, 64, 1, 1, "float8_e4m3fn", "bfloat16"): 39_444,
+}
 
 
 @dataclass(frozen=True)
@@ -119,6 +149,23 @@ def smem_bytes(blocks: DecodeBlocks, page_size: int, **tile_kwargs) -> int:
     return blocks.num_stages * size(staged) + size(once)
 
 
+def measured_smem(blocks: DecodeBlocks, page_size: int, *, kv_widths: tuple[int, ...], kv_dtype, q_dtype,
+                  **_) -> int | None:
+    """The compiler's shared memory for these blocks from _MEASURED_SMEM, None if not measured (launch parameters
+    other than choose_blocks' defaults are not measured)."""
+    if (blocks.num_warps, blocks.num_stages) != _TRITON_TABLE.get(
+            (blocks.block_h, sum(kv_widths), page_size, blocks.pages_per_compute_block), _DEFAULT_TRITON):
+        return None
+    return _MEASURED_SMEM.get((blocks.block_h, sum(kv_widths), page_size, blocks.pages_per_compute_block,
+                               blocks.page_splits, jnp.dtype(kv_dtype).name, jnp.dtype(q_dtype).name))
+
+
+def smem_estimate(blocks: DecodeBlocks, page_size: int, **tile_kwargs) -> int:
+    """Shared memory of these blocks: the compiler's (measured_smem) where known, else the model (smem_bytes)."""
+    measured = measured_smem(blocks, page_size, **tile_kwargs)
+    return smem_bytes(blocks, page_size, **tile_kwargs) if measured is None else measured
+
+
 def choose_blocks(page_size: int, max_pages: int, heads_per_program: int, *, block_h: int | None = None,
                   pages_per_compute_block: int | None = None, k_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None, page_splits: int | None = None,
@@ -127,7 +174,7 @@ def choose_blocks(page_size: int, max_pages: int, heads_per_program: int, *, blo
     """Default tiling; any argument given overrides it.
 
     block_h: power of two >= 16 (Triton's dot minimum), at most 64. Inner step ~64 tokens, halved while the
-    shared-memory model exceeds SMEM_BUDGET_BYTES: first fewer pages per step, then (one page per step) the page
+    shared memory (smem_estimate: the compiler's where measured, else the model) exceeds SMEM_BUDGET_BYTES: first fewer pages per step, then (one page per step) the page
     read in 2, 4, .. parts of >= 16 tokens. Splits: each split keeps at least 4 inner steps, at most 16 splits.
     num_warps / num_stages: `_TRITON_TABLE`, else (4, 2). kv_widths, q_width, kv_dtype, q_dtype, n_scales: the
     loaded shapes, as in smem_tiles.
@@ -142,7 +189,7 @@ def choose_blocks(page_size: int, max_pages: int, heads_per_program: int, *, blo
         return DecodeBlocks(bh, p, ks, num_warps or warps, num_stages or stages, sp)
 
     def over(p: int, sp: int) -> bool:
-        return smem_bytes(make(p, sp), page_size, **tiles) > SMEM_BUDGET_BYTES
+        return smem_estimate(make(p, sp), page_size, **tiles) > SMEM_BUDGET_BYTES
 
     # a 576-wide latent block must fit beside its copy converted to the query dtype
     while pages_per_compute_block is None and ppcb > 1 and over(ppcb, splits):

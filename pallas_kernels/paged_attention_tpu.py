@@ -3,8 +3,11 @@
 The page pool stays in HBM (`memory_space=pl.ANY`); the kernel copies the pages a sequence uses into VMEM itself,
 several pages per compute block, double-buffered: while block k is computed, the pages of block k + 1 are in
 flight (`pltpu.make_async_copy`, one DMA per page and per scale row, one DMA semaphore per buffer slot), the
-pattern of JAX's own TPU paged attention and tpu-inference's ragged paged attention. Grid (batch, head block or
-kv head, block-table chunk): the block table, flattened, reaches the kernel one chunk of `pages_per_chunk`
+pattern of JAX's own TPU paged attention and tpu-inference's ragged paged attention. Grid (batch, head block,
+block-table chunk); GQA has one head block holding every kv head: each page is DMA'd once and whole, as
+[ps * Hkv, D] rows (row = slot * Hkv + head; a per-head `.at[page, :, head]` slice is not tile-aligned and Mosaic
+refuses it), and each query row's logits are masked to its own kv head's columns (Hkv x the MXU work of a
+per-head kernel, none of its extra DMA; decode is bound by the page reads). The block table: the block table, flattened, reaches the kernel one chunk of `pages_per_chunk`
 entries (a multiple of 128, at most 1024) per grid step as a 1-D SMEM block, so SMEM holds 2 x pages_per_chunk
 page ids (double-buffered by the pipeline) plus the [batch] lengths (scalar prefetch) whatever the context
 length (the previous version scalar-prefetched the whole [B, M] table: 4 MiB at batch 64 and 262,144 tokens,
@@ -15,9 +18,8 @@ the last used chunk (no new SMEM copy). Pages past the length are not copied; to
 a block are masked (logits to a large negative, V rows to 0, so stale or NaN buffer contents cannot leak).
 
 Dequantization: BF16 or FP8 e4m3 pages are cast to the compute dtype (the query's, bf16 or f32; e4m3 -> bf16 is
-exact) and fed to the MXU with f32 accumulation. The per-token f32 scales (MLA [P, ps]; GQA [P, ps, Hkv], one
-kv head's column copied per page) arrive one page row per DMA as [pages, ps]; an exact 0/1 matmul spreads them
-into the block's [1, tokens] row, which multiplies the logits (K side) and the probabilities after the softmax
+exact) and fed to the MXU with f32 accumulation. The per-token f32 scales (MLA [P, ps]; GQA [P, ps, Hkv] viewed
+as [P, ps * Hkv]) arrive one page row per DMA; an exact 0/1 matmul spreads them into the block's [1, rows] row, which multiplies the logits (K side) and the probabilities after the softmax
 sum (V side), as in the GPU kernel. A length of 0 gives an output of 0.
 
 Not done (yet): prefetch across grid steps (the first block of every chunk and sequence is waited for, one
@@ -25,21 +27,18 @@ exposed DMA latency per chunk; JAX's kernel carries a buffer index across steps 
 beyond the "parallel" batch and head axes; a tuned block table (TOKENS_PER_COMPUTE_BLOCK is a prior: ~256
 tokens per block, 16 page DMAs in flight per slot).
 
-What was checked: CPU only. TPU interpret mode (`pltpu.InterpretParams()`) and legacy `interpret=True` against
+What was checked: TPU interpret mode (`pltpu.InterpretParams()`) and legacy `interpret=True` against
 `reference_paged.py` (tests/test_paged_attention_tpu.py: toy dims, page sizes 8 and 16, lengths 0, 1, ps-1, ps,
-several pages, the full table, random non-contiguous block tables, bf16 and fp8, one and two head blocks, NaN
-past the length; three block-table chunks in legacy mode; real per-device dims MLA 8 heads x (512 + 64) and GQA
-12 / 1 heads x 128, bf16 and fp8 pages, bf16 and f32 query), and the interpreter's race detector (eager DMAs,
-NaN-initialised VMEM) finds no race in the double buffer (it does flag the kernel with its waits removed).
-Cross-lowering with `jax.export(platforms=["tpu"])` for a declared v6e (tests/test_lowering_attention.py, Kimi
-K2.6 / GLM-5.2 / GLM-4.5 shapes, page 16 and 64, batch 1..64, up to 262,144 tokens): that runs Pallas -> Mosaic
-MLIR only. VMEM / SMEM bytes of the chosen blocks (block_bytes, padded to (8 x packing, 128) tiles) are checked
-against 32 MiB scoped VMEM and 1 MiB SMEM (about 1.4 MiB VMEM and 8.5 KiB SMEM for MLA at batch 64).
-What was NOT checked: Mosaic's own compile in libtpu (its layout passes: the [ppcb, ps, Dl] -> [ppcb * ps, Dl]
-reshape after the cast, the f8 -> compute-dtype cast itself (v5e has no fp8), the strided single-head DMAs
-`.at[page, :, head]` of the GQA pool and of the [P, ps] scale rows, the HIGHEST-precision f32 0/1 matmul, the
-(rows, 1) softmax-state scratch may be rejected or slow there), the XLA TPU layout of the engine's [P, ps] f32
-scale arrays in HBM (lane-padded, perhaps 8x), running on any TPU, DMA overlap and speed. No TPU was available.
+several pages, the full table, random non-contiguous block tables, bf16 and fp8, one and two head blocks, 1 and 2
+kv heads, NaN past the length; three block-table chunks in legacy mode; real per-device dims MLA 8 heads x
+(512 + 64) and GQA 12 / 1 heads x 128), and the interpreter's race detector finds no race in the double buffer.
+Real compiles by XLA:TPU + Mosaic (libtpu 0.0.42.1) for v5e, v5p and v6e on the CPU host (tests/compile:
+Kimi K2.6 / GLM-5.2 MLA TP 8 and DP 64 heads, GLM-4.5 GQA TP 12/1 and DP 96/8 heads, bf16 and fp8 pages, page
+16 and 64, up to 1,048,576 tokens): all compile; scoped VMEM as the compiler reports it is ~0.8 MiB (MLA, page
+64) to a few MiB, and Mosaic refuses a 1024-page compute block (VMEM OOM). With XLA:TPU's default layout a
+[P, ps, 576] pool is page-minor and the compiled program copies the whole pool to the row-major layout this
+kernel's call requires: the caller must hold the pool row-major (tests/compile/test_compile_controls.py).
+What was NOT checked: running on any TPU, DMA overlap and speed. No TPU was available.
 """
 from __future__ import annotations
 
@@ -60,9 +59,6 @@ MAX_PAGES_PER_CHUNK = 1024
 # The chunk is a 1-D SMEM block of the flattened table: Mosaic wants its size a multiple of 128.
 CHUNK_ALIGN = 128
 TOKENS_PER_COMPUTE_BLOCK = 256  # per compute block: 16 pages of 16, 4 of 64 (~300 KiB of a BF16 latent)
-
-Tile = tuple[tuple[int, ...], jnp.dtype]
-
 
 @dataclass(frozen=True)
 class TpuDecodeBlocks:
@@ -96,7 +92,7 @@ def choose_tpu_blocks(page_size: int, max_pages: int, rows: int, *, block_h: int
                       pages_per_chunk: int | None = None) -> TpuDecodeBlocks:
     """Default tiling; any argument given overrides it.
 
-    rows: MLA query heads (block_h from choose_block_h) or the GQA group size (block_h = group). Compute block
+    rows: MLA query heads (block_h from choose_block_h) or all GQA q heads (block_h = rows). Compute block
     ~TOKENS_PER_COMPUTE_BLOCK tokens (at least one page, at most the table); chunk: the whole table up to
     MAX_PAGES_PER_CHUNK entries, rounded up to a multiple of CHUNK_ALIGN and of the compute block.
     """
@@ -110,25 +106,14 @@ def choose_tpu_blocks(page_size: int, max_pages: int, rows: int, *, block_h: int
     return TpuDecodeBlocks(bh, ppcb, chunk)
 
 
-def block_bytes(blocks: TpuDecodeBlocks, page_size: int, *, batch: int, kv_widths: tuple[int, ...], q_width: int,
-                out_width: int, kv_dtype, q_dtype, fp8: bool) -> dict[str, list[Tile]]:
-    """The buffers of one program, by memory and buffering (unpadded shapes; a consumer pads them to tiles).
+def token_of_row(row: jax.Array, kv_heads: int) -> jax.Array:
+    """Token of a whole-page row (row = token * Hkv + head); no vector division when there is one kv head."""
+    return row if kv_heads == 1 else lax.div(row, kv_heads)
 
-    "vmem_x2": double-buffered: each K/V page buffer [ppcb, ps, width] in the page dtype, scale rows [ppcb, ps]
-    f32 (fp8; one per K/V part), the pipelined q [bh, q_width] and out [bh, out_width] blocks.
-    "vmem_x1": scratch m, l [bh, 1] and acc [bh, out_width] f32, and the largest temporaries: the block converted
-    to the compute dtype (q_dtype) [bk, width], logits/p [bh, bk] f32, and for fp8 the scale spreading's [ps, bk]
-    and [ppcb, bk] f32. "smem_x2": the block-table chunk [pages_per_chunk] int32. "smem_x1": lengths [batch] int32.
-    """
-    ppcb, bh, bk = blocks.pages_per_compute_block, blocks.block_h, blocks.pages_per_compute_block * page_size
-    x2 = [((ppcb, page_size, w), kv_dtype) for w in kv_widths]
-    x2 += [((ppcb, page_size), jnp.float32)] * (len(kv_widths) if fp8 else 0)
-    x2 += [((bh, q_width), q_dtype), ((bh, out_width), jnp.float32)]
-    x1 = [((bh, 1), jnp.float32), ((bh, 1), jnp.float32), ((bh, out_width), jnp.float32)]
-    x1 += [((bk, w), q_dtype) for w in kv_widths] + [((bh, bk), jnp.float32)] * 2
-    x1 += [((page_size, bk), jnp.float32), ((ppcb, bk), jnp.float32)] if fp8 else []
-    return {"vmem_x2": x2, "vmem_x1": x1, "smem_x2": [((blocks.pages_per_chunk,), jnp.int32)],
-            "smem_x1": [((batch,), jnp.int32)]}
+
+def dot_precision(dtype) -> lax.Precision | None:
+    """Mosaic refuses an fp32-precision contraction of bf16 operands (jax_default_matmul_precision="highest")."""
+    return None if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def _last_chunk(b, lens_ref, page_size: int, pages_per_chunk: int) -> jax.Array:
@@ -161,13 +146,15 @@ def _scale_row(s: jax.Array, page_size: int) -> jax.Array:
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
-                   pages_per_compute_block: int, softmax_scale: float, compute_dtype):
-    """One (sequence b, head block / kv head h, block-table chunk c) step.
+                   kv_heads: int, pages_per_compute_block: int, softmax_scale: float, compute_dtype):
+    """One (sequence b, head block h, block-table chunk c) step.
 
     lens_ref [B] int32 (SMEM, scalar prefetch); bt_ref [chunk] int32 (SMEM); q_ref [rows, Dk].
-    MLA HBM refs: latent pages [P, ps, Dl], (scales [P, ps] f32). GQA: k, v pages [P, ps, Hkv, D], (k, v scales
-    [P, ps, Hkv] f32). o_ref [rows, Dv] f32. Scratch: one [2, ppcb, ps, width] page buffer per K/V part, (one
-    [2, ppcb, ps] f32 scale buffer per part), DMA semaphores [2], m, l [rows, 1] f32, acc [rows, Dv] f32.
+    MLA HBM refs: latent pages [P, ps, Dl], (scales [P, ps] f32). GQA (all kv heads in one program, rows = all q
+    heads, query head r reads kv head r // (rows / Hkv)): k, v pages [P, ps * Hkv, D] (row = slot * Hkv + head),
+    (k, v scales [P, ps * Hkv] f32). o_ref [rows, Dv] f32. Scratch: one [2, ppcb, ps * Hkv, width] page buffer
+    per K/V part, (one [2, ppcb, ps * Hkv] f32 scale buffer per part), DMA semaphores [2], m, l [rows, 1] f32,
+    acc [rows, Dv] f32.
     """
     n_parts = 1 if mla else 2
     hbm, rest = refs[:n_parts], refs[n_parts:]
@@ -176,17 +163,14 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
     bufs, rest = rest[:n_parts], rest[n_parts:]
     s_bufs, rest = (rest[:n_parts], rest[n_parts:]) if fp8 else ((), rest)
     sems, m_sc, l_sc, acc_sc = rest
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, c = pl.program_id(0), pl.program_id(2)
     ppcb = pages_per_compute_block
     pages_per_chunk = bt_ref.shape[0]
-    bk = ppcb * page_size
+    page_rows = page_size * kv_heads  # a GQA page is DMA'd whole: a per-head slice is not tile-aligned
+    bk = ppcb * page_rows
     length = lens_ref[b]
     n_pages = jnp.clip(pl.cdiv(length, page_size) - c * pages_per_chunk, 0, pages_per_chunk)
     n_blocks = pl.cdiv(n_pages, ppcb)
-
-    def src(ref, page):
-        # MLA: the whole latent row; GQA: kv head h's [ps, D] (or [ps] scale) column of the page
-        return ref.at[page] if mla else ref.at[page, :, h]
 
     def copies(blk, slot) -> list[tuple[jax.Array, pltpu.AsyncCopyDescriptor]]:
         """(needed, copy) for every page (and scale row) of chunk-local compute block blk into buffer slot."""
@@ -195,11 +179,11 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
             p = blk * ppcb + j
             page = bt_ref[p]
             for part in range(n_parts):
-                out.append((p < n_pages, pltpu.make_async_copy(src(hbm[part], page), bufs[part].at[slot, j],
+                out.append((p < n_pages, pltpu.make_async_copy(hbm[part].at[page], bufs[part].at[slot, j],
                                                                sems.at[slot])))
                 if fp8:
-                    out.append((p < n_pages, pltpu.make_async_copy(src(s_hbm[part], page),
-                                                                   s_bufs[part].at[slot, j], sems.at[slot])))
+                    out.append((p < n_pages, pltpu.make_async_copy(s_hbm[part].at[page], s_bufs[part].at[slot, j],
+                                                                   sems.at[slot])))
         return out
 
     def start(blk, slot):
@@ -221,14 +205,20 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
         k = bufs[0][slot].astype(compute_dtype).reshape(bk, bufs[0].shape[-1])
         v = k[:, :value_dim] if mla else bufs[1][slot].astype(compute_dtype).reshape(bk, value_dim)
         tok0 = (c * pages_per_chunk + blk * ppcb) * page_size
-        valid = tok0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1) < length  # [1, bk]
+        col = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        valid = tok0 + token_of_row(col, kv_heads) < length  # [1, bk]
         # scale rows of uncopied pages are stale (NaN in interpret mode): zero them, 0 * NaN would leak
-        scale = lambda part: jnp.where(valid, _scale_row(s_bufs[part][slot], page_size), 0.0)  # noqa: E731
-        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        scale = lambda part: jnp.where(valid, _scale_row(s_bufs[part][slot], page_rows), 0.0)  # noqa: E731
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                 precision=dot_precision(compute_dtype))
         if fp8:
             k_row = scale(0)
             logits = logits * k_row  # K-side dequant: (q . k8) s == q . (k8 s)
-        logits = jnp.where(valid, logits * softmax_scale, MASK_VALUE)
+        keep = valid
+        if kv_heads > 1:  # each query row attends to its own kv head's columns only
+            group = q.shape[0] // kv_heads
+            keep = keep & (lax.div(lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0), group) == lax.rem(col, kv_heads))
+        logits = jnp.where(keep, logits * softmax_scale, MASK_VALUE)
         m_prev, l_prev = m_sc[...], l_sc[...]
         m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
         correction = jnp.exp(m_prev - m_next)
@@ -238,8 +228,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
         if fp8:  # V-side dequant, after the sum so l stays the plain softmax denominator
             p = p * (k_row if mla else scale(1))
         # zero V rows past the length: stale or uncopied buffer rows may hold anything (NaN included)
-        v = jnp.where(tok0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < length, v, jnp.zeros((), v.dtype))
-        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        v = jnp.where(tok0 + token_of_row(lax.broadcasted_iota(jnp.int32, (bk, 1), 0), kv_heads) < length, v,
+                      jnp.zeros((), v.dtype))
+        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                                                         precision=dot_precision(v.dtype))
 
     @pl.when(n_blocks > 0)
     def _run():
@@ -300,7 +292,7 @@ def paged_mla_decode_tpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array
     scratch += [pltpu.VMEM((2, ppcb, page_size), jnp.float32)] if fp8 else []
     row_map = lambda b_, h_, c_, lens_: (b_, h_, 0)  # noqa: E731
     kernel = functools.partial(_decode_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
-                               pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
+                               kv_heads=1, pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
                                compute_dtype=jnp.dtype(compute_dtype or q.dtype))
     return _pallas(kernel, blocks, page_size, lens, bt, q, hbm + s_hbm, scratch, grid_h=h // bh,
                    q_block=(None, bh, dl), q_map=row_map, out_block=(None, bh, kv_lora_rank), out_map=row_map,
@@ -316,8 +308,9 @@ def paged_gqa_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, b
                          pages_per_chunk: int | None = None, compute_dtype: jnp.dtype | None = None,
                          interpret: bool | pltpu.InterpretParams = False,
                          out_dtype: jnp.dtype | None = None) -> jax.Array:
-    """GQA decode attention over paged K/V (TPU: HBM pool, multi-page double-buffered DMAs, one kv head per
-    program). Same contract as paged_attention.paged_gqa_decode.
+    """GQA decode attention over paged K/V (TPU: HBM pool, multi-page double-buffered DMAs of whole pages, all kv
+    heads in one program, each query row masked to its kv head's columns). Same contract as
+    paged_attention.paged_gqa_decode.
 
     q: [batch, q_heads, head_dim] bf16|f32; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
     bf16|float8_e4m3fn (one layer); k_scales, v_scales: [num_pages, page_size, kv_heads] f32 for fp8, else None;
@@ -334,23 +327,23 @@ def paged_gqa_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, b
     fp8 = k_scales is not None
     if fp8 and (k_scales.shape != (num_pages, page_size, hkv) or v_scales.shape != k_scales.shape):
         raise ValueError(f"k_scales {k_scales.shape}, v_scales {v_scales.shape} != {(num_pages, page_size, hkv)}")
-    group = hq // hkv
-    blocks = choose_tpu_blocks(page_size, block_tables.shape[1], group,
+    # one program per sequence holds every kv head: each page is DMA'd once, whole (tile-aligned), as
+    # [ps * Hkv, D] rows (a row-major [P, ps, Hkv, D] pool reshapes to that for free)
+    blocks = choose_tpu_blocks(page_size, block_tables.shape[1], hq,
                                pages_per_compute_block=pages_per_compute_block, pages_per_chunk=pages_per_chunk)
     bt, lens = _prepare_tables(block_tables, lengths, page_size, blocks)
-    ppcb = blocks.pages_per_compute_block
-    s_hbm = [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)] if fp8 else []
-    scratch = [pltpu.VMEM((2, ppcb, page_size, d), k_pages.dtype)] * 2
-    scratch += [pltpu.VMEM((2, ppcb, page_size), jnp.float32)] * 2 if fp8 else []
-    row_map = lambda b_, h_, c_, lens_: (b_, h_, 0, 0)  # noqa: E731
+    ppcb, rows = blocks.pages_per_compute_block, page_size * hkv
+    hbm = [k_pages.reshape(num_pages, rows, d), v_pages.reshape(num_pages, rows, d)]
+    s_hbm = [s.astype(jnp.float32).reshape(num_pages, rows) for s in (k_scales, v_scales)] if fp8 else []
+    scratch = [pltpu.VMEM((2, ppcb, rows, d), k_pages.dtype)] * 2
+    scratch += [pltpu.VMEM((2, ppcb, rows), jnp.float32)] * 2 if fp8 else []
+    row_map = lambda b_, h_, c_, lens_: (b_, 0, 0)  # noqa: E731
     kernel = functools.partial(_decode_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size,
-                               pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
+                               kv_heads=hkv, pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
                                compute_dtype=jnp.dtype(compute_dtype or q.dtype))
-    out = _pallas(kernel, blocks, page_size, lens, bt, q.reshape(b, hkv, group, d), [k_pages, v_pages] + s_hbm,
-                  scratch, grid_h=hkv, q_block=(None, None, group, d), q_map=row_map,
-                  out_block=(None, None, group, d), out_map=row_map, out_shape=(b, hkv, group, d),
-                  out_dtype=out_dtype or q.dtype, name="paged_gqa_decode_tpu", interpret=interpret)
-    return out.reshape(b, hq, d)
+    return _pallas(kernel, blocks, page_size, lens, bt, q, hbm + s_hbm, scratch, grid_h=1, q_block=(None, hq, d),
+                   q_map=row_map, out_block=(None, hq, d), out_map=row_map, out_shape=(b, hq, d),
+                   out_dtype=out_dtype or q.dtype, name="paged_gqa_decode_tpu", interpret=interpret)
 
 
 def _prepare_tables(block_tables: jax.Array, lengths: jax.Array, page_size: int,

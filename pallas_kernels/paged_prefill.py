@@ -28,7 +28,10 @@ may hold anything, NaN included: their logits are masked, their V rows and V sca
   flight while this one computes, page ids read from that batch row's block table held in SMEM (one row, a
   [1, M] block: 64 KiB at 262,144 tokens of 16-token pages, double-buffered, independent of the batch); the
   per-row-block key-block counts are scalar-prefetched. FP8 rows are dequantized in VMEM (x8 -> f32 times the
-  scale column -> q's dtype) before the dots.
+  scale column -> q's dtype) before the dots. GQA pages are DMA'd whole, as [ps * Hkv, D] rows (a per-head slice
+  of the [P, ps, Hkv, D] pool is not tile-aligned: Mosaic refuses it, and strided VMEM loads exist for 32-bit
+  data only), and the logits of other kv heads' columns are masked: Hkv x the key reads and dot work of a
+  per-head kernel when a device holds several kv heads (GLM-4.5 DP attention: 8), none with one (TP: 1).
 
 What was checked (CPU only, JAX 0.10.2; tests/test_paged_prefill.py): against the dense f32 reference with a
 derived per-element bound, GPU layout in legacy `interpret=True`, TPU layout in TPU interpret mode
@@ -41,13 +44,12 @@ cross-lowering with `jax.export` for cuda and tpu at chunk 256 and 512 over bloc
 bf16 and fp8 (this runs the Pallas -> Triton and Pallas -> Mosaic lowerings, including Pallas' power-of-two
 and TPU block-shape rules); per-stage shared-memory / VMEM / SMEM estimates of the default blocks against H200
 and TPU budgets (a model of the buffers, not a compiler's number).
-What was NOT checked: any compiled kernel. Triton's compilation to PTX and Mosaic's layout passes run only on
-a GPU / TPU and have never run here: register pressure of the 64 x 512 f32 MLA accumulator (spills?), whether
-Triton pipelines the gathered page loads, Mosaic's handling of 16-row page DMAs into fp8 VMEM buffers (fp8
-sublane tiles are 32 rows; page_size >= 32 or an int32-packed layout may be needed), of GQA's strided
-per-kv-head DMAs and of the [ps, 1] scale-column DMAs. Block sizes are untuned; no speed was measured anywhere.
-The TPU variant does not prefetch the next row block's first key block across grid steps (a DMA bubble per row
-block).
+Real compiles (tests/compile, on the CPU host): XLA:GPU + Triton for H200 (sm_90a) and XLA:TPU + Mosaic for
+v5e, v5p and v6e, Kimi K2.6 / GLM-5.2 MLA (TP 8, DP 64 heads) and GLM-4.5 GQA (TP 12/1, DP 96/8 heads), chunk 256,
+bf16 and fp8, page 16 and 64: all compile (they did not before: every TPU variant failed, the GQA DMAs on tile
+alignment and the MLA ones on an fp32-precision bf16 dot under jax_default_matmul_precision="highest").
+What was NOT checked: running on any device, register pressure and speed. Block sizes are untuned. The TPU
+variant does not prefetch the next row block's first key block across grid steps (a DMA bubble per row block).
 """
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_attention_tpu import dot_precision, token_of_row
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
@@ -280,7 +284,7 @@ def _paged_prefill_gqa_gpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scale
 
 
 def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp8: bool, value_dim: int,
-                page_size: int, block_k: int, num_row_blocks: int, softmax_scale: float):
+                page_size: int, block_k: int, num_row_blocks: int, softmax_scale: float, kv_heads: int = 1):
     """One (batch row b, kv head j, row block r) program; the key loop runs inside it.
 
     Scalar prefetch (SMEM): nblk_ref [B * nR] int32 (key blocks this row block needs: its causal limit),
@@ -288,14 +292,17 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
     pos_ref [br, 1] int32 (row positions, -1 on padding rows).
     MLA refs: latent pool [P, ps, Dl] (HBM), (scales [P, ps, 1] f32 HBM), o [br, Dv] f32, then scratch:
     kbuf [2, bk, Dl], (sbuf [2, bk, 1] f32), sem DMA[2], acc [br, Dv] f32, m, l [br, 1] f32.
-    GQA refs: k pool, v pool [P, ps, Hkv, D] (HBM), (k, v scales [P, ps, Hkv, 1] f32 HBM), o [br, D] f32,
-    scratch kbuf, vbuf [2, bk, D], (ksbuf, vsbuf [2, bk, 1] f32), sem DMA[2], acc, m, l.
+    GQA refs: k pool, v pool [P, ps * Hkv, D] (HBM; row = slot * Hkv + head), (k, v scales [P, ps * Hkv, 1]
+    f32 HBM), o [br, D] f32, scratch kbuf, vbuf [2, bk * Hkv, D], (ksbuf, vsbuf [2, bk * Hkv, 1] f32), sem
+    DMA[2], acc, m, l. Whole pages are DMA'd (a per-head slice is not tile-aligned); columns of other kv heads
+    than j are masked.
     """
     n_src = (2 if fp8 else 1) * (1 if mla else 2)  # HBM sources: pools, then their scales
     srcs, (o_ref, *scratch) = refs[:n_src], refs[n_src:]
     bufs, (sem, acc_sc, m_sc, l_sc) = scratch[:n_src], scratch[n_src:]
     b, j, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ppb = block_k // page_size
+    page_rows = page_size * kv_heads
     n_blocks = nblk_ref[b * num_row_blocks + r]
     ctx_len = lens_ref[b]
 
@@ -305,9 +312,8 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
         for p in range(ppb):
             page = bt_ref[0, i * ppb + p]
             for src, buf in zip(srcs, bufs):
-                # GQA sources carry a kv-head axis: take head j ([ps, D] or [ps, 1], strided in HBM)
-                s = src.at[page] if mla else src.at[page, :, j]
-                out.append(pltpu.make_async_copy(s, buf.at[slot, pl.ds(p * page_size, page_size)], sem.at[slot]))
+                out.append(pltpu.make_async_copy(src.at[page], buf.at[slot, pl.ds(p * page_rows, page_rows)],
+                                                 sem.at[slot]))
         return out
 
     @pl.when(n_blocks > 0)
@@ -345,9 +351,13 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
             k = dequant(bufs[0], bufs[2] if fp8 else None, slot)
             v = dequant(bufs[1], bufs[3] if fp8 else None, slot)
         # q [br, Dk] . k [bk, Dk]^T over the whole key width (MLA: nope + rope parts)
-        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        kpos = i * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        mask = (kpos <= pos) & (kpos < ctx_len)  # [br, bk]
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                 precision=dot_precision(q.dtype))
+        col = lax.broadcasted_iota(jnp.int32, (1, block_k * kv_heads), 1)
+        kpos = i * block_k + token_of_row(col, kv_heads)
+        mask = (kpos <= pos) & (kpos < ctx_len)  # [br, bk * Hkv]
+        if kv_heads > 1:
+            mask = mask & (lax.rem(col, kv_heads) == j)
         logits = jnp.where(mask, logits * softmax_scale, MASK_VALUE)
         m_prev = m_sc[...]
         m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
@@ -357,9 +367,10 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
         l_sc[...] = correction * l_sc[...] + p.sum(axis=-1, keepdims=True)
         m_sc[...] = m_next
         # zero V rows past ctx_len: a tail page may hold anything (NaN included) and 0 * NaN would leak
-        kcol = i * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        kcol = i * block_k + token_of_row(lax.broadcasted_iota(jnp.int32, (block_k * kv_heads, 1), 0), kv_heads)
         v = jnp.where(kcol < ctx_len, v, jnp.zeros((), v.dtype))
-        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                                                         precision=dot_precision(v.dtype))
         return carry
 
     lax.fori_loop(0, n_blocks, body, 0)
@@ -428,14 +439,15 @@ def _paged_prefill_gqa_tpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scale
                            interpret):
     """q rows [B, Hkv, R, D]; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, Hkv, R, D] f32."""
     num_pages, page_size, hkv, d = k_pages.shape
-    bk, fp8 = blocks.block_k, k_scales is not None
+    bk, fp8, rows = blocks.block_k, k_scales is not None, page_size * hkv
     kernel = functools.partial(_tpu_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size, block_k=bk,
-                               softmax_scale=softmax_scale)
-    srcs = [k_pages, v_pages]
-    bufs = [pltpu.VMEM((2, bk, d), k_pages.dtype), pltpu.VMEM((2, bk, d), v_pages.dtype)]
+                               softmax_scale=softmax_scale, kv_heads=hkv)
+    # whole pages as [ps * Hkv, D] rows (free for a row-major pool): a per-head DMA is not tile-aligned
+    srcs = [k_pages.reshape(num_pages, rows, d), v_pages.reshape(num_pages, rows, d)]
+    bufs = [pltpu.VMEM((2, bk * hkv, d), k_pages.dtype), pltpu.VMEM((2, bk * hkv, d), v_pages.dtype)]
     if fp8:
-        srcs += [s.astype(jnp.float32).reshape(num_pages, page_size, hkv, 1) for s in (k_scales, v_scales)]
-        bufs += [pltpu.VMEM((2, bk, 1), jnp.float32), pltpu.VMEM((2, bk, 1), jnp.float32)]
+        srcs += [s.astype(jnp.float32).reshape(num_pages, rows, 1) for s in (k_scales, v_scales)]
+        bufs += [pltpu.VMEM((2, bk * hkv, 1), jnp.float32), pltpu.VMEM((2, bk * hkv, 1), jnp.float32)]
     return _tpu_call(kernel, q, pos, bt, lens, srcs, bufs, d, blocks, interpret, "paged_prefill_gqa_tpu")
 
 

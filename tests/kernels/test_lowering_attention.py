@@ -1,5 +1,5 @@
 """Cross-lowering (jax.export on this CPU host) of every paged decode attention kernel at the real per-device
-shapes, and the per-stage byte budgets computed from each kernel's block choice.
+shapes, and the GPU kernels' shared-memory budget of each block choice (TPU VMEM: the compile tier, tests/compile).
 
 Shapes (per device, as the engine calls the kernels inside shard_map):
 - MLA, Kimi K2.6 and GLM-5.2 (one geometry: 64 heads / 8 devices = 8 local heads, latent 512 + rope 64);
@@ -20,8 +20,7 @@ import functools
 import jax.numpy as jnp
 import pytest
 
-from kernel_lowering import (H200_SMEM_BYTES, TPU_SCOPED_VMEM_BYTES, TPU_SMEM_BYTES, TPU_V6E, lower_for, sds,
-                             stage_bytes, tpu_vmem_bytes, within)
+from kernel_lowering import H200_SMEM_BYTES, TPU_V6E, lower_for, sds, stage_bytes, within
 from pallas_kernels import paged_attention as gpu
 from pallas_kernels import paged_attention_tpu as tpu
 
@@ -101,8 +100,9 @@ def _gpu_smem(blocks, page_size: int, tiles: dict) -> int:
                                           ("gqa", jnp.float32)])
 def test_gpu_blocks_fit_h200_shared_memory(kv_dtype, page_size, kind, q_dtype):
     blocks, tiles = _gpu_blocks(kind, page_size, kv_dtype, q_dtype)
-    used = _gpu_smem(blocks, page_size, tiles)
-    assert used == gpu.smem_bytes(blocks, page_size, **tiles)  # the kernel's own count agrees
+    assert _gpu_smem(blocks, page_size, tiles) == gpu.smem_bytes(blocks, page_size, **tiles)  # the model agrees
+    # the compiler's measured bytes where known (tests/compile checks them), else the model
+    used = gpu.smem_estimate(blocks, page_size, **tiles)
     within(used, H200_SMEM_BYTES, f"{kind} {blocks}")
     assert blocks.tokens_per_step(page_size) >= 16  # Triton's dot minimum
 
@@ -137,42 +137,5 @@ def test_gqa_lowers_for_tpu(kv_dtype, page_size, geometry, batch):
     assert TPU_CALL in text
 
 
-def _tpu_bytes(kind: str, page_size: int, kv_dtype, q_dtype, *, batch: int = 64, context: int = MAX_CONTEXT,
-               geometry: str = "glm4.5-tp8", **override) -> tuple[int, int]:
-    """(VMEM bytes, SMEM bytes) of one program of the TPU kernel's chosen blocks, tile-padded."""
-    max_pages = context // page_size
-    fp8 = kv_dtype == F8
-    if kind == "mla":
-        blocks = tpu.choose_tpu_blocks(page_size, max_pages, MLA["heads"], **override)
-        dims = dict(kv_widths=(MLA["rank"] + MLA["rope"],), q_width=MLA["rank"] + MLA["rope"],
-                    out_width=MLA["rank"])
-    else:
-        hq, hkv, d = GQA[geometry]
-        blocks = tpu.choose_tpu_blocks(page_size, max_pages, hq // hkv, **override)
-        dims = dict(kv_widths=(d, d), q_width=d, out_width=d)
-    parts = tpu.block_bytes(blocks, page_size, batch=batch, kv_dtype=kv_dtype, q_dtype=q_dtype, fp8=fp8, **dims)
-    vmem = tpu_vmem_bytes(parts["vmem_x2"], buffers=2) + tpu_vmem_bytes(parts["vmem_x1"], buffers=1)
-    smem = tpu_vmem_bytes(parts["smem_x2"], buffers=2) + tpu_vmem_bytes(parts["smem_x1"], buffers=1)
-    return vmem, smem
-
-
-@DTYPES
-@PAGES
-@pytest.mark.parametrize("kind,q_dtype", [("mla", jnp.float32), ("mla", jnp.bfloat16), ("gqa", jnp.bfloat16)])
-def test_tpu_blocks_fit_scoped_vmem_and_smem(kv_dtype, page_size, kind, q_dtype):
-    vmem, smem = _tpu_bytes(kind, page_size, kv_dtype, q_dtype)
-    within(vmem, TPU_SCOPED_VMEM_BYTES, f"{kind} VMEM")
-    within(smem, TPU_SMEM_BYTES, f"{kind} SMEM")
-    # the block table reaches SMEM one chunk at a time: capped, 4x the context costs no more SMEM
-    assert smem == _tpu_bytes(kind, page_size, kv_dtype, q_dtype, context=4 * MAX_CONTEXT)[1]
-
-
-def test_tpu_budget_checks_catch_oversized_blocks():
-    """Negative controls: a 65,536-token compute block overflows scoped VMEM; the previous kernel's whole [64,
-    16,384] block table scalar-prefetched into SMEM (4 MiB) overflows SMEM."""
-    vmem, _ = _tpu_bytes("mla", 16, jnp.bfloat16, jnp.float32, pages_per_compute_block=4096, pages_per_chunk=4096)
-    with pytest.raises(AssertionError, match="budget"):
-        within(vmem, TPU_SCOPED_VMEM_BYTES, "oversized VMEM")
-    whole_table = tpu_vmem_bytes([((64 * MAX_CONTEXT // 16,), jnp.int32)], buffers=1)
-    with pytest.raises(AssertionError, match="budget"):
-        within(whole_table, TPU_SMEM_BYTES, "whole table in SMEM")
+# VMEM / SMEM of the TPU kernel: the compiler's, in the compile tier (tests/compile: every geometry compiled for
+# v5e / v5p / v6e, and Mosaic refusing an over-budget compute block).

@@ -1,0 +1,104 @@
+"""The attention kernel programs the engine can select, at the real per-device shapes, as ShapeDtypeStructs on a
+compile target: `decode_program` / `prefill_program` -> (fn, args) for tests/compile's compile_for.
+
+attention="pallas" selects the Triton kernels (paged_attention.paged_*_decode, paged_prefill backend "gpu"), here
+for target "h200"; "pallas_tpu" the Mosaic ones (paged_attention_tpu, paged_prefill backend "tpu"), for each TPU.
+
+Per-device geometry (8 devices): Kimi K2.6 / GLM-5.2 MLA, 64 heads x (512 + 64): TP 8 local heads and all decode
+rows, DP all 64 heads and 1/8 of the rows; GLM-4.5 GQA 96 q / 8 kv heads x 128: TP 12 / 1, DP 96 / 8. Contexts:
+Kimi 262,144, GLM-5.2 1,048,576, GLM-4.5 131,072 tokens of block table per row.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from aot import sds
+from pallas_kernels import paged_attention as gpu
+from pallas_kernels import paged_attention_tpu as tpu
+from pallas_kernels.paged_prefill import paged_prefill_gqa, paged_prefill_mla
+
+F8 = jnp.float8_e4m3fn
+POOL_PAGES = 4096  # per-device pool: any size, the kernels never loop over it
+@dataclass(frozen=True)
+class Geometry:
+    name: str
+    mla: bool
+    q_heads: int
+    kv_heads: int  # MLA: 1 latent
+    head_dim: int  # MLA: latent 512 + 64
+    decode_rows: int
+    context: int
+
+
+GEOMETRIES = (
+    Geometry("kimi-tp", True, 8, 1, 576, 64, 262_144),
+    Geometry("kimi-dp", True, 64, 1, 576, 8, 262_144),
+    Geometry("glm5-tp", True, 8, 1, 576, 64, 1_048_576),
+    Geometry("glm4.5-tp", False, 12, 1, 128, 64, 131_072),
+    Geometry("glm4.5-dp", False, 96, 8, 128, 8, 131_072),
+)
+RANK = 512
+PREFILL_ROWS, PREFILL_CHUNK = 2, 256  # EngineConfig: 512 prompt tokens per step, 256 per request
+
+def pools(target: str, geo: Geometry, page_size: int, kv_dtype, **layout) -> list:
+    """The kernel's pool arguments: MLA (latent, scales | None); GQA (k, v, k_scales | None, v_scales | None)."""
+    fp8 = kv_dtype == F8
+    if geo.mla:
+        lat = sds(target, (POOL_PAGES, page_size, geo.head_dim), kv_dtype, **layout)
+        return [lat, sds(target, (POOL_PAGES, page_size), jnp.float32) if fp8 else None]
+    kv = sds(target, (POOL_PAGES, page_size, geo.kv_heads, geo.head_dim), kv_dtype, **layout)
+    sc = sds(target, (POOL_PAGES, page_size, geo.kv_heads), jnp.float32) if fp8 else None
+    return [kv, kv, sc, sc]
+
+
+def decode_program(target: str, geo: Geometry, page_size: int, kv_dtype, **layout):
+    """(fn, args) of the decode kernel attention="pallas" (h200) / "pallas_tpu" selects, as paged.py calls it."""
+    b = geo.decode_rows
+    tables = [sds(target, (b, geo.context // page_size), jnp.int32), sds(target, (b,), jnp.int32)]
+    if geo.mla:
+        lat, sc = pools(target, geo, page_size, kv_dtype, **layout)
+        q = sds(target, (b, geo.q_heads, geo.head_dim), jnp.float32)  # the absorbed query is f32
+        kw = dict(kv_lora_rank=RANK, softmax_scale=0.07)
+        if target == "h200":
+            fn = functools.partial(gpu.paged_mla_decode, out_dtype=jnp.float32, **kw)
+        else:
+            fn = functools.partial(tpu.paged_mla_decode_tpu, **kw)
+        return (lambda q, lat, bt, ln, sc: fn(q, lat, bt, ln, sc)), [q, lat, *tables, sc]
+    kp, vp, ks, vs = pools(target, geo, page_size, kv_dtype, **layout)
+    q = sds(target, (b, geo.q_heads, geo.head_dim), jnp.bfloat16)
+    kernel = gpu.paged_gqa_decode if target == "h200" else tpu.paged_gqa_decode_tpu
+    fn = functools.partial(kernel, softmax_scale=0.088, out_dtype=jnp.float32)
+    return (lambda q, kp, vp, bt, ln, ks, vs: fn(q, kp, vp, bt, ln, ks, vs)), [q, kp, vp, *tables, ks, vs]
+
+
+def prefill_program(target: str, geo: Geometry, page_size: int, kv_dtype, **layout):
+    """(fn, args) of the flash prefill kernel for the target's backend, one chunk per row."""
+    b, t = PREFILL_ROWS, PREFILL_CHUNK
+    backend = "gpu" if target == "h200" else "tpu"
+    tables = [sds(target, (b, geo.context // page_size), jnp.int32), sds(target, (b, t), jnp.int32),
+              sds(target, (b,), jnp.int32)]
+    q = sds(target, (b, t, geo.q_heads, geo.head_dim), jnp.float32)
+    if geo.mla:
+        lat, sc = pools(target, geo, page_size, kv_dtype, **layout)
+        fn = functools.partial(paged_prefill_mla, kv_lora_rank=RANK, softmax_scale=0.07, backend=backend)
+        return (lambda q, lat, bt, pos, ln, sc: fn(q, lat, bt, pos, ln, sc)), [q, lat, *tables, sc]
+    kp, vp, ks, vs = pools(target, geo, page_size, kv_dtype, **layout)
+    fn = functools.partial(paged_prefill_gqa, softmax_scale=0.088, backend=backend)
+    return (lambda q, kp, vp, bt, pos, ln, ks, vs: fn(q, kp, vp, bt, pos, ln, ks, vs)), [q, kp, vp, *tables, ks, vs]
+
+
+def gpu_decode_blocks(geo: Geometry, page_size: int, kv_dtype) -> tuple[gpu.DecodeBlocks, dict]:
+    """(blocks, tile kwargs) paged_attention's decode wrapper chooses for decode_program's h200 call."""
+    fp8 = int(kv_dtype == F8)
+    if geo.mla:
+        tiles = dict(kv_widths=(RANK, geo.head_dim - RANK), q_width=geo.head_dim, kv_dtype=kv_dtype,
+                     q_dtype=jnp.float32, n_scales=fp8)
+        rows = geo.q_heads
+    else:
+        tiles = dict(kv_widths=(geo.head_dim,) * 2, q_width=geo.head_dim, kv_dtype=kv_dtype, q_dtype=jnp.bfloat16,
+                     n_scales=2 * fp8)
+        rows = geo.q_heads // geo.kv_heads
+    return gpu.choose_blocks(page_size, geo.context // page_size, rows, **tiles), tiles
