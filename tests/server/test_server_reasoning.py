@@ -1,10 +1,10 @@
 """reasoning_content end to end: the tiny model served with a chat template that opens `<think>` like Kimi K2.5's
-thinking mode (written into a temp copy of the embedded tokenizer). The random model never closes the block, so
+thinking mode, and with one that ends the prompt `<|assistant|><think>` like GLM-5's (each written into a temp copy of
+the embedded tokenizer). The random model never closes the block, so
 its whole output is reasoning, the same whole and streamed; thinking off (chat_template_kwargs or
 reasoning_effort) renders `<think></think>` and the output is content."""
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import tempfile
@@ -27,22 +27,39 @@ K25_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
     "{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
     "{%- endif -%}")
+# the relevant lines of GLM-5's template: the generation prompt ends `<|assistant|><think>`; enable_thinking false
+# renders `</think>` alone (the newer GLM templates); earlier reasoning goes back inside <think>...</think>
+GLM5_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}<|assistant|><think>{{ m.get('reasoning_content') or '' }}</think>"
+    "{{ m['content'] }}"
+    "{%- else -%}<|{{ m['role'] }}|>{{ m['content'] }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}</think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}")
+# each template with the chat_template_kwargs flag that turns its thinking off
+TEMPLATES = {"k2.5": (K25_TEMPLATE, "thinking"), "glm-5": (GLM5_TEMPLATE, "enable_thinking")}
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 6, "temperature": 0,
         "extra_body": {"ignore_eos": True}}
 
 
-@functools.cache
-def thinking_server() -> Served:
-    folder = Path(tempfile.mkdtemp(prefix="k25-tokenizer-"))
+def thinking_server(template: str) -> Served:
+    folder = Path(tempfile.mkdtemp(prefix="thinking-tokenizer-"))
     shutil.copytree(TOKENIZER, folder, dirs_exist_ok=True)
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": K25_TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
     return serve(Engine(tiny_model(), engine_config(), Tokenizer(folder)))
 
 
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def srv() -> Served:
-    served = thinking_server()
+def srv(family) -> Served:
+    served = thinking_server(TEMPLATES[family][0])
     yield served
     served.close()
 
@@ -57,9 +74,11 @@ def test_an_unclosed_block_is_all_reasoning_whole_and_streamed(srv):
     assert "".join(d.content or "" for d in deltas) == ""
 
 
-@pytest.mark.parametrize("off", [{"extra_body": {"ignore_eos": True, "chat_template_kwargs": {"thinking": False}}},
-                                 {"reasoning_effort": "none"}])
-def test_thinking_off_is_all_content(srv, off):
+@pytest.mark.parametrize("how", ["chat_template_kwargs", "reasoning_effort"])
+def test_thinking_off_is_all_content(srv, family, how):
+    flag = TEMPLATES[family][1]
+    off = ({"extra_body": {"ignore_eos": True, "chat_template_kwargs": {flag: False}}} if how == "chat_template_kwargs"
+           else {"reasoning_effort": "none"})
     r = srv.client().chat.completions.create(**{**BODY, **off})
     msg = r.choices[0].message
     assert msg.content and getattr(msg, "reasoning_content", None) is None
