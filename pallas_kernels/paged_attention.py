@@ -74,32 +74,20 @@ _TRITON_TABLE: dict[tuple[int, int, int, int], tuple[int, int]] = {
 }
 _DEFAULT_TRITON = (4, 2)
 # Shared memory XLA:GPU's Triton compile allocates (sm_90a, jaxlib 0.10.2; tests/compile checks every default choice
-# against the compiler), keyed (block_h, loaded width, page_size, pages_per_compute_block, page_splits, page dtype,
-# compute dtype), with the launch parameters choose_blocks gives them. It overrides the model where known: the
+# against the compiler), with the launch parameters choose_blocks gives them. It overrides the model where known: the
 # model over-counts (MLA 1.1-1.3x, GQA 2.3-2.5x) and so halved the fp8 MLA steps the compiler accepts.
-_MEASURED_SMEM: dict[tuple[int, int, int, int, int, str, str], int] = {
-    (16, 576, 16, 2, 1, "bfloat16", "float32"): 141_312,  # MLA TP (8 heads padded to 16), 32-token steps
-    (16, 576, 16, 4, 1, "bfloat16", "float32"): 245_760,  # over the H200's 232,448: refused
-    (16, 576, 16, 2, 1, "float8_e4m3fn", "float32"): 123_008,
-    (16, 576, 16, 4, 1, "float8_e4m3fn", "float32"): 209_152,
-    (16, 576, 64, 1, 2, "bfloat16", "float32"): 141_312,
-    (16, 576, 64, 1, 1, "bfloat16", "float32"): 245_760,
-    (16, 576, 64, 1, 2, "float8_e4m3fn", "float32"): 123_008,
-    (16, 576, 64, 1, 1, "float8_e4m3fn", "float32"): 209_152,
-    (64, 576, 16, 1, 1, "bfloat16", "float32"): 198_656,  # MLA DP (64 heads), 16-token steps
-    (64, 576, 16, 2, 1, "bfloat16", "float32"): 249_856,
-    (64, 576, 16, 1, 1, "float8_e4m3fn", "float32"): 189_504,
-    (64, 576, 16, 2, 1, "float8_e4m3fn", "float32"): 231_552,
-    (64, 576, 16, 4, 1, "float8_e4m3fn", "float32"): 315_648,
-    (64, 576, 64, 1, 4, "bfloat16", "float32"): 198_656,
-    (64, 576, 64, 1, 2, "bfloat16", "float32"): 249_856,
-    (64, 576, 64, 1, 4, "float8_e4m3fn", "float32"): 189_504,
-    (64, 576, 64, 1, 2, "float8_e4m3fn", "float32"): 231_552,
-    (64, 576, 64, 1, 1, "float8_e4m3fn", "float32"): 315_648,
-    (16, 256, 16, 4, 1, "bfloat16", "bfloat16"): 55_312,  # GQA head_dim 128, 64-token steps
-    (16, 256, 16, 4, 1, "float8_e4m3fn", "bfloat16"): 39_456,
-    (16, 256, 64, 1, 1, "bfloat16", "bfloat16"): 55_300,
-    (16, 256, 64, 1, 1, "float8_e4m3fn", "bfloat16"): 39_444,
+_MEASURED_PAGE_DTYPES = ("bfloat16", "float8_e4m3fn")
+_MEASURED_SMEM: dict[tuple[int, int, int, str], dict[tuple[int, int], tuple[int | None, int]]] = {
+    # (block_h, loaded width, page_size, compute dtype): {(pages_per_compute_block, page_splits): (bf16 pages,
+    # fp8 pages)}. MLA TP (8 heads padded to 16): 32-token steps; (4, 1) bf16 is over the H200's 232,448: refused
+    (16, 576, 16, "float32"): {(2, 1): (141_312, 123_008), (4, 1): (245_760, 209_152)},
+    (16, 576, 64, "float32"): {(1, 2): (141_312, 123_008), (1, 1): (245_760, 209_152)},
+    # MLA DP (64 heads): 16-token steps
+    (64, 576, 16, "float32"): {(1, 1): (198_656, 189_504), (2, 1): (249_856, 231_552), (4, 1): (None, 315_648)},
+    (64, 576, 64, "float32"): {(1, 4): (198_656, 189_504), (1, 2): (249_856, 231_552), (1, 1): (None, 315_648)},
+    # GQA head_dim 128 (k and v loaded: width 256): 64-token steps
+    (16, 256, 16, "bfloat16"): {(4, 1): (55_312, 39_456)},
+    (16, 256, 64, "bfloat16"): {(1, 1): (55_300, 39_444)},
 }
 
 
@@ -156,8 +144,12 @@ def measured_smem(blocks: DecodeBlocks, page_size: int, *, kv_widths: tuple[int,
     if (blocks.num_warps, blocks.num_stages) != _TRITON_TABLE.get(
             (blocks.block_h, sum(kv_widths), page_size, blocks.pages_per_compute_block), _DEFAULT_TRITON):
         return None
-    return _MEASURED_SMEM.get((blocks.block_h, sum(kv_widths), page_size, blocks.pages_per_compute_block,
-                               blocks.page_splits, jnp.dtype(kv_dtype).name, jnp.dtype(q_dtype).name))
+    steps = _MEASURED_SMEM.get((blocks.block_h, sum(kv_widths), page_size, jnp.dtype(q_dtype).name), {})
+    by_dtype = steps.get((blocks.pages_per_compute_block, blocks.page_splits))
+    page_dtype = jnp.dtype(kv_dtype).name
+    if by_dtype is None or page_dtype not in _MEASURED_PAGE_DTYPES:
+        return None
+    return by_dtype[_MEASURED_PAGE_DTYPES.index(page_dtype)]
 
 
 def smem_estimate(blocks: DecodeBlocks, page_size: int, **tile_kwargs) -> int:
