@@ -109,6 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what compiles before /ready: full = every program a request without penalties, grammar or "
                         "logprobs can select (nothing compiles after ready), fast = a first short request's "
                         "(its sampled programs once idle), none = nothing (default fast)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant outputs: greedy and seeded requests give the same tokens whatever else "
+                        "runs (every program at its largest shape; see README for the throughput cost)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on SIGTERM/SIGINT: seconds in-flight requests may finish before they are aborted")
     add_cache_arguments(p)
@@ -131,7 +134,8 @@ def admission(args: argparse.Namespace) -> tuple[int, int]:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(kv_dtype=args.kv_dtype, decode_weights=args.decode_weights,
                         prefill_weights=args.prefill_weights, integrity=args.integrity == "on",
-                        devices=args.devices, max_model_len=args.max_model_len, max_queue=admission(args)[0])
+                        devices=args.devices, max_model_len=args.max_model_len, max_queue=admission(args)[0],
+                        deterministic=args.deterministic)
 
 
 def model_name(checkpoint: str | Path) -> str:
