@@ -188,7 +188,11 @@ def _paths() -> dict[str, Any]:
         "/v1/completions": _generation("text completion", "CompletionRequest", "Completion"),
         "/v1/chat/completions": _generation("chat completion (the tokenizer's chat template)", "ChatRequest",
                                             "ChatCompletion"),
-        "/health": {"get": {"summary": "liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
+        "/health": {"get": {"summary": "liveness (?ready=1: as /ready)",
+                            "responses": {"200": _json({"type": "object"}, "ok")}}},
+        "/ready": {"get": {"summary": "readiness: warmed up and not draining",
+                           "responses": {"200": _json({"type": "object"}, "ready"),
+                                         "503": _json({"type": "object"}, "warming up or draining")}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
             "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/openapi.json": {"get": {"summary": "this document",
