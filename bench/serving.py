@@ -262,10 +262,11 @@ def bench_checkpoint(checkpoint: Path | None, tmp: Path) -> tuple[Path, str]:
     return convert(tmp / "hf", tmp / "random-tiny-kimi", progress=False), "random tiny-kimi architecture"
 
 
-def start_server(checkpoint: Path, threads: int, log: Path) -> tuple[subprocess.Popen, int]:
-    """`jaxserve serve` on 127.0.0.1, port 0 -> (process, the port it printed)."""
+def start_server(checkpoint: Path, threads: int, log: Path, extra: tuple[str, ...] = ()
+                 ) -> tuple[subprocess.Popen, int]:
+    """`jaxserve serve` on 127.0.0.1, port 0 (and `extra` flags) -> (process, the port it printed)."""
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
-           "--port", "0", "--threads", str(threads), "--max-model-len", "512"]
+           "--port", "0", "--threads", str(threads), "--max-model-len", "512", *extra]
     errf = log.open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=errf, text=True)
     t0 = time.monotonic()

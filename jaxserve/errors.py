@@ -109,6 +109,13 @@ class QueueFullError(JaxserveError):
     error_type = "rate_limit_error"
 
 
+class ShuttingDownError(JaxserveError):
+    """The server is draining for shutdown: it admits nothing new; the client should retry (elsewhere)."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
 class OutOfPagesError(JaxserveError):
     """The KV page pool cannot satisfy an allocation."""
 

@@ -203,12 +203,14 @@ def unpack_decode_after(packed: jax.Array, prev_tokens: jax.Array, m: int
     return dataclasses.replace(batch, tokens=jnp.where(src >= 0, prev, batch.tokens)), cols
 
 
-def compile_unpack(rows: jax.sharding.Sharding, b: int, m: int) -> None:
+def compile_unpack(rows: jax.sharding.Sharding, b: int, m: int, prevs: tuple[int, ...] | None = None) -> None:
     """Run `unpack_decode` and `unpack_decode_after` once on zeros of b rows and m pages placed on `rows` (where
-    decode batches live), so a first request's decode steps compile neither."""
+    decode batches live), so a first request's decode steps compile neither. prevs: the row counts of the
+    overlapped decode before it to cover (default: b)."""
     packed = jax.device_put(np.zeros((b, len(_COLS) + 2 * m), np.int32), rows)
     unpack_decode(packed, m)
-    unpack_decode_after(packed, jax.device_put(np.zeros((b,), np.int32), rows), m)
+    for prev in prevs or (b,):
+        unpack_decode_after(packed, jax.device_put(np.zeros((prev,), np.int32), rows), m)
 
 
 class DecodeRows:

@@ -61,6 +61,12 @@ class EngineConfig:
     page_bucket_steps: int = 2
     # dispatch decode step N+1 before reading step N's tokens (engine.scheduler "Overlap"); False: one step at a time
     overlap: bool = True
+    # batch-invariant outputs: every program at one shape (rows = max_batch, block table = the longest sequence,
+    # chunk = prefill_chunk; the min_*_bucket fields are overridden), so a greedy or seeded request's tokens do not
+    # depend on what shares its batch (engine.sampling's module docstring), at the price of the largest program
+    # every step; and a request is admitted only when the decode pool can hold it to its last token, so nothing is
+    # ever preempted (a recompute runs prefill's path and changes the tokens)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> None:
@@ -103,6 +109,10 @@ class EngineConfig:
         for p in ("min_rows_bucket", "min_pages_bucket", "min_chunk_bucket"):
             if getattr(self, p) < 1:
                 bad(p, "must be >= 1")
+        if self.deterministic:
+            for p, v in (("min_rows_bucket", self.max_batch), ("min_pages_bucket", self.max_pages_per_seq),
+                         ("min_chunk_bucket", self.prefill_chunk)):
+                object.__setattr__(self, p, v)
         # DP attention: each rank holds its own rows and page range, so rows and pools split evenly over ranks
         for p in ("max_batch", "num_decode_pages", "num_prefill_pages"):
             if getattr(self, p) % self.dp_ranks:
@@ -161,8 +171,9 @@ class EngineConfig:
     @property
     def prefill_slots(self) -> int:
         """Padded token slots (rows x chunk bucket) one prefill step may compute: the scheduler stops adding rows
-        past it, so only (rows, chunk) pairs within it (or a single row) ever compile."""
-        return self.max_prefill_tokens
+        past it, so only (rows, chunk) pairs within it (or a single row) ever compile. With pinned buckets
+        (`deterministic`) every prefill computes the smallest program's slots whatever it holds: those are free."""
+        return max(self.max_prefill_tokens, self.row_buckets[0] * self.chunk_buckets[0])
 
     @property
     def prefill_shapes(self) -> list[tuple[int, int]]:

@@ -20,6 +20,7 @@ from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured import GrammarCompiler
+from jaxserve.engine.warmup import WarmupLevel, WarmupReport, counting, full_plan, run_jobs
 from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
 from jaxserve.models import CausalLM
 
@@ -48,9 +49,7 @@ class Engine:
         self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, eos) if tokenizer is not None else None
         self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer, self.grammar)
         if warmup == "first":
-            self.programs.compile_first(extra=[functools.partial(compile_unpack, self.programs.decode_rows,
-                                                                 cfg.row_buckets[0], cfg.page_buckets[0])])
-            self.deferred_compiles.append(self.programs.compile_first_sampled)
+            self.warm_up("fast")
         elif warmup:
             self.programs.warmup()
         self._wake = threading.Event()
@@ -264,6 +263,22 @@ class Engine:
             err = e if isinstance(e, JaxserveError) else JaxserveError(f"engine step failed: {e!r}")
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler._finish(seq, "error", err)
+
+    def warm_up(self, level: WarmupLevel, progress: bool = False) -> WarmupReport:
+        """Compile ahead of traffic what `level` promises (engine.warmup: "full" every program a plain request
+        can select, "fast" a first short request's, its sampled ones deferred to the first idle second, "none"
+        nothing); safe beside live traffic (nothing runs, no pool is touched). Returns what it compiled and what
+        the persistent cache answered."""
+        if level == "full":
+            return run_jobs(level, full_plan(self.programs), progress)
+        report = WarmupReport(level)
+        if level == "fast":
+            with counting(report):
+                self.programs.compile_first(extra=[functools.partial(
+                    compile_unpack, self.programs.decode_rows, self.cfg.row_buckets[0], self.cfg.page_buckets[0])])
+            report.jobs = {"first request": 1}
+            self.deferred_compiles.append(self.programs.compile_first_sampled)
+        return report
 
     def compile_deferred(self) -> None:
         """Run the deferred compiles now, in this thread (the loop starts them itself when idle)."""

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import Request, TokenEvent
+from jaxserve.engine.warmup import WarmupLevel, WarmupReport
 from jaxserve.errors import ConfigError
 
 
@@ -86,6 +87,17 @@ class SessionRouter:
     def stats(self) -> dict[str, float]:
         per = [w.stats() for w in self.workers]
         return {k: sum(s[k] for s in per) for k in per[0]}
+
+    def warm_up(self, level: WarmupLevel, progress: bool = False) -> WarmupReport:
+        """Each worker's `Engine.warm_up`, one after the other; their counts added up."""
+        total = WarmupReport(level)
+        for w in self.workers:
+            r = w.warm_up(level, progress)
+            total.jobs = {k: total.jobs.get(k, 0) + r.jobs.get(k, 0) for k in {**total.jobs, **r.jobs}}
+            total.backend_compiles += r.backend_compiles
+            total.cache_hits += r.cache_hits
+            total.seconds += r.seconds
+        return total
 
     def close(self) -> None:
         for w in self.workers:

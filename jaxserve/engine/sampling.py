@@ -114,7 +114,8 @@ class Sampled:
 def batch_invariant_buckets(cfg: EngineConfig) -> dict[str, int]:
     """EngineConfig overrides that give every program one shape (rows = max_batch, block table = the longest
     sequence, chunk = prefill_chunk), so a seeded request samples the same tokens whatever shares its batch
-    (see the module docstring). Use: `EngineConfig(**base, **batch_invariant_buckets(EngineConfig(**base)))`."""
+    (see the module docstring). Use: `EngineConfig(**base, **batch_invariant_buckets(EngineConfig(**base)))`, or
+    `EngineConfig(deterministic=True)`, which sets the same."""
     return {"min_rows_bucket": cfg.max_batch, "min_pages_bucket": cfg.max_pages_per_seq,
             "min_chunk_bucket": cfg.prefill_chunk}
 

@@ -184,6 +184,8 @@ class Scheduler:
         rank = self._pick_rank(tokens, seq.req.cache_salt)
         if rank is None:
             return False  # FCFS: nobody overtakes a request that waits for decode pages
+        if self.cfg.deterministic and not self._fits_to_the_end(seq, rank):
+            return False  # never preempt: a recompute (prefill's path, not decode's) would change its tokens
         cache = self.prefix_caches[rank] if self.prefix_caches else None
         # a scoring request recomputes its prompt: cached positions would have no logits (engine.scoring)
         cached = cache.lookup(tokens, seq.req.cache_salt) if cache and not wants_scores(seq) else []
@@ -204,6 +206,15 @@ class Scheduler:
         seq.status = Status.PREFILLING
         self.running.append(seq)
         return True
+
+    def _fits_to_the_end(self, seq: Sequence, rank: int) -> bool:
+        """Whether the rank's free decode pages cover what its running sequences may still take and all that seq
+        may take (prompt + max_tokens): admitted so, no sequence ever needs a preemption."""
+        def most(s: Sequence) -> int:
+            return self._pages_for(min(len(s.req.prompt) + s.req.params.max_tokens, self.cfg.max_model_len))
+
+        owed = sum(max(0, most(s) - len(s.decode_pages)) for s in self.running if s.rank == rank)
+        return self.decode_alloc.num_free_in(rank) >= owed + most(seq)
 
     def _allocate(self, alloc: PageAllocator, n: int, *, evict: bool, rank: int) -> list[tuple[int, int]] | None:
         if n <= 0:

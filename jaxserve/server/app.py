@@ -2,7 +2,8 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
 Server-Sent Events ending in `data: [DONE]`), POST /v1/responses and GET /v1/responses/{id} (`server.responses_api`:
-a chat request underneath), GET /health, GET /metrics, GET /openapi.json.
+a chat request underneath), GET /health (live), GET /ready (warmed up, not draining), GET /metrics,
+GET /openapi.json. While the server drains (`server.limits.Lifecycle`), generation requests get 503 + Retry-After.
 
 A generation request's body is read as strict JSON (`server.body`: 415 unless declared JSON) and validated into a
 `Generation` (`server.protocol`: a 400 naming the field) before anything reaches the engine; then it is admitted
@@ -16,6 +17,7 @@ and metrics: no global state.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -28,9 +30,9 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from jaxserve.engine import Engine, TokenEvent
-from jaxserve.errors import JaxserveError, ModelNotFoundError
+from jaxserve.errors import JaxserveError, ModelNotFoundError, ShuttingDownError
 from jaxserve.server.body import parse_json, require_json
-from jaxserve.server.limits import Admission, AppConfig, DisconnectWatcher
+from jaxserve.server.limits import RETRY_AFTER_S, AppConfig, DisconnectWatcher, Lifecycle
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openapi import openapi_spec
 from jaxserve.server.chat_request import parse_chat
@@ -55,34 +57,52 @@ class GenerationHandler:
     """The generation endpoints' handler: validate the body, admit, submit to the engine, answer whole or streamed.
     Holds the admission gate and the disconnect watcher of one app."""
 
-    def __init__(self, engine: Engine, model_name: str, cfg: AppConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: Engine, model_name: str, cfg: AppConfig, metrics: ServerMetrics,
+                 lifecycle: Lifecycle) -> None:
         self.engine = engine
         self.model_name = model_name
         self.cfg = cfg
         self.metrics = metrics
-        self.admission = Admission(cfg.max_inflight)
+        self.lifecycle = lifecycle
+        self.admission = lifecycle.admission
         self.watcher = DisconnectWatcher(engine.abort)
         self.tokens = TokenText(engine.tokenizer)
 
     def __call__(self, parse: Parse, shape: Shape) -> Response:
         t0 = time.monotonic()
+        self.check_open()
         gen = parse(_request_json(), self.engine, self.model_name, self.cfg)
+        reply, ids, events = self.start(gen, shape)
+        resp = self.streamed(reply, ids, events, t0) if gen.stream else self.whole(reply, ids, events, t0)
+        return name_ignored(resp, gen.ignored)
+
+    def check_open(self) -> None:
+        """Raises ShuttingDownError (503) while the server drains."""
+        if self.lifecycle.draining:
+            raise ShuttingDownError("the server is shutting down: retry on another replica", value="draining")
+
+    def start(self, gen: Generation, shape: Shape) -> tuple[Reply, list[str], Iterator[tuple[int, TokenEvent]]]:
+        """Admit a validated request and submit it -> (its reply, engine request ids, events); a drain's timeout
+        aborts it."""
         self.admission.enter()  # after validation: a bad request is a 400 even when the server is full
         try:
             rid, ids, events = self.submit(gen, shape)
         except BaseException:
             self.admission.leave()
             raise
-        reply = Reply(gen, shape, rid, self.model_name, self.tokens, self.metrics)
-        if not gen.stream:
-            try:
-                disconnected = request.environ.get("waitress.client_disconnected")  # needs channel_request_lookahead
-                resp = complete(reply, events, t0, self.watcher, disconnected, self.abort_all(ids))
-            finally:
-                self.admission.leave()
-        else:
-            resp = self.streamed(reply, ids, events, t0)
-        return name_ignored(resp, gen.ignored)
+        self.lifecycle.track(rid, functools.partial(self.abort_all(ids), rid))
+        reply = Reply(gen, shape, rid, self.model_name, self.tokens, self.metrics,
+                      aborted_why=lambda: self.lifecycle.abort_reason)
+        return reply, ids, events
+
+    def whole(self, reply: Reply, ids: list[str], events: Iterator[tuple[int, TokenEvent]], t0: float) -> Response:
+        """The non-streamed answer; the request leaves admission and the drain's tracking when it is built."""
+        try:
+            disconnected = request.environ.get("waitress.client_disconnected")  # needs channel_request_lookahead
+            return complete(reply, events, t0, self.watcher, disconnected, self.abort_all(ids))
+        finally:
+            self.lifecycle.untrack(reply.rid)
+            self.admission.leave()
 
     def submit(self, gen: Generation, shape: Shape) -> tuple[str, list[str], Iterator[tuple[int, TokenEvent]]]:
         """-> (response id, engine request ids, events as (choice index, event))."""
@@ -99,16 +119,24 @@ class GenerationHandler:
 
     def streamed(self, reply: Reply, ids: list[str], events: Iterator[tuple[int, TokenEvent]],
                  t0: float) -> Response:
-        """The SSE response; admission is left when the server closes it, however the stream ended."""
+        """The SSE response; admission is left when the server closes it, however the stream ended, or as soon
+        as the watcher sees its client hang up (not at the next write: a queued stream writes nothing)."""
         ended = threading.Event()
         resp = Response(stream(reply, events, t0, ended), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        leave = self.admission.once()
+        disconnected = request.environ.get("waitress.client_disconnected")
+        if disconnected is not None:
+            abort = self.abort_all(ids)
+            self.watcher.watch(reply.rid, disconnected, lambda rid: (abort(rid), leave()))
 
         def closed() -> None:
+            self.watcher.unwatch(reply.rid)
+            self.lifecycle.untrack(reply.rid)
             if not ended.is_set():
                 for i in ids:
                     self.engine.abort(i)  # a stream closed before its first chunk never ran the generator's cleanup
-            self.admission.leave()
+            leave()
 
         resp.call_on_close(closed)
         return resp
@@ -123,13 +151,16 @@ def name_ignored(resp: Response, ignored: tuple[str, ...]) -> Response:
     return resp
 
 
-def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) -> Flask:
-    """A Flask app serving `engine` under `model_name` (what clients pass as `model`)."""
+def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None,
+               lifecycle: Lifecycle | None = None) -> Flask:
+    """A Flask app serving `engine` under `model_name` (what clients pass as `model`). lifecycle: its readiness,
+    draining and admission (default: ready at once, admitting cfg.max_inflight)."""
     cfg = cfg if cfg is not None else AppConfig(max_inflight=engine.cfg.max_queue)
+    lifecycle = lifecycle if lifecycle is not None else Lifecycle(cfg.max_inflight)
     app = Flask("jaxserve")
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes  # waitress refuses larger bodies first (main.py)
     metrics = ServerMetrics(engine)
-    generate = GenerationHandler(engine, model_name, cfg, metrics)
+    generate = GenerationHandler(engine, model_name, cfg, metrics, lifecycle)
 
     @app.post("/v1/completions")
     def completions() -> Response:
@@ -149,13 +180,15 @@ def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None) ->
     def get_response(response_id: str) -> Response:
         return responses.get(response_id)
 
-    _add_info_routes(app, engine, model_name, metrics)
+    _add_info_routes(app, engine, model_name, metrics, lifecycle)
     _add_error_handlers(app, cfg, metrics)
     return app
 
 
-def _add_info_routes(app: Flask, engine: Engine, model_name: str, metrics: ServerMetrics) -> None:
-    """The read-only endpoints: the model cards, /health, /metrics and /openapi.json."""
+def _add_info_routes(app: Flask, engine: Engine, model_name: str, metrics: ServerMetrics,
+                     lifecycle: Lifecycle) -> None:
+    """The read-only endpoints: the model cards, /health (live: 200 while the process answers; with ?ready=1 as
+    /ready), /ready (503 until warm-up is done and from the start of a drain on), /metrics and /openapi.json."""
     created = int(time.time())
     spec = openapi_spec(model_name)
 
@@ -175,9 +208,20 @@ def _add_info_routes(app: Flask, engine: Engine, model_name: str, metrics: Serve
 
     @app.get("/health")
     def health() -> Response:
+        if request.args.get("ready") in ("1", "true"):
+            return ready()
         s = engine.stats()
-        return Response(json.dumps({"status": "ok", "model": model_name, "running": s["running"],
-                                    "waiting": s["waiting"]}), mimetype="application/json")
+        return Response(json.dumps({"status": "ok", "model": model_name, "ready": lifecycle.ready,
+                                    "state": lifecycle.state(), "running": s["running"], "waiting": s["waiting"]}),
+                        mimetype="application/json")
+
+    @app.get("/ready")
+    def ready() -> Response:
+        resp = Response(json.dumps({"status": lifecycle.state(), "model": model_name}),
+                        status=200 if lifecycle.ready else 503, mimetype="application/json")
+        if not lifecycle.ready:
+            resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return resp
 
     @app.get("/metrics")
     def metrics_endpoint() -> Response:

@@ -1,6 +1,7 @@
 """The HTTP layer's limits and request lifetime: `AppConfig`, the bounds on a request body's fields, the admission
-gate (`Admission`: at most `max_inflight` generation requests, the next one refused 429 at once) and the
-`DisconnectWatcher` that aborts in the engine a non-streaming request whose client went away."""
+gate (`Admission`: at most `max_inflight` generation requests, the next one refused 429 at once), the server's
+`Lifecycle` (ready, draining, the admitted requests) and the `DisconnectWatcher` that aborts in the engine a request
+whose client went away."""
 from __future__ import annotations
 
 import threading
@@ -44,19 +45,99 @@ class AppConfig:
 
 class Admission:
     """At most `limit` generation requests in flight; the next one is refused at once (429), never queued in the
-    WSGI layer."""
+    WSGI layer. Counts what is in flight, so a drain can wait for it to end."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._free = threading.BoundedSemaphore(limit)
+        self._n = 0
+        self._cond = threading.Condition()
 
     def enter(self) -> None:
-        if not self._free.acquire(blocking=False):
-            raise QueueFullError(f"{self.limit} requests in flight (the server's admission limit)", value=self.limit,
-                                 param="max_inflight")
+        with self._cond:
+            if self._n >= self.limit:
+                raise QueueFullError(f"{self.limit} requests in flight (the server's admission limit)",
+                                     value=self.limit, param="max_inflight")
+            self._n += 1
 
     def leave(self) -> None:
-        self._free.release()
+        with self._cond:
+            self._n -= 1
+            self._cond.notify_all()
+
+    def once(self) -> Callable[[], None]:
+        """A `leave` that acts on its first call only (a stream leaves on disconnect or on close, whichever is
+        first)."""
+        left = threading.Event()
+        lock = threading.Lock()
+
+        def leave() -> None:
+            with lock:
+                if left.is_set():
+                    return
+                left.set()
+            self.leave()
+
+        return leave
+
+    @property
+    def in_flight(self) -> int:
+        return self._n
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is in flight (True) or `timeout` seconds pass (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._n == 0, timeout)
+
+
+class Lifecycle:
+    """One server's state over its life: ready (its warm-up loaded what `--warmup` promises), draining (a shutdown
+    began: nothing new is admitted, /ready fails), and its admitted requests, each with the call that aborts it."""
+
+    def __init__(self, max_inflight: int, ready: bool = True) -> None:
+        self.admission = Admission(max_inflight)
+        self._ready = threading.Event()
+        self._draining = threading.Event()
+        self._live: dict[str, Callable[[], None]] = {}
+        self._lock = threading.Lock()
+        self.abort_reason = "the engine aborted this request"  # what an aborted request's answer says
+        if ready:
+            self._ready.set()
+
+    def set_ready(self) -> None:
+        self._ready.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self._draining.is_set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def state(self) -> str:
+        return "draining" if self.draining else "ready" if self._ready.is_set() else "warming up"
+
+    def track(self, rid: str, abort: Callable[[], None]) -> None:
+        with self._lock:
+            self._live[rid] = abort
+
+    def untrack(self, rid: str) -> None:
+        with self._lock:
+            self._live.pop(rid, None)
+
+    def drain(self, timeout_s: float, grace_s: float = 10.0) -> int:
+        """Stop admitting, let what is in flight finish for up to `timeout_s`, then abort the rest (their answers
+        say why) and wait up to `grace_s` for them to end. Returns how many were aborted."""
+        self._draining.set()
+        if self.admission.wait_idle(timeout_s):
+            return 0
+        with self._lock:
+            self.abort_reason = f"the server is shutting down: the drain timeout ({timeout_s:g} s) ended this request"
+            aborts = list(self._live.values())
+        for abort in aborts:
+            abort()
+        self.admission.wait_idle(grace_s)
+        return len(aborts)
 
 
 class DisconnectWatcher:

@@ -10,9 +10,18 @@ Bodies over `--max-body-bytes` are refused by waitress from the Content-Length h
 with a 413 in the OpenAI error shape.
 Compiled programs persist across restarts in the XLA compilation cache (`--compile-cache DIR`, default under the
 user cache dir; `--no-compile-cache` turns it off).
+
+Start-up: the weights load, the server listens (`/health` answers 200: live), then `--warmup` compiles ahead of
+traffic in a background thread (`engine.warmup`: full, fast or none; one progress bar, and a log line of what came
+from the compile cache); `/ready` (and `/health?ready=1`) answers 503 until that is done.
+Shutdown: SIGTERM or SIGINT starts a drain (`Lifecycle.drain`): generation requests get 503 + Retry-After and
+`/ready` fails at once; what is in flight may finish for `--drain-timeout` seconds, then the rest are aborted (a
+stream's last event is an error saying so, then `data: [DONE]`); once their bytes are out the server stops and the
+process exits 0. A second signal while draining is ignored.
 """
 from __future__ import annotations
 
+import _thread
 import argparse
 import ctypes
 import ctypes.util
@@ -20,6 +29,8 @@ import json
 import logging
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +43,14 @@ from jaxserve.engine import Engine, EngineConfig
 from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.errors import ConfigError
 from jaxserve.format_names import canonical_format
-from jaxserve.server.limits import DEFAULT_CHAT_MAX_TOKENS, MAX_BODY_BYTES, AppConfig
+from jaxserve.engine.warmup import WARMUP_LEVELS
+from jaxserve.server.limits import DEFAULT_CHAT_MAX_TOKENS, MAX_BODY_BYTES, AppConfig, Lifecycle
 
 SPARE_THREADS = 4  # beyond the admission limit: /health, /metrics and refusals never wait for a stream to end
 MALLOC_ARENAS = 2  # glibc makes up to 8 x cores heap arenas; each request thread's garbage would pin its own
 M_ARENA_MAX = -8  # mallopt parameter number (malloc.h)
+DRAIN_TIMEOUT_S = 30.0
+FLUSH_WAIT_S = 5.0  # after the drain: how long the last events may take to leave the sockets
 
 
 @dataclass(frozen=True)
@@ -91,6 +105,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="data-parallel replicas, each on its own --devices devices; a x-session-affinity session sticks to one")
     p.add_argument("--max-model-len", type=int, default=2048, help="context window (prompt + completion)")
+    p.add_argument("--warmup", choices=WARMUP_LEVELS, default="fast",
+                   help="what compiles before /ready: full = every program a request without penalties, grammar or "
+                        "logprobs can select (nothing compiles after ready), fast = a first short request's "
+                        "(its sampled programs once idle), none = nothing (default fast)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant outputs: greedy and seeded requests give the same tokens whatever else "
+                        "runs (every program at its largest shape; see README for the throughput cost)")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests may finish before they are aborted")
     add_cache_arguments(p)
 
 
@@ -111,7 +134,8 @@ def admission(args: argparse.Namespace) -> tuple[int, int]:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(kv_dtype=args.kv_dtype, decode_weights=args.decode_weights,
                         prefill_weights=args.prefill_weights, integrity=args.integrity == "on",
-                        devices=args.devices, max_model_len=args.max_model_len, max_queue=admission(args)[0])
+                        devices=args.devices, max_model_len=args.max_model_len, max_queue=admission(args)[0],
+                        deterministic=args.deterministic)
 
 
 def model_name(checkpoint: str | Path) -> str:
@@ -144,8 +168,58 @@ def cap_malloc_arenas(n: int = MALLOC_ARENAS) -> None:
         mallopt(M_ARENA_MAX, n)
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(0)
+class Shutdown:
+    """SIGTERM / SIGINT handling: the first signal drains in a thread (the main thread keeps waitress's loop
+    running, which writes the streams' last bytes); once drained and flushed the thread signals again and that
+    signal ends the loop."""
+
+    def __init__(self, lifecycle: Lifecycle, server: BaseWSGIServer | MultiSocketServer, timeout_s: float) -> None:
+        self.lifecycle = lifecycle
+        self.server = server
+        self.timeout_s = timeout_s
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        if self.done.is_set():
+            raise SystemExit(0)  # waitress's loop ends on SystemExit
+        if self.thread is None:
+            _say(f"signal {signum}: draining (in-flight requests may finish for {self.timeout_s:g} s)")
+            self.thread = threading.Thread(target=self._drain, name="jaxserve-drain", daemon=True)
+            self.thread.start()
+
+    def _drain(self) -> None:
+        try:
+            aborted = self.lifecycle.drain(self.timeout_s)
+            _say(f"drained: {aborted} request(s) aborted at the timeout")
+            deadline = time.monotonic() + FLUSH_WAIT_S
+            while _unsent(self.server) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            self.done.set()
+            _thread.interrupt_main(signal.SIGTERM)  # handled on the main thread: ends waitress's loop
+
+
+def _say(line: str) -> None:
+    print(f"jaxserve: {line}", file=sys.stderr, flush=True)
+
+
+def _unsent(server: BaseWSGIServer | MultiSocketServer) -> int:
+    """Bytes waitress still holds for its connections' sockets."""
+    channels = server.map if isinstance(server, MultiSocketServer) else server._map
+    return sum(getattr(ch, "total_outbufs_len", 0) for ch in list(channels.values()))
+
+
+def start_warmup(engine: Engine, level: str, lifecycle: Lifecycle, progress: bool = True) -> threading.Thread:
+    """Warm the engine up in a daemon thread (returned); the lifecycle becomes ready when it is done."""
+    def warm() -> None:
+        report = engine.warm_up(level, progress)
+        _say(report.line())
+        lifecycle.set_ready()
+
+    thread = threading.Thread(target=warm, name="jaxserve-warmup", daemon=True)
+    thread.start()
+    return thread
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,19 +238,22 @@ def run(args: argparse.Namespace) -> int:
         # data-parallel replicas, each on its own slice of --devices devices
         engine = SessionRouter.replicas(checkpoint, engine_config(args), args.workers)
     else:
-        # the first request's programs compile in parallel before the server listens (a restart loads them)
-        engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True, warmup="first")
+        engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True)
     name = model_name(checkpoint)
     app_cfg = AppConfig(max_inflight=max_queue, max_body_bytes=args.max_body_bytes,
                         default_chat_max_tokens=args.default_max_tokens or DEFAULT_CHAT_MAX_TOKENS,
                         strict_fields=args.strict_fields)
-    server = make_server(create_app(engine, name, app_cfg), serve_cfg)
-    # SIGTERM (what process managers send) shuts down like Ctrl-C: waitress's loop ends on SystemExit
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    lifecycle = Lifecycle(max_queue, ready=False)
+    server = make_server(create_app(engine, name, app_cfg, lifecycle), serve_cfg)
+    shutdown = Shutdown(lifecycle, server, args.drain_timeout)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # what process managers send, and Ctrl-C
+        signal.signal(sig, shutdown.on_signal)
+    start_warmup(engine, args.warmup, lifecycle)  # a restart loads its programs from the compile cache
     print(f"jaxserve: serving {name} on http://{args.host}:{server.effective_port}/v1 (admits {max_queue} "
-          f"requests, {serve_cfg.threads} threads)", file=sys.stderr, flush=True)
+          f"requests, {serve_cfg.threads} threads; warm-up {args.warmup}: /ready answers 200 once done)",
+          file=sys.stderr, flush=True)
     try:
-        server.run()  # returns after Ctrl-C / SIGTERM (waitress catches KeyboardInterrupt and SystemExit)
+        server.run()  # returns once drained (waitress catches the SystemExit of the last signal)
     finally:
         server.close()
         engine.close()

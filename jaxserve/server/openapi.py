@@ -204,7 +204,11 @@ def _paths() -> dict[str, Any]:
             "summary": "a stored response", "parameters": [{"name": "response_id", "in": "path", "required": True,
                                                             "schema": {"type": "string"}}],
             "responses": {"200": _json(_ref("Response"), "the response object"), **_errors("404")}}},
-        "/health": {"get": {"summary": "liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
+        "/health": {"get": {"summary": "liveness (?ready=1: as /ready)",
+                            "responses": {"200": _json({"type": "object"}, "ok")}}},
+        "/ready": {"get": {"summary": "readiness: warmed up and not draining",
+                           "responses": {"200": _json({"type": "object"}, "ready"),
+                                         "503": _json({"type": "object"}, "warming up or draining")}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
             "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/openapi.json": {"get": {"summary": "this document",

@@ -18,7 +18,7 @@ from flask import Response
 
 from jaxserve.engine import TokenEvent
 from jaxserve.engine.request import PromptLogprobs
-from jaxserve.errors import JaxserveError, QueueFullError, RequestAbortedError, http_status
+from jaxserve.errors import JaxserveError, QueueFullError, RequestAbortedError, ShuttingDownError, http_status
 from jaxserve.server.limits import RETRY_AFTER_S, DisconnectWatcher
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protocol import Generation
@@ -52,7 +52,7 @@ def error_body(err: JaxserveError) -> dict[str, Any]:
 def error_response(err: JaxserveError, retry_after_s: int = RETRY_AFTER_S) -> Response:
     """A typed error as a JSON response with its HTTP status (429 also says when to retry)."""
     resp = Response(json.dumps(error_body(err)), status=http_status(err), mimetype="application/json")
-    if isinstance(err, QueueFullError):
+    if isinstance(err, (QueueFullError, ShuttingDownError)):
         resp.headers["Retry-After"] = str(retry_after_s)
     return resp
 
@@ -120,12 +120,12 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def end_error(end: TokenEvent) -> JaxserveError | None:
+def end_error(end: TokenEvent, aborted_why: str = "the engine aborted this request") -> JaxserveError | None:
     """The error a finished request should report, if it did not end normally."""
     if end.finish_reason == "error":
         return end.error or JaxserveError("the engine failed this request")
     if end.finish_reason == "abort":
-        return RequestAbortedError("the engine aborted this request")
+        return RequestAbortedError(aborted_why)
     return None
 
 
@@ -163,6 +163,7 @@ class Reply:
     model_name: str
     tokens: TokenText
     metrics: ServerMetrics
+    aborted_why: Callable[[], str] = lambda: "the engine aborted this request"  # why an abort happened
 
     def choices(self) -> list[Choice]:
         """n fresh choices per prompt; an echoed prompt's text starts its choices' text."""
@@ -239,7 +240,7 @@ def complete(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float, 
         reply.metrics.disconnect(reply.shape.endpoint)
         return Response(status=499)  # nginx's "client closed request": nobody reads it; /metrics does
     for e in ends:
-        err = end_error(e)
+        err = end_error(e, reply.aborted_why())
         if err is not None:
             return error_response(err)
     out_choices = [_choice_json(reply, i, c) for i, c in enumerate(choices)]
@@ -302,7 +303,7 @@ def stream(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float,
                 continue
             c.end = ev
             reply.metrics.finished(reply.shape.endpoint, ev)
-            err = end_error(ev)
+            err = end_error(ev, reply.aborted_why())
             if err is not None:
                 finished = True
                 ended.set()

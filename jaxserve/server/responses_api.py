@@ -17,23 +17,22 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from flask import Response, request
+from flask import Response
 
 from jaxserve.engine import Engine, TokenEvent
 from jaxserve.errors import JaxserveError, ResponseNotFoundError, UnsupportedParameterError
 from jaxserve.server.body import Body, UnknownFields, field_error, json_kind
 from jaxserve.server.chat_request import parse_chat
 from jaxserve.server.fields import EFFORTS, RESPONSES_EXTENSIONS, RESPONSES_FIELDS, STREAM_OPTIONS
-from jaxserve.server.limits import Admission, AppConfig, DisconnectWatcher
-from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.limits import AppConfig
 from jaxserve.server.protocol import Generation
 from jaxserve.server.response_output import OutputBuilder, stream_events, whole_response
 from jaxserve.server.response_store import ResponseStore, StoredResponse
-from jaxserve.server.responses import Reply, Shape, TokenText, complete
+from jaxserve.server.responses import Reply, Shape
 
 RESPONSES = Shape("/v1/responses", "resp", "response", "response.chunk", chat=True)
 MESSAGE_ITEM = frozenset({"type", "role", "content", "id", "status", "phase"})
@@ -292,14 +291,13 @@ class Runner(Protocol):
     engine: Engine
     model_name: str
     cfg: AppConfig
-    metrics: ServerMetrics
-    admission: Admission
-    watcher: DisconnectWatcher
-    tokens: TokenText
 
-    def submit(self, gen: Generation, shape: Shape) -> tuple[str, list[str], Iterator[tuple[int, TokenEvent]]]: ...
+    def check_open(self) -> None: ...
 
-    def abort_all(self, ids: list[str]) -> Callable[[str], None]: ...
+    def start(self, gen: Generation, shape: Shape) -> tuple[Reply, list[str], Iterator[tuple[int, TokenEvent]]]: ...
+
+    def whole(self, reply: Reply, ids: list[str], events: Iterator[tuple[int, TokenEvent]], t0: float
+              ) -> Response: ...
 
     def streamed(self, reply: Reply, ids: list[str], events: Iterator[tuple[int, TokenEvent]],
                  t0: float) -> Response: ...
@@ -316,24 +314,15 @@ class ResponsesApi:
         """POST /v1/responses -> (the answer, the unknown fields the body carried)."""
         t0 = time.monotonic()
         r = self.runner
+        r.check_open()
         req = parse_responses(raw, r.engine, r.model_name, r.cfg, self.store)
-        r.admission.enter()  # after validation, as chat's
-        try:
-            rid, ids, events = r.submit(req.gen, RESPONSES)
-        except BaseException:
-            r.admission.leave()
-            raise
-        reply = Reply(req.gen, RESPONSES, rid, r.model_name, r.tokens, r.metrics)
-        builder = OutputBuilder("resp_" + rid.partition("-")[2], r.model_name, req.echo, self._count_tokens)
+        reply, ids, events = r.start(req.gen, RESPONSES)
+        builder = OutputBuilder("resp_" + reply.rid.partition("-")[2], r.model_name, req.echo, self._count_tokens)
         if req.gen.stream:
             resp = r.streamed(reply, ids, events, t0)
             resp.response = stream_events(builder, resp.response, lambda body: self._keep(req, body))
             return resp, req.gen.ignored
-        try:
-            disconnected = request.environ.get("waitress.client_disconnected")
-            chat = complete(reply, events, t0, r.watcher, disconnected, r.abort_all(ids))
-        finally:
-            r.admission.leave()
+        chat = r.whole(reply, ids, events, t0)
         if chat.status_code != 200:
             return chat, req.gen.ignored
         body = whole_response(builder, json.loads(chat.get_data()))

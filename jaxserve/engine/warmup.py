@@ -1,0 +1,130 @@
+"""Warm-up plans: what an engine compiles ahead of traffic at each `--warmup` level, and the count of what came
+from the persistent compilation cache.
+
+  * "full": every program the serving configuration can select, so nothing compiles once it is done: decode
+    (rows x pages) and prefill ((rows, chunk) x pages) in each sampling mode ("greedy", "top_k", "full"), the
+    hand-off sizes, the decode-batch unpacking (rows x pages, and after an overlapped step rows x previous rows x
+    pages), and each pool's tag syncs (every power-of-two length up to its page count). `full_plan` lists them;
+    `EngineConfig.program_count` counts the model programs among them.
+    Not in it (each compiles on first use, once): the variants of a batch with logit adjustments (penalties,
+    logit_bias, min_tokens), a grammar mask (response_format, forced tools) or top alternatives (logprobs).
+  * "fast": what a first short request runs (`Programs.compile_first`, greedy), its sampled programs deferred to
+    the first idle second (`Engine.compile_deferred`).
+  * "none": nothing; each program compiles on first use, inside the engine loop.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import jax
+from tqdm import tqdm
+
+from jaxserve.cache.pool import compile_tag_sync
+from jaxserve.engine.batch import compile_unpack
+from jaxserve.engine.sampling import SamplingMode
+
+if TYPE_CHECKING:
+    from jaxserve.engine.programs import Programs
+
+WarmupLevel = Literal["full", "fast", "none"]
+WARMUP_LEVELS: tuple[WarmupLevel, ...] = ("full", "fast", "none")
+SERVING_MODES: tuple[SamplingMode, ...] = ("greedy", "top_k", "full")
+_HIT = "/jax/compilation_cache/cache_hits"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+log = logging.getLogger("jaxserve.warmup")
+
+Job = tuple[str, Callable[[], None]]  # (kind, compile it)
+
+
+@dataclass
+class WarmupReport:
+    """What one warm-up did: jobs run by kind, XLA compiles asked for, and how many of those the persistent
+    compilation cache answered (the rest were compiled); seconds of wall time."""
+
+    level: str
+    jobs: dict[str, int] = field(default_factory=dict)
+    backend_compiles: int = 0
+    cache_hits: int = 0
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        kinds = ", ".join(f"{k} {n}" for k, n in self.jobs.items()) or "nothing"
+        return (f"warm-up {self.level}: {kinds} in {self.seconds:.1f} s; {self.backend_compiles} XLA programs, "
+                f"{self.cache_hits} loaded from the compile cache, {self.backend_compiles - self.cache_hits} compiled")
+
+
+@contextmanager
+def counting(report: WarmupReport) -> Iterator[WarmupReport]:
+    """Count the XLA compiles (backend compiles and persistent-cache hits, any thread) while the block runs."""
+    lock = threading.Lock()
+
+    def on_event(event: str, **_: object) -> None:
+        if event == _HIT:
+            with lock:
+                report.cache_hits += 1
+
+    def on_duration(event: str, seconds: float, **_: object) -> None:
+        if event == _BACKEND_COMPILE:
+            with lock:
+                report.backend_compiles += 1
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    t0 = time.monotonic()
+    try:
+        yield report
+    finally:
+        report.seconds = time.monotonic() - t0
+        jax.monitoring.unregister_event_listener(on_event)
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+
+
+def _pow2_upto(n: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the first power of two >= n (the padded lengths of `PageAllocator.sync_device_tags`)."""
+    out = [1]
+    while out[-1] < n:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def full_plan(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODES) -> list[Job]:
+    """Every program the configuration can select for a request without logit adjustments, grammar or logprobs
+    (see the module docstring), smallest shapes first."""
+    c = programs.cfg
+    shapes = [("decode", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
+    shapes += [("prefill", b, m, t) for b, t in c.prefill_shapes for m in c.prefill_page_buckets]
+    shapes.sort(key=lambda x: (max(x[1], 1) * max(x[3], 1) * x[2], x[0]))  # small (common) shapes first
+    jobs: list[Job] = [(kind, functools.partial(programs._compile, kind, b, m, t, mode=mode))
+                       for kind, b, m, t in shapes for mode in modes]
+    jobs += [("handoff", functools.partial(programs._compile, "handoff", 0, m, 0)) for m in c.prefill_page_buckets]
+    rows = programs.decode_rows
+    for b in c.row_buckets:
+        for m in c.page_buckets:
+            jobs.append(("unpack", functools.partial(compile_unpack, rows, b, m, tuple(c.row_buckets))))
+    for ph in (programs.prefill_phase, programs.decode_phase):
+        jobs.append(("tag sync", functools.partial(compile_tag_sync, ph.pages.tags,
+                                                   _pow2_upto(ph.pages.tags.shape[0]))))
+    return jobs
+
+
+def run_jobs(level: str, jobs: list[Job], progress: bool, threads: int | None = None) -> WarmupReport:
+    """Run the compile jobs in a thread pool (XLA compiles with the GIL released), with a progress bar."""
+    report = WarmupReport(level)
+    for kind, _ in jobs:
+        report.jobs[kind] = report.jobs.get(kind, 0) + 1
+    threads = threads or min(8, os.cpu_count() or 1)
+    with counting(report), tqdm(total=len(jobs), desc=f"warm-up {level}", disable=not progress) as bar, \
+            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxserve-warmup") as pool:
+        for f in concurrent.futures.as_completed([pool.submit(job) for _, job in jobs]):
+            f.result()
+            bar.update()
+    return report
