@@ -37,6 +37,7 @@ from jaxserve.engine.batch import (DecodeRows, SamplingExtras, prefill_batch, ra
                                    sampling_extras)
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.output import token_output, top_alternatives
+from jaxserve.engine.placement import Placement
 from jaxserve.engine.prefix_cache import PrefixCache, engine_salt
 from jaxserve.engine.programs import Programs
 from jaxserve.engine.request import Request, Status, TokenEvent
@@ -85,6 +86,7 @@ class Scheduler:
             if cfg.prefix_cache else []
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # prefilling or decoding, in admission order
+        self.place = Placement(cfg, self.decode_alloc, self.running, self.prefix_caches)
         self.stats = Stats()
         self._order = 0
         self._inbox: list[Sequence] = []
@@ -139,34 +141,10 @@ class Scheduler:
                 self.stats.aborted += 1
 
     # ---- admission ----------------------------------------------------------------------------------------
-    def _pages_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.cfg.page_size)
-
     @property
     def prefix_cache(self) -> PrefixCache | None:
         """The prefix cache (rank 0's under DP attention)."""
         return self.prefix_caches[0] if self.prefix_caches else None
-
-    def _rank_load(self, rank: int) -> int:
-        return sum(1 for s in self.running if s.rank == rank)
-
-    def _pick_rank(self, tokens: list[int], cache_salt: str | None = None) -> int | None:
-        """The DP attention rank for a new sequence: among ranks with room for it (decode pages, rows), the one
-        whose prefix cache holds most of its prompt, then the least loaded. None: no rank has room."""
-        need = self._pages_for(len(tokens) + 1)
-        if self.ranks == 1:
-            return 0 if self.decode_alloc.num_free >= need else None
-        per_rank_rows = self.cfg.max_batch // self.ranks
-        best, key = None, None
-        for r in range(self.ranks):
-            load = self._rank_load(r)
-            if self.decode_alloc.num_free_in(r) < need or load >= per_rank_rows:
-                continue
-            hit = self.prefix_caches[r].match(tokens, cache_salt) if self.prefix_caches else 0
-            k = (-hit, load, r)
-            if key is None or k < key:
-                best, key = r, k
-        return best
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_batch:
@@ -181,15 +159,15 @@ class Scheduler:
         """Give the first waiting sequence a rank and its prefill pages (prefix-cache hits first). -> False if it
         must wait."""
         tokens = seq.tokens
-        rank = self._pick_rank(tokens, seq.req.cache_salt)
+        rank = self.place.rank_for(tokens, seq.req.cache_salt)
         if rank is None:
             return False  # FCFS: nobody overtakes a request that waits for decode pages
-        if self.cfg.deterministic and not self._fits_to_the_end(seq, rank):
+        if self.cfg.deterministic and not self.place.fits_to_the_end(seq, rank):
             return False  # never preempt: a recompute (prefill's path, not decode's) would change its tokens
         cache = self.prefix_caches[rank] if self.prefix_caches else None
         # a scoring request recomputes its prompt: cached positions would have no logits (engine.scoring)
         cached = cache.lookup(tokens, seq.req.cache_salt) if cache and not wants_scores(seq) else []
-        need = self._pages_for(len(tokens)) - len(cached)
+        need = self.place.pages_for(len(tokens)) - len(cached)
         fresh = self._allocate(self.prefill_alloc, need, evict=True, rank=rank)
         if fresh is None:
             self._release(self.prefill_alloc, cached)
@@ -206,15 +184,6 @@ class Scheduler:
         seq.status = Status.PREFILLING
         self.running.append(seq)
         return True
-
-    def _fits_to_the_end(self, seq: Sequence, rank: int) -> bool:
-        """Whether the rank's free decode pages cover what its running sequences may still take and all that seq
-        may take (prompt + max_tokens): admitted so, no sequence ever needs a preemption."""
-        def most(s: Sequence) -> int:
-            return self._pages_for(min(len(s.req.prompt) + s.req.params.max_tokens, self.cfg.max_model_len))
-
-        owed = sum(max(0, most(s) - len(s.decode_pages)) for s in self.running if s.rank == rank)
-        return self.decode_alloc.num_free_in(rank) >= owed + most(seq)
 
     def _allocate(self, alloc: PageAllocator, n: int, *, evict: bool, rank: int) -> list[tuple[int, int]] | None:
         if n <= 0:
@@ -247,7 +216,7 @@ class Scheduler:
         if rows:
             B, place = rank_rows([s.rank for s, _, _ in rows], self.ranks, cfg.row_buckets)
             T = cfg.pick(cfg.chunk_buckets, widest)
-            M = cfg.pick(cfg.prefill_page_buckets, max(self._pages_for(s + n) for _, s, n in rows))
+            M = cfg.pick(cfg.prefill_page_buckets, max(self.place.pages_for(s + n) for _, s, n in rows))
             batch = prefill_batch(rows, place, B, T, M, ps)
             by_row: list[Sequence | None] = [None] * B
             for i, (seq, _, _) in zip(place, rows):
