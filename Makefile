@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-aot serve test test-compile test-slow peers clean
+.PHONY: install install-aot serve test test-compile test-slow plan-targets peers clean
 
 %/bin/python:  # a venv: .venv, .venv-aot
 	$(PYTHON) -m venv $*
@@ -46,6 +46,13 @@ test: $(STAMP) $(AOT_STAMP)
 COMPILE_TIER = JAX_PLATFORMS=cpu JAXSERVE_COMPILE_TIER=1 $(AOT_BIN)/python -m pytest -q --durations=10 tests/compile
 test-compile: $(AOT_STAMP)
 	$(COMPILE_TIER)
+
+# README's real-size target table: `jaxserve plan --target` for 8 x H200 and TPU v5p (8 chips), each < 10 min here.
+PLAN_MODELS := kimi-k2.6 glm-5.2
+plan-targets: $(AOT_STAMP)
+	for t in h200 v5p; do for m in $(PLAN_MODELS); do \
+		JAX_PLATFORMS=cpu $(AOT_BIN)/python -m jaxserve.cli plan --preset $$m --devices 8 --target $$t --json \
+			--no-progress > bench/results/plan_$${t}_$$(echo $$m | sed "s/\.//; s/-/_/g").json || exit 1; done; done
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

@@ -8,10 +8,14 @@ left, the tokens that pool holds under TP attention (the MLA latent replicated o
 attention (split by request), and the collectives of one step (kind, count, bytes) read from the compiled HLO.
 Bytes per token include GLM-5.x's DSA indexer keys (FP8 + scale in an FP8 pool), which live in the same pages.
 
-The programs compile on the XLA path (a CPU cannot compile Pallas kernels); their temporaries are that path's,
-at the stated batch and context, and the collectives are the same as the kernel path's (the kernels sit inside
-the same shard_maps). The kernels' own lowering for CUDA / TPU at these shapes is checked by
-tests/test_lowering_*.py.
+With `--target cpu` (the default) the programs compile on the XLA path (a CPU cannot compile Pallas kernels);
+their temporaries are that path's, at the stated batch and context. With `--target h200|h100|v5p|v6e` the mesh is
+built over the chip's compile-only topology devices (jaxserve/targets.py) and the programs compile with its
+compiler and its Pallas kernels (attention "pallas" / "pallas_tpu", the quantized matmul kernels): the report is
+that compiler's `memory_analysis()` (arguments, outputs, temporaries, code), its collectives, and every copy,
+transpose or all-gather of a weight or pool shape in the compiled HLO (jaxserve/plan_compile.py). A target plan
+compiles the leading dense layers + 1 MoE layer and + one more period of the layer pattern, and scales every
+reported number linearly in the layer count to the model's (`--full-compile`: all layers).
 """
 from __future__ import annotations
 
@@ -20,12 +24,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jaxserve.errors import ConfigError
 from jaxserve.format_names import FORMATS, KV_DTYPES, canonical_format
+from jaxserve.plan_compile import compile_phase, scaled
+from jaxserve.targets import TARGETS, target, target_devices
 
 # model configs as their config.json files give them (MODEL_FORMATS.md): only the keys the models read
 PRESETS: dict[str, dict] = {
@@ -62,7 +67,7 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 131072, "rope_theta": 1e6, "tie_word_embeddings": False,
     },
 }
-MEMORY: dict[str, float] = {"h200": 141e9, "tpu-v5p": 95e9, "tpu-v6e": 32e9}
+MEMORY: dict[str, float] = {"h200": 141e9, "h100": 80e9, "tpu-v5p": 95e9, "tpu-v6e": 32e9}
 # what the seeds report for their deployments (FACTS.md), shown beside the plan
 SEED_TOKENS: dict[str, float] = {"kimi-k2.6": 1.37e6, "glm-5.2": 1.18e6}
 
@@ -89,6 +94,8 @@ class PlanSpec:
     prefill_context: int = 8192
     reserve_bytes: float = 6e9
     compile: bool = True
+    target: str = "cpu"  # the compiler (jaxserve.targets): cpu | h200 | h100 | v5p | v6e
+    scale_layers: bool = True  # targets: compile a few layers and scale (else every layer)
 
     def __post_init__(self) -> None:
         for p in ("decode_weights", "prefill_weights", "kv_dtype"):  # accept "bfloat16", "float8_e4m3fn", ...
@@ -97,6 +104,7 @@ class PlanSpec:
             if getattr(self, p) not in allowed:
                 raise ConfigError(f"--{p.replace('_', '-')} must be one of {allowed}, got {getattr(self, p)!r}",
                                   value=getattr(self, p), param=p)
+        target(self.target)
 
 
 @dataclass
@@ -106,6 +114,9 @@ class PhasePlan:
     temp_bytes: int | None = None  # compiled temporaries per device
     compile_s: float | None = None
     collectives: list[dict] = field(default_factory=list)
+    memory: dict[str, int] | None = None  # memory_analysis(): argument, output, temp, generated_code, alias bytes
+    moves: list[dict] = field(default_factory=list)  # copies / transposes / all-gathers of a weight or pool
+    compiled_layers: int | list[int] | None = None  # a list: compiled at these counts, scaled to the model's
 
 
 def _rules_name(spec: PlanSpec, dp_attention: bool) -> str:
@@ -120,7 +131,9 @@ def _abstract(cfg, fmt: str, spec: PlanSpec):  # noqa: ANN001, ANN202 - ModelCon
     from jaxserve.models import CausalLM
     from jaxserve.quant.weight_format import WeightFormat, WeightPlan
 
-    plan = WeightPlan(WeightFormat(fmt, spec.group_size))
+    t = target(spec.target)  # on a chip, the quantized matmuls run the Pallas kernels of its tiling
+    plan = WeightPlan(WeightFormat(fmt, spec.group_size, use_kernel=t.platform != "cpu",
+                                   backend="tpu" if t.platform == "tpu" else "gpu"))
     return nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), weights=plan))
 
 
@@ -140,63 +153,42 @@ def _per_device_bytes(model, par) -> int:  # noqa: ANN001
     return total
 
 
-def _with_shardings(tree, shardings):  # noqa: ANN001, ANN202
-    import jax
-
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 def _compile(cfg, model, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN202
-    """Lower and compile one phase's real program on abstract inputs -> (temp bytes, seconds, collectives)."""
-    import functools
+    """One phase's program on the CPU path (XLA attention) -> (temp bytes, seconds, collectives)."""
+    r = compile_phase(cfg, model, par, spec, phase)
+    return r.memory["temp"], r.seconds, r.collectives
 
-    import jax
-    from flax import nnx
 
-    from jaxserve.cache import init_pages
-    from jaxserve.engine.layouts import kv_layout, prefill_kv_dtype
-    from jaxserve.engine.programs import _pool_shardings, decode_step, prefill_step
-    from jaxserve.engine.batch import dummy_decode, dummy_prefill
-    from jaxserve.hlo import collectives, summarize
-    from jaxserve.models.attention_backend import AttentionBackend
-    from jaxserve.sharding import state_shardings
+def _layer_points(raw: dict, cfg) -> tuple[int, int] | None:  # noqa: ANN001
+    """The two layer counts a target plan compiles: the leading dense layers + one MoE layer, and one period of the
+    layer pattern more (GLM-5.x: a full DSA indexer every `index_topk_freq`-th layer); None: too few layers to
+    scale, compile them all."""
+    dense = next((i for i, t in enumerate(cfg.mlp_layer_types) if t != "dense"), cfg.num_layers)
+    period = max(int(raw.get("index_topk_freq", 1) or 1), 1) if cfg.indexer_types else 1
+    la = dense + 1
+    return (la, la + period) if la + period < cfg.num_layers else None
 
-    graphdef, state = nnx.split(model)
-    state = _with_shardings(state, state_shardings(par, state))
-    rows = par.sharding(("batch",))
-    dp = par.size("pages")
-    ps = spec.page_size
-    kv = spec.kv_dtype if phase == "decode" else prefill_kv_dtype(spec.kv_dtype)
-    layout = kv_layout(cfg, ps, kv)
-    ctx = spec.decode_context if phase == "decode" else spec.prefill_context
-    m = -(-ctx // ps)
-    b = spec.decode_rows if phase == "decode" else dp
-    num_pages = dp * (-(-b // dp) * m + 1)  # each page shard: its rows' pages + its null page
-    pages = jax.eval_shape(lambda: init_pages(layout, num_pages))
-    pool_shardings = _pool_shardings(pages, par)
-    pages = _with_shardings(pages, pool_shardings)
-    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), tree)  # noqa: E731
-    t0 = time.perf_counter()
-    if phase == "decode":
-        batch, samp = dummy_decode(b, m)
-        # the pool is donated and comes back in its own layout, so it is updated in place (as in Programs)
-        step = functools.partial(decode_step, graphdef, integrity=True, attention=AttentionBackend("xla"))
-        fn = jax.jit(step, donate_argnums=(1,), out_shardings=(rows, rows, pool_shardings))
-        lowered = fn.lower(state, pages, abstract(batch), abstract(samp))
-    else:
-        batch, samp = dummy_prefill(b, spec.prefill_chunk, m)
-        fn = jax.jit(functools.partial(prefill_step, graphdef), donate_argnums=(1,),
-                     out_shardings=(rows, rows, pool_shardings))
-        lowered = fn.lower(state, pages, abstract(batch), abstract(samp))
-    compiled = lowered.compile()
-    seconds = time.perf_counter() - t0
-    temp = int(compiled.memory_analysis().temp_size_in_bytes)
-    return temp, seconds, summarize(collectives(compiled.as_text()))
+
+def _compile_target(raw: dict, cfg, fmt: str, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN202
+    """One phase compiled for spec.target: at two small layer counts, scaled to the model's (else all layers)."""
+    from jaxserve.config import from_hf_config
+    from jaxserve.models.build import shard_model
+
+    t = target(spec.target)
+    points = _layer_points(raw, cfg) if spec.scale_layers else None
+    if points is None:
+        return compile_phase(cfg, shard_model(_abstract(cfg, fmt, spec), par), par, spec, phase, t.attention,
+                             in_mesh=True), cfg.num_layers
+    runs = []
+    for n in points:
+        small = from_hf_config(dict(raw, num_hidden_layers=n))
+        runs.append(compile_phase(small, shard_model(_abstract(small, fmt, spec), par), par, spec, phase,
+                                  t.attention, in_mesh=True))
+    return scaled(runs[0], points[0], runs[1], points[1], cfg.num_layers), list(points)
 
 
 def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bool = True) -> dict:
     """The plan as a dict (see the module docstring). Needs spec.devices JAX devices (CPU: forced host count)."""
-    import jax
     from tqdm import tqdm
 
     from jaxserve.config import from_hf_config
@@ -206,10 +198,9 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
 
     raw = PRESETS[cfg_or_preset] if isinstance(cfg_or_preset, str) else cfg_or_preset
     cfg = from_hf_config(raw)
-    devices = jax.devices()[: spec.devices]
-    if len(devices) < spec.devices:
-        raise RuntimeError(f"plan needs {spec.devices} devices, JAX has {len(devices)}")
+    devices = target_devices(target(spec.target), spec.devices)
     out: dict = {"model": cfg_or_preset if isinstance(cfg_or_preset, str) else raw.get("model_type"),
+                 "target": spec.target, "device_kind": devices[0].device_kind,
                  "spec": asdict(spec), "modes": {}}
     steps = [("tp", "decode"), ("tp", "prefill"), ("dp", "decode"), ("dp", "prefill")]
     abstract: dict[str, object] = {}  # one abstract model per format, shared by both modes
@@ -226,7 +217,12 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
             model = shard_model(abstract[fmt], par if par.mesh.devices.size > 1 else None)
             pp = PhasePlan(fmt, _per_device_bytes(model, par))
             if spec.compile and mode == spec.attention:
-                pp.temp_bytes, pp.compile_s, pp.collectives = _compile(cfg, model, par, spec, phase)
+                if spec.target == "cpu":
+                    r, pp.compiled_layers = compile_phase(cfg, model, par, spec, phase), cfg.num_layers
+                else:
+                    r, pp.compiled_layers = _compile_target(raw, cfg, fmt, par, spec, phase)
+                pp.temp_bytes, pp.compile_s, pp.collectives = r.memory["temp"], r.seconds, r.collectives
+                pp.memory, pp.moves = r.memory, r.moves
             phases[phase] = pp
             bar.update()
         # the decode pool's devices hold decode weights (+ the prefill format when colocated and different)
@@ -274,6 +270,14 @@ def table(p: dict) -> str:
         lines.append(f"seed deployment: ~{p['seed_tokens']:,.0f} FP8 KV tokens")
     for mode, r in p["modes"].items():
         for phase, ph in r["phases"].items():
+            if ph.get("memory"):
+                m = ph["memory"]
+                lines.append(f"{mode} {phase} on {p.get('target', 'cpu')} ({p.get('device_kind', '')}), layers "
+                             f"{ph['compiled_layers']}: arguments {gb(m['argument'])} outputs {gb(m['output'])} "
+                             f"temp {gb(m['temp'])} code {gb(m['generated_code'])} aliased {gb(m['alias'])} GB")
+            for mv in ph.get("moves", []):
+                lines.append(f"  {mv['count']:>4} x {mv['op']:<15} of {mv['of']} {mv['dtype']}{mv['shape']}"
+                             f"{mv['layout']} ({mv['bytes'] / 1e6:.2f} MB each)")
             if ph["collectives"]:
                 lines.append(f"{mode} {phase} collectives per step (compiled in {ph['compile_s']:.0f} s):")
                 for c in ph["collectives"]:
@@ -286,7 +290,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="a real model's config")
     p.add_argument("--config", type=Path, help="an HF config.json instead of a preset")
     p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--memory", default="h200", help=f"{', '.join(MEMORY)} or a size in GB")
+    p.add_argument("--target", default="cpu", choices=sorted(TARGETS),
+                   help="the compiler: cpu (XLA attention on host devices) or a chip's, on compile-only devices "
+                        "(XLA:GPU + Triton / XLA:TPU + Mosaic, Pallas kernels in; needs `make install-aot`)")
+    p.add_argument("--full-compile", action="store_true", help="targets: compile every layer (else a few, scaled)")
+    p.add_argument("--memory", default=None, help=f"{', '.join(MEMORY)} or a size in GB (default: the target's)")
     p.add_argument("--decode-weights", default="int4")
     p.add_argument("--prefill-weights", default="fp8")
     p.add_argument("--kv-dtype", default="fp8")
@@ -304,26 +312,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace) -> PlanSpec:
-    memory = MEMORY[args.memory] if args.memory in MEMORY else float(args.memory) * 1e9
+    memory = (TARGETS[args.target].memory_bytes if args.memory is None
+              else MEMORY[args.memory] if args.memory in MEMORY else float(args.memory) * 1e9)
     return PlanSpec(devices=args.devices, memory_bytes=memory, decode_weights=args.decode_weights,
                     prefill_weights=args.prefill_weights, kv_dtype=args.kv_dtype, group_size=args.group_size,
                     attention=args.attention, sharding=args.sharding, colocated=args.colocated,
                     decode_rows=args.decode_rows, decode_context=args.decode_context,
                     prefill_chunk=args.prefill_chunk, reserve_bytes=args.reserve_gb * 1e9,
-                    compile=not args.no_compile)
+                    compile=not args.no_compile, target=args.target, scale_layers=not args.full_compile)
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax
-
     if not args.preset and not args.config:
         raise SystemExit("jaxserve plan: give --preset or --config")
+    if args.target != "cpu" and os.environ.get("JAX_PLATFORMS") != "cpu":
+        # compile-only topology devices: the host runs on its CPU (a CUDA plugin would look for a driver)
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        return subprocess.call([sys.executable, "-m", "jaxserve.cli", "plan", *sys.argv[2:]], env=env)
+    import jax
+
     flag = f"--xla_force_host_platform_device_count={args.devices}"
-    if jax.default_backend() == "cpu" and len(jax.devices()) < args.devices:
+    if args.target == "cpu" and jax.default_backend() == "cpu" and len(jax.devices()) < args.devices:
         # the CPU backend's device count is fixed when it starts: run again with the forced count
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip(), JAX_PLATFORMS="cpu")
         return subprocess.call([sys.executable, "-m", "jaxserve.cli", "plan", *sys.argv[2:]], env=env)
-    target = args.preset or json.loads(args.config.read_text())
-    result = plan(target, _spec(args), progress=not args.no_progress)
+    model = args.preset or json.loads(args.config.read_text())
+    result = plan(model, _spec(args), progress=not args.no_progress)
     print(json.dumps(result, indent=1) if args.json else table(result))
     return 0

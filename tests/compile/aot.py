@@ -7,9 +7,10 @@ own `*thunk_sequence.txt` dump), Mosaic kernels' scoped VMEM (the `used_scoped_m
 each compiled `tpu_custom_call`), and the compiled HLO text. The shapes are per device: the engine calls the
 kernels inside shard_map, so one device of the topology is enough.
 
-Target configs: targets/h200.txtpb and targets/h100_sxm.txtpb are copies of shared/gpu_target_configs/ (XLA's own
-device specs, openxla/xla xla/backends/gpu/target_config/specs/, minus `collective_memory_granularity`, which
-jaxlib 0.10.2's XLA does not know).
+Target configs: jaxserve/target_configs/h200.txtpb and h100_sxm.txtpb (package data, also read by `jaxserve plan
+--target`) are copies of shared/gpu_target_configs/ (XLA's own device specs, openxla/xla
+xla/backends/gpu/target_config/specs/, minus `collective_memory_granularity`, which jaxlib 0.10.2's XLA does not
+know).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from jax.experimental import topologies
 from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-TARGETS_DIR = Path(__file__).parent / "targets"
+TARGETS_DIR = Path(__file__).resolve().parents[2] / "jaxserve" / "target_configs"
 # target name -> (platform, topology); TPU names as libtpu spells them, GPU as slices x hosts x GPUs per host
 TARGETS = {
     "h200": ("cuda", "1x1x1"),

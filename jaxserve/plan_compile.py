@@ -1,0 +1,148 @@
+"""One phase's real program (decode step, or one prefill chunk over a long context) lowered and compiled for a plan's
+mesh on abstract weights and pool, and what the compiler reported: `memory_analysis()` (arguments, outputs,
+temporaries, code, aliased) and, from the compiled HLO text, every collective and every copy / transpose /
+all-gather whose result has the shape of a weight or a page-pool array (a weight or pool moved or relaid out per
+call). Used by `jaxserve plan` (jaxserve/plan.py), which compiles a few layers and scales to the model's count.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from jaxserve.hlo import _BYTES, collectives, summarize
+
+MEMORY_FIELDS = ("argument", "output", "temp", "generated_code", "alias")
+_MOVE = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](\{[^}]*\})? (copy|transpose|all-gather)(?:-start)?\(")
+_MIN_TRACKED = 1 << 20  # weights / pool arrays under 1 MiB are not tracked (their shapes collide with activations)
+
+
+@dataclass
+class PhaseCompile:
+    """memory: MEMORY_FIELDS -> bytes per device; collectives: hlo.summarize rows; moves: copies / transposes /
+    all-gathers of a weight or pool shape [{op, of, dtype, shape, layout, count, bytes}]."""
+
+    seconds: float
+    memory: dict[str, int]
+    collectives: list[dict] = field(default_factory=list)
+    moves: list[dict] = field(default_factory=list)
+
+
+def _tracked_shapes(state, pages) -> dict[tuple[int, ...], str]:  # noqa: ANN001
+    """Shapes (global, per-device shard, and one layer of a pool) of the weights and pool arrays -> "weight" |
+    "pool.<field>"."""
+    import jax
+
+    out: dict[tuple[int, ...], str] = {}
+
+    def add(x, what: str) -> None:  # noqa: ANN001
+        if x is None or math.prod(x.shape) * x.dtype.itemsize < _MIN_TRACKED:
+            return
+        shard = tuple(x.sharding.shard_shape(x.shape))
+        if what == "weight":
+            out.setdefault(tuple(x.shape), what)
+            out.setdefault(shard, what)
+        else:  # a pool: all layers (its shape holds the compiled layer count: not scaled) or one layer's slice
+            out.setdefault(tuple(x.shape), what + " (all layers)")
+            out.setdefault(shard, what + " (all layers)")
+            out.setdefault(tuple(x.shape[1:]), what)
+            out.setdefault(shard[1:], what)
+
+    for x in jax.tree.leaves(state):
+        add(x, "weight")
+    for f in ("latent", "latent_scale", "k", "v", "k_scale", "v_scale", "index_k", "index_k_scale"):
+        add(getattr(pages, f), f"pool.{f}")
+    return out
+
+
+def moves(hlo_text: str, tracked: dict[tuple[int, ...], str]) -> list[dict]:
+    """Copies, transposes and all-gathers in `hlo_text` whose result shape is a tracked weight / pool shape."""
+    hits: Counter = Counter()
+    for m in _MOVE.finditer(hlo_text):
+        shape = tuple(int(d) for d in m.group(2).split(",") if d)
+        if shape in tracked:
+            hits[(m.group(4), tracked[shape], m.group(1), shape, m.group(3) or "")] += 1
+    return [{"op": op, "of": of, "dtype": dt, "shape": list(s), "layout": lay, "count": n,
+             "bytes": math.prod(s) * _BYTES.get(dt, 4)} for (op, of, dt, s, lay), n in hits.items()]
+
+
+def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # noqa: ANN001
+                  in_mesh: bool = False) -> PhaseCompile:
+    """Lower and compile one phase's real program on abstract inputs. in_mesh: lower inside `jax.set_mesh` (the
+    Pallas TPU kernels read their chip from the mesh's devices)."""
+    import contextlib
+
+    import jax
+    from flax import nnx
+
+    from jaxserve.cache import init_pages
+    from jaxserve.engine.batch import dummy_decode, dummy_prefill
+    from jaxserve.engine.layouts import kv_layout, prefill_kv_dtype
+    from jaxserve.engine.programs import _pool_shardings, decode_step, prefill_step
+    from jaxserve.models.attention_backend import AttentionBackend
+    from jaxserve.sharding import state_shardings
+
+    graphdef, state = nnx.split(model)
+    state = _with_shardings(state, state_shardings(par, state))
+    rows = par.sharding(("batch",))
+    dp = par.size("pages")
+    ps = spec.page_size
+    kv = spec.kv_dtype if phase == "decode" else prefill_kv_dtype(spec.kv_dtype)
+    layout = kv_layout(cfg, ps, kv)
+    ctx = spec.decode_context if phase == "decode" else spec.prefill_context
+    m = -(-ctx // ps)
+    b = spec.decode_rows if phase == "decode" else dp
+    num_pages = dp * (-(-b // dp) * m + 1)  # each page shard: its rows' pages + its null page
+    pages = jax.eval_shape(lambda: init_pages(layout, num_pages))
+    pool_shardings = _pool_shardings(pages, par)
+    pages = _with_shardings(pages, pool_shardings)
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), tree)  # noqa: E731
+    backend = AttentionBackend(attention)
+    t0 = time.perf_counter()
+    if phase == "decode":
+        batch, samp = dummy_decode(b, m)
+        # the pool is donated and comes back in its own layout, so it is updated in place (as in Programs)
+        step = functools.partial(decode_step, graphdef, integrity=True, attention=backend)
+    else:
+        batch, samp = dummy_prefill(b, spec.prefill_chunk, m)
+        step = functools.partial(prefill_step, graphdef, attention=backend)
+    fn = jax.jit(step, donate_argnums=(1,), out_shardings=(rows, rows, pool_shardings))
+    with jax.set_mesh(par.mesh) if in_mesh else contextlib.nullcontext():
+        compiled = fn.lower(state, pages, abstract(batch), abstract(samp)).compile()
+    seconds = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    memory = {f: int(getattr(ma, f"{f}_size_in_bytes")) for f in MEMORY_FIELDS}
+    hlo = compiled.as_text()
+    return PhaseCompile(seconds, memory, summarize(collectives(hlo)), moves(hlo, _tracked_shapes(state, pages)))
+
+
+def _with_shardings(tree, shardings):  # noqa: ANN001, ANN202
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def scaled(a: PhaseCompile, la: int, b: PhaseCompile, lb: int, layers: int) -> PhaseCompile:
+    """The compile at `layers` layers, extrapolated linearly from compiles at la < lb layers: every memory field and
+    every collective / move count is f(lb) + (layers - lb) * (f(lb) - f(la)) / (lb - la) (each MoE layer is the
+    same program; the per-layer slope of the temporaries is what layers add). A move of a whole pool (its shape
+    holds the layer count) is reported as compiled at lb layers; its bytes grow with the layers."""
+    k = (layers - lb) / (lb - la)
+    ext = lambda fa, fb: max(int(round(fb + k * (fb - fa))), 0)  # noqa: E731
+    memory = {f: ext(a.memory[f], b.memory[f]) for f in MEMORY_FIELDS}
+
+    def rows(ra: list[dict], rb: list[dict], key: tuple[str, ...]) -> list[dict]:
+        ca = {tuple(str(r[k_]) for k_ in key): r["count"] for r in ra}
+        out = []
+        for r in rb:  # a whole pool's shape holds the layer count: reported as compiled at lb layers
+            whole = str(r.get("of", "")).endswith("(all layers)")
+            n = r["count"] if whole else ext(ca.get(tuple(str(r[k_]) for k_ in key), 0), r["count"])
+            out.append(dict(r, count=n))
+        return sorted(out, key=lambda r: -int(r["bytes"]) * int(r["count"]))
+
+    return PhaseCompile(a.seconds + b.seconds, memory,
+                        rows(a.collectives, b.collectives, ("kind", "dtype", "shape")),
+                        rows(a.moves, b.moves, ("op", "of", "dtype", "shape", "layout")))
