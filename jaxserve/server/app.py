@@ -145,7 +145,8 @@ class GenerationHandler:
 def name_ignored(resp: Response, ignored: tuple[str, ...]) -> Response:
     """Name the request's unknown fields in the answer and the log (as vLLM warns), so a typo is visible."""
     if ignored:
-        names = ", ".join(ignored)[:1000]
+        # JSON string escapes keep a header (latin-1, one line) and a log line safe from any name a client sends
+        names = ", ".join(json.dumps(name)[1:-1] for name in ignored)[:1000]
         log.warning("%s: ignored unknown request fields: %s", request.path, names)
         resp.headers[IGNORED_HEADER] = names
     return resp

@@ -83,6 +83,14 @@ def test_unknown_fields_are_named_in_a_header_or_refused_when_strict(srv, path, 
     assert "unrecognized request argument" in r.json()["error"]["message"]
 
 
+def test_unknown_field_names_are_escaped_in_the_header(srv):
+    """A name with non-latin-1 characters, quotes or a line break is named with JSON escapes, not a 500."""
+    body = {**CHAT, "\U000ad741x": 1, 'a"\r\nb': 2}
+    r = httpx.post(f"{srv.base}/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-jaxserve-ignored-fields"] == 'a\\"\\r\\nb, \\uda75\\udf41x'  # sorted
+
+
 @pytest.mark.parametrize("field,value", [
     ("metadata", "x"), ("metadata", {"k": 1}), ("store", "yes"), ("service_tier", 1), ("verbosity", "loud"),
     ("reasoning_effort", "max"), ("prompt_cache_key", ""), ("modalities", "text"), ("modalities", ["audio"]),

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from test_server import MODEL, Served, shared_server, tokenizer
-from test_server_reasoning import thinking_server
+from test_server_reasoning import K25_TEMPLATE, thinking_server
 
 TIMEOUT = 600.0  # the forcing grammar's masked programs compile on first use
 BASE = {"model": MODEL, "max_output_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -124,7 +124,7 @@ def test_bad_fields_are_400_naming_the_responses_field(srv, field, value, param)
 
 @pytest.fixture(scope="module")
 def thinking() -> Served:
-    served = thinking_server.__wrapped__()  # its own server: test_server_reasoning closes the cached one
+    served = thinking_server(K25_TEMPLATE)  # its own server, with the K2.5-like template
     yield served
     served.close()
 
