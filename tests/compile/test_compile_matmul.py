@@ -15,7 +15,7 @@ import pytest
 from aot import ALL_TARGETS, check_budget, compile_for, sds
 from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.moe_gmm import moe_gmm
-from test_lowering_matmul import DENSE, MOE_SHARDS  # the per-device shapes the lowering tests use
+from tests.kernels.test_lowering_matmul import DENSE, MOE_SHARDS  # the per-device shapes the lowering tests use
 
 GROUP = 32
 
