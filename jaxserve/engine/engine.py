@@ -88,11 +88,13 @@ class Engine:
                 loaded[cache_key] = load(path, dtype=dtype, weights=key, mesh=par.mesh, rules=par.rules)[1]
             return loaded[cache_key]
 
-        prefill_model, decode_model = model_for(cfg.prefill_weights, p_dev), model_for(cfg.decode_weights, d_dev)
+        # each role loads only its own phase's weights
+        prefill_model = model_for(cfg.prefill_weights, p_dev) if "prefill" in cfg.phases else None
+        decode_model = model_for(cfg.decode_weights, d_dev) if "decode" in cfg.phases else None
         del loaded
         has_tok = any((Path(path) / f).exists() for f in ("tokenizer.json", "tiktoken.model"))
-        return cls(prefill_model, cfg, Tokenizer(path) if has_tok else None, start=start, warmup=warmup,
-                   decode_model=decode_model)
+        return cls(prefill_model or decode_model, cfg, Tokenizer(path) if has_tok else None, start=start,
+                   warmup=warmup, decode_model=decode_model)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -117,7 +119,8 @@ class Engine:
         req.params.validate(V)
         ps = self.cfg.page_size
         need = -(-min(len(req.prompt) + req.params.max_tokens, self.cfg.max_model_len) // ps)
-        capacity = min(self.cfg.num_decode_pages, self.cfg.num_prefill_pages) - 1  # page 0 is the null page
+        pools = {"prefill": self.cfg.num_prefill_pages, "decode": self.cfg.num_decode_pages}
+        capacity = min(pools[p] for p in self.cfg.phases) - 1  # page 0 is the null page
         if need > capacity:
             # it could never be admitted: refuse now rather than queue it forever
             raise InvalidRequestError(f"the request needs {need} KV pages of {ps} tokens; the pools hold {capacity}",
@@ -273,9 +276,10 @@ class Engine:
             return run_jobs(level, full_plan(self.programs), progress)
         report = WarmupReport(level)
         if level == "fast":
+            extra = [functools.partial(compile_unpack, self.programs.decode_rows, self.cfg.row_buckets[0],
+                                       self.cfg.page_buckets[0])] if "decode" in self.cfg.phases else []
             with counting(report):
-                self.programs.compile_first(extra=[functools.partial(
-                    compile_unpack, self.programs.decode_rows, self.cfg.row_buckets[0], self.cfg.page_buckets[0])])
+                self.programs.compile_first(extra=extra)
             report.jobs = {"first request": 1}
             self.deferred_compiles.append(self.programs.compile_first_sampled)
         return report
@@ -311,6 +315,20 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    def pool_status(self) -> dict[str, int]:
+        """This role's page pool (decode's, prefill's for a prefill server): free pages (prefix-cache pages only the
+        cache holds count as free: they are evicted on demand), total allocatable pages, page size."""
+        s = self.scheduler
+        alloc = s.prefill_alloc if self.cfg.role == "prefill" else s.decode_alloc
+        evictable = sum(1 for c in s.prefix_caches for e in list(c.entries.values())
+                        if alloc is s.prefill_alloc and alloc.refcount(e.page) == 1 and alloc.tag(e.page) == e.tag)
+        return {"free_pages": alloc.num_free + evictable, "total_pages": alloc.capacity, "page_size": self.cfg.page_size}
+
+    def prefix_match(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens the prefix cache would serve for `tokens` (no references taken, LRU order untouched)."""
+        cache = self.scheduler.prefix_cache
+        return 0 if cache is None else cache.match(list(tokens), cache_salt) * self.cfg.page_size
 
     def stats(self) -> dict[str, float]:
         s = self.scheduler

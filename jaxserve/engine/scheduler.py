@@ -83,7 +83,7 @@ class Scheduler:
         # one prefix cache per DP attention rank: a cached page is only readable on its own rank's devices
         salt = engine_salt(model_cfg, cfg.prefill_weights, programs.layouts.prefill.dtype, cfg.dtype)
         self.prefix_caches = [PrefixCache(self.prefill_alloc, cfg.page_size, salt) for _ in range(self.ranks)] \
-            if cfg.prefix_cache else []
+            if cfg.prefix_cache and "prefill" in cfg.phases else []
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # prefilling or decoding, in admission order
         self.place = Placement(cfg, self.decode_alloc, self.running, self.prefix_caches)
