@@ -137,6 +137,14 @@ class KVIntegrityError(JaxserveError):
     error_type = "kv_integrity_error"
 
 
+class KVTransferError(JaxserveError):
+    """Moving a request's KV pages between a prefill and a decode server failed (refused, broken or timed-out
+    connection, unknown transfer id, a page whose checksum differs after the copy): only that request fails."""
+
+    http_status = 502
+    error_type = "kv_transfer_error"
+
+
 def http_status(error: BaseException) -> int:
     """The HTTP status code for any exception (500 for anything not typed here)."""
     return error.http_status if isinstance(error, JaxserveError) else 500

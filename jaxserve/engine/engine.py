@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxserve.checkpoint import load
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.kv_transfer import Puller, TransferStore
 from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
 from jaxserve.engine.scheduler import Scheduler
@@ -47,12 +48,16 @@ class Engine:
         self._qlock = threading.Lock()
         eos = tuple(dict.fromkeys(tuple(model.cfg.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", ()))))
         self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, eos) if tokenizer is not None else None
-        self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer, self.grammar)
+        self._wake = threading.Event()
+        # prefill role: the exports and the KV transfer service; decode role: the pulls (engine.kv_transfer)
+        self.transfers = TransferStore(cfg, self._wake.set) if cfg.role == "prefill" else None
+        puller = Puller(self.programs, self._wake.set) if cfg.role == "decode" else None
+        self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer, self.grammar,
+                                   self.transfers, puller)
         if warmup == "first":
             self.warm_up("fast")
         elif warmup:
             self.programs.warmup()
-        self._wake = threading.Event()
         self._step_lock = threading.Lock()  # the scheduler is single-threaded: one step at a time, any caller
         self._stop = threading.Event()
         self._started = time.monotonic()
@@ -117,6 +122,7 @@ class Engine:
             raise InvalidRequestError(f"the prompt has {len(req.prompt)} tokens; the context window is "
                                       f"{self.cfg.max_model_len}", value=len(req.prompt), param="prompt")
         req.params.validate(V)
+        self._check_role(req)
         ps = self.cfg.page_size
         need = -(-min(len(req.prompt) + req.params.max_tokens, self.cfg.max_model_len) // ps)
         pools = {"prefill": self.cfg.num_prefill_pages, "decode": self.cfg.num_decode_pages}
@@ -125,6 +131,23 @@ class Engine:
             # it could never be admitted: refuse now rather than queue it forever
             raise InvalidRequestError(f"the request needs {need} KV pages of {ps} tokens; the pools hold {capacity}",
                                       value=need, param="max_tokens")
+
+    def _check_role(self, req: Request) -> None:
+        """A prefill server decodes nothing past the first token; a decode server prefills nothing (PD_PROTOCOL.md)."""
+        role = self.cfg.role
+        if role == "decode" and req.pull is None:
+            raise InvalidRequestError("a decode server takes requests from a router: kv_transfer_params missing",
+                                      value=None, param="kv_transfer_params")
+        if role != "decode" and req.pull is not None:
+            raise InvalidRequestError(f"kv_transfer_params to pull from are for a decode server; this one runs "
+                                      f"--role {role}", value=req.pull.transfer_id, param="kv_transfer_params")
+        if role == "prefill" and not req.export_kv and req.params.max_tokens > 1:
+            raise InvalidRequestError("a --role prefill server generates only the first token: send max_tokens 1, or "
+                                      'kv_transfer_params {"do_remote_decode": true} through a router',
+                                      value=req.params.max_tokens, param="max_tokens")
+        if role != "prefill" and req.export_kv:
+            raise InvalidRequestError(f"do_remote_decode needs a --role prefill server; this one runs --role {role}",
+                                      value=True, param="kv_transfer_params")
 
     def _matcher(self, req: Request) -> object | None:
         """The request's grammar matcher (engine.structured), None without structured output."""
@@ -311,6 +334,8 @@ class Engine:
                 self._wake.clear()
 
     def close(self) -> None:
+        if self.transfers is not None:
+            self.transfers.close()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -343,4 +368,6 @@ class Engine:
             "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
             "generated_tokens": st.generated_tokens, "finished": st.finished, "aborted": st.aborted,
             "tokens_per_s": st.generated_tokens / elapsed, "steps": st.steps,
+            "kv_transfers": st.transfers, "kv_transfer_bytes": st.transfer_bytes,
+            "kv_transfer_tokens": st.transfer_tokens, "kv_transfer_s": st.transfer_s,
         }
