@@ -135,6 +135,15 @@ def via_proxy(kv: dict, **faults: int) -> dict:
 
 
 # ---- tests -----------------------------------------------------------------------------------------------------
+def test_each_role_builds_only_its_phase(srv):
+    kinds = {role: {k for k, *_ in srv[role].engine.programs.program_shapes()} for role in srv}
+    assert kinds == {"prefill": {"prefill", "export"}, "decode": {"decode", "import"},
+                     "both": {"prefill", "decode", "handoff"}}
+    prefill, decode = srv["prefill"].engine.programs, srv["decode"].engine.programs
+    assert decode.prefill_phase is None and prefill.decode_phase is None
+    assert srv["both"].engine.transfers is None and prefill.cfg.role == "prefill"
+
+
 def test_prefill_then_decode_equals_both(srv):
     for i, prompt in enumerate(PROMPTS):
         body = completion(prompt)
