@@ -218,6 +218,16 @@ def test_a_dropped_transfer_fails_its_request_and_returns_every_page(srv):
     wait_pages_back(srv)
 
 
+def test_a_stalled_transfer_times_out_and_fails_only_its_request(srv):
+    body = completion(PROMPTS[0])
+    kv = prefill(srv, "/v1/completions", body)["kv_transfer_params"]
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts the connection, never answers
+        stalled = {**kv, "host": "127.0.0.1", "port": silent.getsockname()[1]}
+        r = post(srv["decode"].base, "/v1/completions", {**body, "kv_transfer_params": stalled})
+    assert r.status_code == 502 and "timed out" in r.json()["error"]["message"]
+    wait_pages_back(srv, timeout=TRANSFER_TIMEOUT_S + 30)  # the export nobody pulled expires on the prefill side
+
+
 def test_transfer_bytes_per_token_are_the_decode_layouts(srv):
     decode = srv["decode"].engine
     body = completion(PROMPTS[1], max_tokens=2)
