@@ -1,0 +1,97 @@
+"""tools.train_mtp: the MTP head's training step learns, its two forwards agree, its export follows hf_tensors' names."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jaxserve.convert.converter import convert
+from tools import train_mtp as tm
+from tools import train_tiny as tt
+
+SIZE = tt.ModelSize(vocab_size=4096, hidden_size=64, num_layers=3, num_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
+                    moe_intermediate_size=32, max_position_embeddings=256, yarn_original_max_position=64)
+TCFG = replace(tm.DEFAULT_TRAIN, steps=3, minutes=None, batch_size=2, seq_len=32, warmup_steps=1, peak_lr=1e-2,
+               bias_rate=1e-2, evals=0, eval_window=32)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tt.build_model(SIZE, 0)[2]
+
+
+def _batch(seed: int, rows: int = 2, seq: int = 32) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 4090, (rows, seq + 2)).astype(np.int32)
+
+
+def test_training_step_reduces_the_loss_and_moves_router_bias(target):
+    draft = tm.init_draft(target, 0)
+    t_def, t_state = nnx.split(target)
+    d_def, template = nnx.split(draft)
+    params = template.to_pure_dict()
+    tx = tt.make_optimizer(TCFG)
+    opt_state = tx.init(params)
+    step = tm.make_mtp_step(t_def, d_def, template, tx, TCFG.bias_rate)
+    batch = jnp.asarray(_batch(1))
+    losses = []
+    for _ in range(8):  # one fixed batch: the head must fit it
+        params, opt_state, metrics = step(t_state, params, opt_state, batch, jnp.float32(3e-3))
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    assert np.abs(np.asarray(params["layer"]["mlp"]["router_bias"])).max() > 0
+    assert float(metrics["loads"].sum()) == 2 * 32 * SIZE.num_experts_per_tok
+
+
+def test_train_loop_and_heldout_metrics(target):
+    stream = np.random.default_rng(0).integers(0, 4090, 3000).astype(np.int32)
+    draft, summary = tm.train_mtp(target, TCFG, stream, progress=False)
+    assert summary["steps"] == 3 and summary["tokens_seen"] == 3 * 2 * 32
+    ev = tm.evaluate(target, draft, stream[:100], window=32, batch_size=2)
+    assert ev["predictions"] == 98 and np.isfinite(ev["ce"])
+    assert all(0.0 <= ev[k] <= 1.0 for k in ("top1", "agree_greedy", "target_top1"))
+
+
+def test_training_forward_equals_served_forward(target):
+    """The block-grouped MoE the step trains with computes the layer the server runs."""
+    draft = tm.init_draft(target, 0)
+    tokens = jnp.asarray(_batch(2))
+    h = tm.target_hidden(target, tokens[:, :-2])
+    h_train, _ = tt.hidden_and_loads(target, tokens[:, :-2])
+    assert np.abs(np.asarray(h_train) - np.asarray(h)).max() <= 1e-5 * np.abs(np.asarray(h)).max()
+    got, ids = tm.mtp_forward(draft, target, h, tokens[:, 1:-1], train=True)
+    ref, _ = tm.mtp_forward(draft, target, h, tokens[:, 1:-1], train=False)
+    assert ids.shape == (2 * 32, SIZE.num_experts_per_tok)
+    assert np.abs(np.asarray(got) - np.asarray(ref)).max() <= 1e-5 * np.abs(np.asarray(ref)).max()
+
+
+def test_export_names_and_shapes_follow_the_layer_rule(target, tmp_path):
+    """Layer N = num_hidden_layers carries the MTP names plus the decoder layer named as hf_tensors names layer N; an
+    initial head (copy of the last layer) exports exactly the last layer's tensors (same transposes, rope rows)."""
+    L = SIZE.num_layers
+    draft = tm.init_draft(target, 0)
+    draft.eh_proj.weight[...] = jax.random.normal(jax.random.key(3), draft.eh_proj.weight.shape)
+    mtp = tm.mtp_hf_tensors(draft, target.cfg)
+    main = tt.hf_tensors(target)
+    last = {k.replace(f"model.layers.{L - 1}.", f"model.layers.{L}."): v for k, v in main.items()
+            if k.startswith(f"model.layers.{L - 1}.")}
+    extra = {f"model.layers.{L}.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head.norm")}
+    assert set(mtp) == set(last) | extra and not set(mtp) & set(main)
+    for k, v in last.items():
+        assert mtp[k].dtype == np.float32 and np.array_equal(mtp[k], v), k
+    H = SIZE.hidden_size
+    np.testing.assert_array_equal(mtp[f"model.layers.{L}.eh_proj.weight"], np.asarray(draft.eh_proj.weight[...]).T)
+    assert mtp[f"model.layers.{L}.eh_proj.weight"].shape == (H, 2 * H)
+    assert all(mtp[k].shape == (H,) for k in extra - {f"model.layers.{L}.eh_proj.weight"})
+
+    out = tm.export_with_mtp(target, draft, tt.hf_config_dict(SIZE), tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    both, alone = load_file(str(out / "model.safetensors")), load_file(str(out / tm.MTP_FILE))
+    assert set(both) == set(main) | set(mtp) and set(alone) == set(mtp)
+    convert(out, tmp_path / "jx", dtype="float32", progress=False)  # the converter reads the folder
