@@ -1,4 +1,4 @@
-"""jaxserve checkpoints: one Orbax pytree per group (embed, layer_000, ...), restored onto given shardings."""
+"""jaxserve checkpoints: one Orbax pytree per group (embed, layer_000, ..., mtp), restored onto given shardings."""
 from __future__ import annotations
 
 import contextlib
@@ -62,7 +62,14 @@ def load_config(checkpoint_dir: str | Path) -> ModelConfig:
 def _group_of(path: tuple) -> tuple[str, tuple]:
     if path[0] == "layers":
         return f"layer_{int(path[1]):03d}", path[2:]
+    if path[0] == "mtp":  # the MTP head: its norms, eh_proj and decoder layer
+        return "mtp", path[1:]
     return "embed", path
+
+
+def group_names(cfg: ModelConfig) -> list[str]:
+    """The checkpoint's groups, in order: embed, layer_000 .. layer_{L-1}, then mtp when the model has a head."""
+    return ["embed"] + [f"layer_{i:03d}" for i in range(cfg.num_layers)] + (["mtp"] if cfg.mtp_layers else [])
 
 
 def _path_str(path: tuple) -> str:
@@ -217,7 +224,7 @@ def save(model: CausalLM, out_dir: str | Path, *, dtype: str = "float32") -> Pat
     """Write `model` (dense weights) as a jaxserve checkpoint at `out_dir` (one Orbax pytree per group)."""
     out_dir = Path(out_dir)
     trees = group_trees(model)
-    groups = ["embed"] + [f"layer_{i:03d}" for i in range(model.cfg.num_layers)]
+    groups = group_names(model.cfg)
     with partial_output(out_dir) as partial:
         for g in groups:
             save_group(partial / "params" / g, trees[g])
