@@ -34,12 +34,9 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 import jaxserve
-from jaxserve.checkpoint import model_params
-from jaxserve.config import ModelConfig
 from jaxserve.eval import corpus
 from jaxserve.models import CausalLM
-from jaxserve.models.layers import Linear, RMSNorm
-from jaxserve.models.transformer import DecoderLayer
+from jaxserve.models.mtp import mtp_forward
 from jaxserve.tokenizer import Tokenizer
 from tools import train_tiny as tt
 
@@ -50,95 +47,53 @@ DEFAULT_TRAIN = replace(tt.TrainConfig(), minutes=12.0, batch_size=8, seq_len=25
                         calib_steps=10, evals=3, eval_tokens=32768, eval_window=512)
 
 
-class MTPDraft(nnx.Module):
-    """DeepSeek-V3's MTP module without its shared parts (embedding and lm_head come from the target).
-
-    enorm, hnorm, shared_head.norm: RMSNorm [H]; eh_proj: Linear [2H, H] over concat[enorm(embed), hnorm(h)];
-    layer: a `DecoderLayer` of the kind of the target's last layer."""
-
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        H = cfg.hidden_size
-        self.enorm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
-        self.hnorm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
-        self.eh_proj = Linear(2 * H, H, axes=(None, "embed"), dtype=dtype, rngs=rngs)
-        self.layer = DecoderLayer(cfg, cfg.num_layers - 1, dtype=dtype, rngs=rngs)
-        self.head_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
-
-
-def init_draft(target: CausalLM, seed: int) -> MTPDraft:
-    """An MTPDraft for `target`: the layer copies the target's last layer, shared_head.norm copies the final norm,
-    eh_proj starts as [I; I] (the sum of the two normalised inputs, a residual-stream-like start)."""
-    cfg = target.cfg
-    draft = MTPDraft(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
-    layer_state = nnx.state(target.layers[cfg.num_layers - 1])
-    nnx.update(draft.layer, jax.tree.map(jnp.array, layer_state))
-    draft.head_norm.weight[...] = jnp.array(target.norm.weight[...])
+def with_head(target: CausalLM, seed: int) -> CausalLM:
+    """The target (its arrays shared, not copied) plus a fresh MTP head (`CausalLM.mtp`, a MoE layer like the
+    target's last): the layer copies the target's last layer, shared_head.norm copies the final norm, eh_proj starts
+    as [I; I] (the sum of the two normalised inputs, a residual-stream-like start)."""
+    cfg = replace(target.cfg, mtp_layers=1, mtp_mlp_type=target.cfg.mlp_layer_types[-1])
+    model = CausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    nnx.update(model, nnx.state(target))
+    head = model.mtp
+    nnx.update(head.layer, jax.tree.map(jnp.array, nnx.state(target.layers[cfg.num_layers - 1])))
+    head.norm.weight[...] = jnp.array(target.norm.weight[...])
     eye = jnp.eye(cfg.hidden_size, dtype=jnp.float32)
-    draft.eh_proj.weight[...] = jnp.concatenate([eye, eye], axis=0)
-    return draft
+    head.eh_proj.weight[...] = jnp.concatenate([eye, eye], axis=0)
+    return model
 
 
-def head_logits(target: CausalLM, h: jax.Array) -> jax.Array:
-    """The target's lm_head (or tied embedding) on already-normalised h [..., H] -> logits [..., V] f32."""
-    if target.lm_head is None:
-        return jnp.dot(h, target.embed[...].T.astype(h.dtype), preferred_element_type=jnp.float32)
-    return target.lm_head(h).astype(jnp.float32)
-
-
-def _layer_served(layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-    """One DecoderLayer exactly as CausalLM.__call__ applies it (served MoE). h [B, T, H] -> [B, T, H]."""
-    a, _ = layer.attn(layer.input_norm(h), cos, sin, mask, absorbed=False, prev_selected=None)
-    h = h + a
-    return h + layer.mlp(layer.post_norm(h))
-
-
-def target_hidden(target: CausalLM, tokens: jax.Array) -> jax.Array:
-    """CausalLM.__call__ up to the last decoder layer (served math). tokens [B, T] int32 -> h [B, T, H]."""
-    mask, positions = tt._mask_and_positions(*tokens.shape)
-    cos, sin = target.rope(positions)
-    h = target.embed_tokens(tokens)
-    for layer in target.layers:
-        h = _layer_served(layer, h, cos, sin, mask)
-    return h
-
-
-def mtp_forward(draft: MTPDraft, target: CausalLM, h: jax.Array, next_tokens: jax.Array, *, train: bool
-                ) -> tuple[jax.Array, jax.Array | None]:
-    """h [B, T, H] (the target's h_p, positions 0..T-1), next_tokens [B, T] int32 (t_{p+1}) -> (logits [B, T, V] f32
-    for t_{p+2}, expert ids [B*T, k] int32 when `train` (block-grouped MoE) else None (served MoE))."""
-    x = jnp.concatenate([draft.enorm(target.embed_tokens(next_tokens)), draft.hnorm(h)], axis=-1)
-    x = draft.eh_proj(x)
+def mtp_forward_train(model: CausalLM, h: jax.Array, next_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`jaxserve.models.mtp.mtp_forward` with the block-grouped MoE of training. h [B, T, H] (the target's h_p,
+    positions 0..T-1), next_tokens [B, T] int32 (t_{p+1}) -> (logits [B, T, V] f32 of t_{p+2}, expert ids
+    [B*T, k] int32)."""
+    head = model.mtp
+    x = head.combine(model.embed_tokens(next_tokens), h)
     mask, positions = tt._mask_and_positions(*next_tokens.shape)
-    cos, sin = target.rope(positions)
-    ids = None
-    if train:
-        x, ids = tt.decoder_layer_train(draft.layer, "sparse", x, cos, sin, mask)
-    else:
-        x = _layer_served(draft.layer, x, cos, sin, mask)
-    return head_logits(target, draft.head_norm(x)), ids
+    cos, sin = model.rope(positions)
+    x, ids = tt.decoder_layer_train(head.layer, model.cfg.mtp_mlp_type, x, cos, sin, mask)
+    return model.head_logits(head.norm(x)), ids
 
 
-MTPStep = Callable[[nnx.State, dict, Any, jax.Array, jax.Array], tuple[dict, Any, dict]]
+MTPStep = Callable[[dict, dict, Any, jax.Array, jax.Array], tuple[dict, Any, dict]]
 
 
-def make_mtp_step(target_def: nnx.GraphDef, draft_def: nnx.GraphDef, template: nnx.State,
-                  tx: optax.GradientTransformation, bias_rate: float) -> MTPStep:
-    """-> jitted step(target_state, params, opt_state, batch [B, T+2] int32, lr f32) -> (params, opt_state, metrics).
+def make_mtp_step(graphdef: nnx.GraphDef, template: nnx.State, tx: optax.GradientTransformation,
+                  bias_rate: float) -> MTPStep:
+    """-> jitted step(frozen, params, opt_state, batch [B, T+2] int32, lr f32) -> (params, opt_state, metrics).
 
-    params: the draft's pure-dict state; the target (state passed in, never differentiated) gives h_p for
-    batch[:, :T]. metrics: {"loss": mean nats of t_{p+2} f32, "loads": [E] f32 routed slots per expert}."""
-    def loss_fn(params: dict, target: CausalLM, h: jax.Array, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
-        draft = tt.merged(draft_def, template, params)
-        logits, ids = mtp_forward(draft, target, h, batch[:, 1:-1], train=True)
-        loads = jnp.bincount(ids.reshape(-1), length=target.cfg.n_routed_experts).astype(jnp.float32)
+    frozen: the model's pure-dict state without "mtp" (never differentiated; gives h_p for batch[:, :T]); params:
+    the head's ("mtp"). metrics: {"loss": mean nats of t_{p+2} f32, "loads": [E] f32 routed slots per expert}."""
+    def loss_fn(params: dict, frozen: dict, h: jax.Array, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
+        model = tt.merged(graphdef, template, {**frozen, "mtp": params})
+        logits, ids = mtp_forward_train(model, h, batch[:, 1:-1])
+        loads = jnp.bincount(ids.reshape(-1), length=model.cfg.n_routed_experts).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 2:]).mean(), loads
 
     @jax.jit
-    def step(target_state: nnx.State, params: dict, opt_state: Any, batch: jax.Array, lr: jax.Array
-             ) -> tuple[dict, Any, dict]:
-        target = nnx.merge(target_def, target_state)
-        h = jax.lax.stop_gradient(tt.hidden_and_loads(target, batch[:, :-2])[0])
-        (loss, loads), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, target, h, batch)
+    def step(frozen: dict, params: dict, opt_state: Any, batch: jax.Array, lr: jax.Array) -> tuple[dict, Any, dict]:
+        model = tt.merged(graphdef, template, {**frozen, "mtp": params})
+        h = jax.lax.stop_gradient(tt.hidden_and_loads(model, batch[:, :-2])[0])
+        (loss, loads), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, h, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
         mlp = params["layer"]["mlp"]  # aux-loss-free balancing, as tools.train_tiny does for the target
@@ -149,24 +104,24 @@ def make_mtp_step(target_def: nnx.GraphDef, draft_def: nnx.GraphDef, template: n
 
 
 @nnx.jit
-def _eval_batch(target: CausalLM, draft: MTPDraft, batch: jax.Array, weights: jax.Array) -> jax.Array:
-    """batch [B, T+2] int32, weights [B, T] f32 -> [4] f32 sums: MTP nats, MTP top-1 hits of t_{p+2}, MTP argmax ==
-    the target's argmax at p+1 (the greedy accept event), target top-1 hits of t_{p+2} (from t_0..t_{p+1})."""
+def _eval_batch(model: CausalLM, batch: jax.Array, weights: jax.Array) -> jax.Array:
+    """Served math (`CausalLM.hidden`, `mtp.mtp_forward`). batch [B, T+2] int32, weights [B, T] f32 -> [4] f32
+    sums: MTP nats, MTP top-1 hits of t_{p+2}, MTP argmax == the target's argmax after t_{p+1} (the greedy accept
+    event), target top-1 hits of t_{p+2} (from t_0..t_{p+1})."""
     T = batch.shape[1] - 2
-    h_all = target_hidden(target, batch[:, :-1])  # [B, T+1, H]
-    logits, _ = mtp_forward(draft, target, h_all[:, :T], batch[:, 1:-1], train=False)
+    h_all = model.hidden(batch[:, :-1])  # [B, T+1, H]
+    logits, _ = mtp_forward(model, h_all[:, :T], batch[:, 1:-1])
     tgt = batch[:, 2:]
-    greedy = jnp.argmax(target.logits(h_all[:, 1:]), -1)  # the target's next token after t_{p+1}
+    greedy = jnp.argmax(model.logits(h_all[:, 1:]), -1)
     mtp = jnp.argmax(logits, -1)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, tgt)
     return jnp.stack([jnp.sum(ce * weights), jnp.sum((mtp == tgt) * weights), jnp.sum((mtp == greedy) * weights),
                       jnp.sum((greedy == tgt) * weights)])
 
 
-def evaluate(target: CausalLM, draft: MTPDraft, tokens: np.ndarray, window: int, batch_size: int = 8
-             ) -> dict[str, float]:
-    """Held-out MTP metrics over a token stream [N] int32: windows of `window` positions at stride `window`, so
-    every t_j (j >= 2) is predicted once. -> {ce, top1, agree_greedy, target_top1, predictions}."""
+def evaluate(model: CausalLM, tokens: np.ndarray, window: int, batch_size: int = 8) -> dict[str, float]:
+    """Held-out MTP metrics of `model.mtp` over a token stream [N] int32: windows of `window` positions at stride
+    `window`, so every t_j (j >= 2) is predicted once. -> {ce, top1, agree_greedy, target_top1, predictions}."""
     n_pred = len(tokens) - 2
     n_win = math.ceil(n_pred / window)
     padded = np.zeros(n_win * window + 2, np.int32)
@@ -177,24 +132,23 @@ def evaluate(target: CausalLM, draft: MTPDraft, tokens: np.ndarray, window: int,
     x, w = np.pad(x, ((0, pad), (0, 0))), np.pad(w, ((0, pad), (0, 0)))
     total = np.zeros(4)
     for i in range(0, len(x), batch_size):
-        total += np.asarray(_eval_batch(target, draft, jnp.asarray(x[i:i + batch_size]),
-                                        jnp.asarray(w[i:i + batch_size])), np.float64)
-    ce, top1, agree, target_top1 = total / n_pred
+        total += np.asarray(_eval_batch(model, jnp.asarray(x[i:i + batch_size]), jnp.asarray(w[i:i + batch_size])),
+                            np.float64)
+    ce, top1, agree, target_top1 = (float(v) for v in total / n_pred)
     return {"ce": ce, "top1": top1, "agree_greedy": agree, "target_top1": target_top1, "predictions": n_pred}
 
 
 def train_mtp(target: CausalLM, tcfg: tt.TrainConfig, train_tokens: np.ndarray, eval_tokens: np.ndarray | None = None,
-              progress: bool = True) -> tuple[MTPDraft, dict[str, Any]]:
-    """Train a draft for the frozen `target` on random windows of train_tokens [N] int32 (T = tcfg.seq_len
+              progress: bool = True) -> tuple[CausalLM, dict[str, Any]]:
+    """Train a head for the frozen `target` on random windows of train_tokens [N] int32 (T = tcfg.seq_len
     positions, T+2 tokens per row); stops at the scheduled steps or the wall-time budget. eval_tokens [M] int32:
-    scored `evals - 1` times during training. -> (draft, summary: steps, wall time, losses, evals, loads)."""
-    draft = init_draft(target, tcfg.seed)
-    t_def, t_state = nnx.split(target)
-    d_def, template = nnx.split(draft)
-    params = template.to_pure_dict()
+    scored `evals - 1` times during training. -> (target + trained head, summary: steps, wall time, losses, evals)."""
+    graphdef, template = nnx.split(with_head(target, tcfg.seed))
+    frozen = template.to_pure_dict()
+    params = frozen.pop("mtp")
     tx = tt.make_optimizer(tcfg)
     opt_state = tx.init(params)
-    step_fn = make_mtp_step(t_def, d_def, template, tx, tcfg.bias_rate)
+    step_fn = make_mtp_step(graphdef, template, tx, tcfg.bias_rate)
     rng = np.random.default_rng(tcfg.seed)
     budget = math.inf if tcfg.minutes is None else tcfg.minutes * 60.0
     total_steps = tcfg.steps if tcfg.steps is not None else 10**9  # fixed after calibration
@@ -208,7 +162,7 @@ def train_mtp(target: CausalLM, tcfg: tt.TrainConfig, train_tokens: np.ndarray, 
     while step < total_steps and time.perf_counter() - t0 < budget and step != tcfg.stop_after:
         lr = tt.learning_rate(step, total_steps, tcfg)
         batch = jnp.asarray(tt.sample_batch(train_tokens, rng, tcfg.batch_size, tcfg.seq_len + 1))
-        params, opt_state, metrics = step_fn(t_state, params, opt_state, batch, jnp.float32(lr))
+        params, opt_state, metrics = step_fn(frozen, params, opt_state, batch, jnp.float32(lr))
         losses.append(float(metrics["loss"]))  # blocks: the step timing is real
         step += 1
         if step == 1:
@@ -222,7 +176,7 @@ def train_mtp(target: CausalLM, tcfg: tt.TrainConfig, train_tokens: np.ndarray, 
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}")
         if eval_tokens is not None and total_steps < 10**9 and tcfg.evals > 1 and \
                 step % max(1, total_steps // tcfg.evals) == 0 and step < total_steps:
-            ev = evaluate(target, tt.merged(d_def, template, params), eval_tokens, tcfg.eval_window)
+            ev = evaluate(tt.merged(graphdef, template, {**frozen, "mtp": params}), eval_tokens, tcfg.eval_window)
             evals.append({"step": step, **ev, "train_loss_last50": float(np.mean(losses[-50:]))})
             tqdm.write(f"step {step}: held-out MTP ce {ev['ce']:.4f}, top-1 {ev['top1']:.4f}, "
                        f"agree with greedy target {ev['agree_greedy']:.4f}")
@@ -235,29 +189,14 @@ def train_mtp(target: CausalLM, tcfg: tt.TrainConfig, train_tokens: np.ndarray, 
                "final_expert_loads": (loads / loads.sum()).tolist() if loads.size else [],
                "final_router_bias": np.asarray(params["layer"]["mlp"]["router_bias"]).tolist(),
                "parameters": int(sum(x.size for x in jax.tree.leaves(params))), "jax": jax.__version__}
-    return tt.merged(d_def, template, params), summary
+    return tt.merged(graphdef, template, {**frozen, "mtp": params}), summary
 
 
-# ---- export -------------------------------------------------------------------------------------------------------
-
-
-def mtp_hf_tensors(draft: MTPDraft, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The head under DeepSeek-V3's HF names for MTP layer `cfg.num_layers` ([out, in] linears, f32): eh_proj, enorm,
-    hnorm, shared_head.norm and the decoder layer named exactly as `train_tiny.hf_layer_tensors` names layer N."""
-    p = model_params(draft)
-    L = f"model.layers.{cfg.num_layers}"
-    out = {f"{L}.eh_proj.weight": p["eh_proj.weight"].T, f"{L}.enorm.weight": p["enorm.weight"],
-           f"{L}.hnorm.weight": p["hnorm.weight"], f"{L}.shared_head.norm.weight": p["head_norm.weight"]}
-    out.update(tt.hf_layer_tensors(cfg, p, "layer", L, cfg.mlp_layer_types[-1]))
-    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
-
-
-def export_with_mtp(target: CausalLM, draft: MTPDraft, raw_config: dict[str, Any], out_dir: str | Path) -> Path:
-    """The target's HF folder (`train_tiny.export_hf`) with the head added to model.safetensors and config
-    `num_nextn_predict_layers: 1`; the head's tensors alone also go to OUT/mtp.safetensors."""
-    mtp = mtp_hf_tensors(draft, target.cfg)
-    out = tt.export_hf(target, {**raw_config, "num_nextn_predict_layers": 1}, out_dir, extra_tensors=mtp)
-    save_file(mtp, str(out / MTP_FILE), metadata={"format": "pt"})
+def export_with_mtp(model: CausalLM, raw_config: dict[str, Any], out_dir: str | Path) -> Path:
+    """`train_tiny.export_hf` of the target with its head (config `num_nextn_predict_layers: 1`); the head's
+    tensors alone also go to OUT/mtp.safetensors."""
+    out = tt.export_hf(model, {**raw_config, "num_nextn_predict_layers": 1}, out_dir)
+    save_file(tt.hf_mtp_tensors(model), str(out / MTP_FILE), metadata={"format": "pt"})
     return out
 
 
@@ -268,27 +207,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="HF output folder (target + MTP head)")
     parser.add_argument("--checkpoint", default=str(CHECKPOINT), help="the converted target checkpoint")
-    parser.add_argument("--minutes", type=float, default=DEFAULT_TRAIN.minutes, help="training wall-time budget")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help=f"wall-time budget (default {DEFAULT_TRAIN.minutes:g} when fitted to it; none with --steps)")
     parser.add_argument("--steps", type=int, default=None, help="fixed step count (default: fit to --minutes)")
     parser.add_argument("--seed", type=int, default=DEFAULT_TRAIN.seed)
     args = parser.parse_args(argv)
-    tcfg = replace(DEFAULT_TRAIN, minutes=args.minutes, steps=args.steps, seed=args.seed)
+    minutes = args.minutes if args.minutes is not None or args.steps is not None else DEFAULT_TRAIN.minutes
+    tcfg = replace(DEFAULT_TRAIN, minutes=minutes, steps=args.steps, seed=args.seed)
     _, target = jaxserve.load(args.checkpoint, dtype=jnp.float32)
     tokenizer = Tokenizer(args.checkpoint)
     eos_id = tokenizer.token_to_id(tt.EOS)
     train_tokens = tt.token_stream(corpus.read_texts(corpus.train_files()), tokenizer, eos_id)
     held, _ = tt.heldout_stream(tokenizer, max_tokens=tcfg.eval_tokens + 2)
     held = held[:tcfg.eval_tokens + 2]
-    before = evaluate(target, init_draft(target, tcfg.seed), held, tcfg.eval_window)
-    draft, summary = train_mtp(target, tcfg, train_tokens, held)
-    summary.update(heldout_at_init=before, heldout=evaluate(target, draft, held, tcfg.eval_window),
+    before = evaluate(with_head(target, tcfg.seed), held, tcfg.eval_window)
+    model, summary = train_mtp(target, tcfg, train_tokens, held)
+    summary.update(heldout_at_init=before, heldout=evaluate(model, held, tcfg.eval_window),
                    heldout_definition=f"first {tcfg.eval_tokens} predictions of the stdlib held-out stream "
                    f"(tools.train_tiny.heldout_stream), windows of {tcfg.eval_window} positions, served layer math",
                    checkpoint=str(args.checkpoint), command="python -m tools.train_mtp " + " ".join(
                        sys.argv[1:] if argv is None else argv),
                    train_stream_tokens=int(len(train_tokens)))
     raw = json.loads((Path(args.checkpoint) / "config.json").read_text())
-    out = export_with_mtp(target, draft, raw, args.out_dir)
+    out = export_with_mtp(model, raw, args.out_dir)
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "train_config"}, indent=1))
 

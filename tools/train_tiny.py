@@ -594,19 +594,30 @@ def hf_tensors(model: CausalLM) -> dict[str, np.ndarray]:
            "lm_head.weight": p["lm_head.weight"].T}
     for i, kind in enumerate(cfg.mlp_layer_types):
         out.update(hf_layer_tensors(cfg, p, f"layers.{i}", f"model.layers.{i}", kind))
+    if model.mtp is not None:
+        out.update(hf_mtp_tensors(model))
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
+
+
+def hf_mtp_tensors(model: CausalLM) -> dict[str, np.ndarray]:
+    """The MTP head (`model.mtp`) as DeepSeek-V3's layer N = num_hidden_layers: eh_proj [H, 2H], enorm, hnorm,
+    shared_head.norm and its decoder layer named as `hf_layer_tensors` names layer N; f32 contiguous arrays."""
+    cfg = model.cfg
+    p = model_params(model.mtp)
+    L = f"model.layers.{cfg.num_layers}"
+    out = {f"{L}.eh_proj.weight": p["eh_proj.weight"].T, f"{L}.enorm.weight": p["enorm.weight"],
+           f"{L}.hnorm.weight": p["hnorm.weight"], f"{L}.shared_head.norm.weight": p["norm.weight"]}
+    out.update(hf_layer_tensors(cfg, p, "layer", L, cfg.mtp_mlp_type))
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
 def export_hf(model: CausalLM, raw_config: dict[str, Any], out_dir: str | Path,
-              tokenizer_dir: str | Path = TOKENIZER_DIR, extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """Write an HF folder: config.json, model.safetensors (f32), generation_config.json and tokenizer files.
-
-    extra_tensors: more HF-named tensors for model.safetensors (an MTP layer, `tools.train_mtp`)."""
+              tokenizer_dir: str | Path = TOKENIZER_DIR) -> Path:
+    """Write an HF folder: config.json, model.safetensors (f32), generation_config.json and tokenizer files."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
-    save_file({**hf_tensors(model), **(extra_tensors or {})}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(hf_tensors(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     for f in Path(tokenizer_dir).iterdir():
         if f.suffix == ".json" and f.name != "training_meta.json":
             shutil.copy2(f, out_dir / f.name)
