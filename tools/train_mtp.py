@@ -138,6 +138,32 @@ def evaluate(model: CausalLM, tokens: np.ndarray, window: int, batch_size: int =
     return {"ce": ce, "top1": top1, "agree_greedy": agree, "target_top1": target_top1, "predictions": n_pred}
 
 
+def greedy_text_metrics(checkpoint_dir: str | Path, model: CausalLM, prompts: np.ndarray, new_tokens: int = 128
+                        ) -> dict[str, float]:
+    """The head on the target's own greedy text, what a greedy `serve` drafts against: the checkpoint's Engine (f32)
+    continues each prompt [P] of prompts [B, P] int32 by `new_tokens` greedy tokens (eos ignored), then `model`
+    scores the positions whose t_{p+2} is a generated token. -> evaluate()'s keys (agree_greedy ~ the accept rate of
+    one drafted token; 1 + it is the mean tokens per verify step at k = 1)."""
+    from jaxserve.engine import Engine, EngineConfig, SamplingParams  # serving stack: only this measurement needs it
+
+    cfg = EngineConfig(kv_dtype="f32", prefill_weights="f32", decode_weights="f32", dtype="float32", max_batch=8)
+    engine = Engine.from_checkpoint(checkpoint_dir, cfg, start=False)
+    outs = engine.generate([p.tolist() for p in prompts],
+                           SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    rows = np.concatenate([prompts, np.asarray([o.token_ids for o in outs], np.int32)], axis=1)
+    weights = (np.arange(rows.shape[1] - 2) + 2 >= prompts.shape[1]).astype(np.float32)
+    weights = np.broadcast_to(weights, (len(rows), rows.shape[1] - 2))
+    ce, top1, agree, target_top1 = (float(v) for v in np.asarray(
+        _eval_batch(model, jnp.asarray(rows), jnp.asarray(weights)), np.float64) / weights.sum())
+    return {"ce": ce, "top1": top1, "agree_greedy": agree, "target_top1": target_top1,
+            "predictions": int(weights.sum())}
+
+
+def greedy_prompts(held: np.ndarray, n: int = 16, length: int = 64, stride: int = 2000) -> np.ndarray:
+    """n prompts of `length` tokens from the held-out stream [N] int32 (at 100 + i * stride) -> [n, length] int32."""
+    return np.stack([held[100 + i * stride:100 + i * stride + length] for i in range(n)])
+
+
 def train_mtp(target: CausalLM, tcfg: tt.TrainConfig, train_tokens: np.ndarray, eval_tokens: np.ndarray | None = None,
               progress: bool = True) -> tuple[CausalLM, dict[str, Any]]:
     """Train a head for the frozen `target` on random windows of train_tokens [N] int32 (T = tcfg.seq_len
@@ -222,7 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     held = held[:tcfg.eval_tokens + 2]
     before = evaluate(with_head(target, tcfg.seed), held, tcfg.eval_window)
     model, summary = train_mtp(target, tcfg, train_tokens, held)
+    prompts = greedy_prompts(held)
     summary.update(heldout_at_init=before, heldout=evaluate(model, held, tcfg.eval_window),
+                   greedy_text=greedy_text_metrics(args.checkpoint, model, prompts), greedy_text_definition=(
+                       f"{len(prompts)} held-out prompts of {prompts.shape[1]} tokens (tools.train_mtp.greedy_prompts)"
+                       ", 128 greedy tokens each from the target's Engine (f32), scored on the generated tokens"),
                    heldout_definition=f"first {tcfg.eval_tokens} predictions of the stdlib held-out stream "
                    f"(tools.train_tiny.heldout_stream), windows of {tcfg.eval_window} positions, served layer math",
                    checkpoint=str(args.checkpoint), command="python -m tools.train_mtp " + " ".join(
