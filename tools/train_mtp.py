@@ -49,14 +49,17 @@ DEFAULT_TRAIN = replace(tt.TrainConfig(), minutes=12.0, batch_size=8, seq_len=25
 
 def with_head(target: CausalLM, seed: int) -> CausalLM:
     """The target (its arrays shared, not copied) plus a fresh MTP head (`CausalLM.mtp`, a MoE layer like the
-    target's last): the layer copies the target's last layer, shared_head.norm copies the final norm, eh_proj starts
-    as [I; I] (the sum of the two normalised inputs, a residual-stream-like start)."""
+    target's last; a head the target already has is replaced): the layer copies the target's last layer,
+    shared_head.norm copies the final norm, enorm and hnorm are ones, eh_proj starts as [I; I] (the sum of the two
+    normalised inputs, a residual-stream-like start)."""
     cfg = replace(target.cfg, mtp_layers=1, mtp_mlp_type=target.cfg.mlp_layer_types[-1])
     model = CausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
     nnx.update(model, nnx.state(target))
     head = model.mtp
     nnx.update(head.layer, jax.tree.map(jnp.array, nnx.state(target.layers[cfg.num_layers - 1])))
     head.norm.weight[...] = jnp.array(target.norm.weight[...])
+    head.enorm.weight[...] = jnp.ones_like(head.enorm.weight[...])
+    head.hnorm.weight[...] = jnp.ones_like(head.hnorm.weight[...])
     eye = jnp.eye(cfg.hidden_size, dtype=jnp.float32)
     head.eh_proj.weight[...] = jnp.concatenate([eye, eye], axis=0)
     return model

@@ -91,6 +91,9 @@ def test_export_follows_the_layer_rule_and_converts_back(target, tmp_path):
     assert all(mtp[k].shape == (H,) for k in extra - {f"model.layers.{L}.eh_proj.weight"})
 
     model.mtp.eh_proj.weight[...] = jax.random.normal(jax.random.key(3), (2 * H, H)) * 0.1  # not symmetric
+    model.mtp.enorm.weight[...] = model.mtp.enorm.weight[...] * 2
+    fresh = tt.hf_mtp_tensors(tm.with_head(model, 0))  # a head already there is replaced, not trained on
+    assert all(np.array_equal(fresh[k], v) for k, v in mtp.items())
     out = tm.export_with_mtp(model, tt.hf_config_dict(SIZE), tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
     both, alone = load_file(str(out / "model.safetensors")), load_file(str(out / tm.MTP_FILE))
