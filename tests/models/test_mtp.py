@@ -201,3 +201,35 @@ def test_paged_extend_then_steps_equal_dense(models, arch, kv_dtype):
         pos = lens + k - 1  # the MTP row after the sampled token, then after each draft
         logits, hidden, pages = _paged_step(model, pages, rows.step(seq[np.arange(B), pos + 1], pos), hidden, "xla")
         assert np.abs(np.asarray(logits) - want[k]).max() <= TOL[kv_dtype] * scale, k
+
+
+@pytest.mark.parametrize("rules", ["tp", "ep", "dp_attention"])
+def test_paged_mtp_on_a_mesh_equals_one_device(models, rules):
+    """The head placed like the rest of the model (TP over heads and expert FFN, EP, DP attention over rows and
+    pages) gives one device's logits."""
+    import jax
+
+    from jaxserve.models.build import shard_model
+    from jaxserve.sharding import Parallel, ShardingRules, make_mesh
+
+    model = models["deepseek_v3"]
+    cfg = model.cfg
+    n = 2 if rules == "dp_attention" else 4
+    par = Parallel(make_mesh(jax.devices()[:n], dp=n if rules == "dp_attention" else 1), ShardingRules.preset(rules))
+    placed = shard_model(model, par)
+    B, T = 2, 8
+    seq = np.random.default_rng(5).integers(0, cfg.vocab_size, (B, T + 2)).astype(np.int32)
+    rows = Rows(B, -(-(T + 2) // PAGE))
+    n_pages = 1 + B * rows.M + (-(1 + B * rows.M)) % n  # a multiple of the page shards
+    rows.tags = np.concatenate([rows.tags, np.full(n_pages - len(rows.tags), 1, np.uint32)])
+    out = []
+    for m in (model, placed):
+        pages = replace(init_pages(kv_layout(cfg, PAGE, "bf16"), n_pages), tags=jnp.asarray(rows.tags))
+        batch = rows.chunk(seq, 0, np.array([T, T - 3]), T)
+        nxt = np.take_along_axis(seq, np.asarray(batch.positions) + 1, 1)
+        logits, h, pages = _paged_chunk(m, pages, batch, jnp.asarray(nxt), "xla")
+        pos = np.array([T, T - 3])
+        step, _, _ = _paged_step(m, pages, rows.step(seq[np.arange(B), pos + 1], pos), h[np.arange(B), pos - 1], "xla")
+        out.append((np.asarray(logits), np.asarray(step)))
+    for got, want in zip(out[1], out[0]):
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
