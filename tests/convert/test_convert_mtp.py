@@ -99,3 +99,12 @@ def test_plan_counts_the_mtp_layer():
     assert with_mtp["kv_bytes_per_token_per_device"] - without["kv_bytes_per_token_per_device"] == cfg.latent_dim + 4
     for phase in ("decode", "prefill"):
         assert with_mtp["phases"][phase]["weight_bytes"] > without["phases"][phase]["weight_bytes"]
+
+
+def test_load_can_leave_the_head_unread(kimi_mtp):
+    tmp, _ = kimi_mtp
+    cfg, model = jaxserve.load(tmp / "jx", mtp=False)
+    assert cfg.mtp_layers == 0 and model.mtp is None
+    _, full = jaxserve.load(tmp / "jx")
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 6)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(full(tokens)))

@@ -233,3 +233,14 @@ def test_paged_mtp_on_a_mesh_equals_one_device(models, rules):
         out.append((np.asarray(logits), np.asarray(step)))
     for got, want in zip(out[1], out[0]):
         np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_model_without_its_head_is_the_same_model(models):
+    from jaxserve.models.build import drop_mtp
+
+    model = models["glm4_moe"]
+    plain = drop_mtp(model)
+    assert plain.mtp is None and plain.cfg.mtp_layers == 0 and model.mtp is not None
+    assert kv_layout(plain.cfg, PAGE, "fp8").num_layers == kv_layout(model.cfg, PAGE, "fp8").num_layers - 1
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, model.cfg.vocab_size, (2, 7)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(plain(tokens)))
