@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -102,7 +103,7 @@ def load_formats(checkpoint_dir: str | Path) -> list[str]:
 
 def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding: ShardingFn | None = None,
          weights: str | None = None, mesh: jax.sharding.Mesh | None = None,
-         rules: ShardingRules | None = None) -> tuple[ModelConfig, CausalLM]:
+         rules: ShardingRules | None = None, mtp: bool = True) -> tuple[ModelConfig, CausalLM]:
     """Restore a converted checkpoint into a CausalLM.
 
     dtype: the model's compute/storage dtype (default: the checkpoint's). mesh (+ rules, default tensor
@@ -113,11 +114,13 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding
     weights: a format from `load_formats` (None: the checkpoint's own `params/`). A quantized format ("fp8",
     "int4") is restored into a model built in that format (`WeightPlan`) under `nnx.eval_shape`, so no BF16 copy
     of the quantized tensors is ever materialized.
+    mtp: False leaves the checkpoint's MTP head unread (the config's mtp_layers 0: no head, no MTP KV layer).
     """
     checkpoint_dir = Path(checkpoint_dir).absolute()
     weights = canonical_format(weights)  # "float8_e4m3fn" names the stored "fp8" weights
     manifest = read_manifest(checkpoint_dir)
     cfg = ModelConfig.from_dict(manifest["model"])
+    cfg = cfg if mtp else dataclasses.replace(cfg, mtp_layers=0)
     dtype = dtype or {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[manifest["dtype"]]
     par = None if mesh is None else Parallel(mesh, rules or ShardingRules.tensor_parallel())
     if par is not None:

@@ -104,14 +104,19 @@ class ModelConfig:
 
     @property
     def index_layers(self) -> tuple[int, ...]:
-        """The layers that run their own DSA indexer ("full"), in order; IndexShare ("shared") layers reuse the
-        selection of the last full layer before them. Entry j's keys are indexer key cache layer j. The MTP layer
-        (index num_layers, its own indexer) comes last when there is one."""
-        main = tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
-        return main + tuple(range(self.num_layers, self.num_layers + self.mtp_layers)) if self.has_indexer else main
+        """The main layers that run their own DSA indexer ("full"), in order; IndexShare ("shared") layers reuse the
+        selection of the last full layer before them. Entry j's keys are indexer key cache layer j."""
+        return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
+
+    @property
+    def index_cache_layers(self) -> int:
+        """Layers of the DSA indexer key cache: the main full indexer layers, then the MTP layer's (its own)."""
+        return len(self.index_layers) + (self.mtp_layers if self.has_indexer else 0)
 
     def index_slot(self, layer: int) -> int:
-        """The indexer key cache layer of full indexer layer `layer`."""
+        """The indexer key cache layer of full indexer layer `layer` (the MTP layer's comes after the main ones)."""
+        if layer >= self.num_layers:
+            return len(self.index_layers) + layer - self.num_layers
         return self.index_layers.index(layer)
 
     def mlp_type(self, layer: int) -> str:

@@ -20,7 +20,7 @@ def kv_layout(cfg: ModelConfig, page_size: int, dtype: str, index_dtype: str | N
     index_dtype: the indexer keys' dtype when it differs from `dtype` (only "bf16" in an FP8 pool is useful)."""
     if cfg.is_mla:
         return KVLayout.mla(cfg.kv_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size=page_size, dtype=dtype,
-                            index_layers=len(cfg.index_layers), index_head_dim=cfg.index_head_dim if cfg.has_indexer
+                            index_layers=cfg.index_cache_layers, index_head_dim=cfg.index_head_dim if cfg.has_indexer
                             else 0, index_dtype=None if index_dtype in (None, dtype) else index_dtype)
     return KVLayout.gqa(cfg.kv_layers, cfg.num_kv_heads, cfg.head_dim, page_size=page_size, dtype=dtype)
 

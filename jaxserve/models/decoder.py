@@ -12,6 +12,18 @@ from jaxserve.quant.weight_format import WeightPlan
 from jaxserve.sharding import Parallel
 
 
+def causal_mask(B: int, T: int, positions: jax.Array | None, lengths: jax.Array | None
+                ) -> tuple[jax.Array, jax.Array]:
+    """A dense context's positions [B, T] int32 (default arange) and causal mask [B, T(query), S(key)] bool with
+    right padding past lengths [B] (default T)."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    valid = jnp.arange(T)[None, :] < lengths[:, None]
+    return positions, (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)). Layer `layer_idx` of the config (index
     num_layers is the MTP layer: its MLP kind is `cfg.mtp_mlp_type`). Its parameters sit under `path` (default

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.decoder import DecoderLayer
+from jaxserve.models.decoder import DecoderLayer, causal_mask
 from jaxserve.models.layers import Linear, RMSNorm
 from jaxserve.quant.weight_format import WeightPlan
 from jaxserve.sharding import Parallel
@@ -51,13 +51,7 @@ def mtp_forward(model: nnx.Module, hidden: jax.Array, next_tokens: jax.Array, po
     after each position), positions [B, T] int32 (default arange), lengths [B] int32 (right padding) ->
     (logits [B, T, V] f32 of the token two past each position, h_mtp [B, T, H] before the head's norm)."""
     head: MTPHead = model.mtp
-    B, T = next_tokens.shape
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    if lengths is None:
-        lengths = jnp.full((B,), T, jnp.int32)
-    valid = jnp.arange(T)[None, :] < lengths[:, None]
-    mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
+    positions, mask = causal_mask(*next_tokens.shape, positions, lengths)
     cos, sin = model.rope(positions)
     h = head.combine(model.embed_tokens(next_tokens), hidden)
     h, _ = head.layer(h, cos, sin, mask, absorbed=absorbed, prev_selected=None)

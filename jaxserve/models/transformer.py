@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.decoder import DecoderLayer
+from jaxserve.models.decoder import DecoderLayer, causal_mask
 from jaxserve.models.layers import INIT_STD, Linear, RMSNorm
 from jaxserve.models.mtp import MTPHead
 from jaxserve.models.rope import cos_sin
@@ -98,13 +98,7 @@ class CausalLM(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, lengths: jax.Array | None = None,
                *, absorbed: bool = False) -> jax.Array:
         """As __call__, but -> the last decoder layer's output [B, T, H] (before the final norm)."""
-        B, T = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        if lengths is None:
-            lengths = jnp.full((B,), T, jnp.int32)
-        valid = jnp.arange(T)[None, :] < lengths[:, None]
-        mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]  # [B, T(query), S(key)]
+        positions, mask = causal_mask(*tokens.shape, positions, lengths)
         cos, sin = self.rope(positions)
         h = self.embed_tokens(tokens)
         selected = None
