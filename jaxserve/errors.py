@@ -145,6 +145,11 @@ class BackendError(JaxserveError):
     error_type = "backend_error"
 
 
+class BackendUnreachableError(BackendError):
+    """A server behind `jaxserve router` refused or timed out the connection: nothing was sent, so the router may
+    send the request to another server."""
+
+
 class NoBackendError(JaxserveError):
     """`jaxserve router` has no live server in a pool the request needs (value: the pool's URLs)."""
 

@@ -39,7 +39,7 @@ from jaxserve.server.chat_request import parse_chat
 from jaxserve.server.protocol import Generation, parse_completion
 from jaxserve.server.responses_api import ResponsesApi
 from jaxserve.server.responses import (CHAT, COMPLETION, Reply, Shape, TokenText, complete, error_response,
-                                       single_choice, stream)
+                                       http_error_response, single_choice, stream)
 
 log = logging.getLogger("jaxserve.server")
 
@@ -241,13 +241,7 @@ def _add_error_handlers(app: Flask, cfg: AppConfig, metrics: ServerMetrics) -> N
     def typed_error(err: JaxserveError) -> Response:
         return error_response(err, cfg.retry_after_s)
 
-    @app.errorhandler(HTTPException)
-    def http_error(err: HTTPException) -> Response:
-        # OpenAI's shape for an unknown route or method: an invalid_request_error with a code clients can test
-        message = f"Invalid URL ({request.method} {request.path[:200]})" if err.code == 404 else err.description
-        code = {404: "not_found", 405: "method_not_allowed"}.get(err.code or 500)
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-        return Response(json.dumps(body), status=err.code or 500, mimetype="application/json")
+    app.register_error_handler(HTTPException, http_error_response)
 
     @app.errorhandler(Exception)
     def unexpected(err: Exception) -> Response:

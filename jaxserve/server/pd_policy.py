@@ -7,7 +7,8 @@ then the shortest queue; a prefix loses its pull when its server's queue is more
 deeper than the shortest one (else one hot prefix would pile every request onto one server).
 Decode: among live servers, those whose free KV pages hold the request (prompt + max_tokens, per choice) first,
 then the least loaded; when none can hold it, the one with the most free pages (it queues the request).
-Ready servers (warm-up done) come before live ones still warming up. A session (`x-session-affinity`) sticks to
+Ready servers (warm-up done) come before live ones still warming up; full ties go to the server this router sent
+fewer requests (idle servers take turns). A session (`x-session-affinity`) sticks to
 the servers it was first given while they live (`SessionTable`); a dead server is never picked.
 """
 from __future__ import annotations
@@ -40,14 +41,16 @@ class ServerStatus:
 
 @dataclass(frozen=True)
 class ServerView:
-    """What the policy knows of one server: alive (its health checks pass), its last status, and the requests
-    and KV pages this router sent it since that status was taken (the status is polled, so these cover a burst)."""
+    """What the policy knows of one server: alive (its health checks pass), its last status, the requests and KV
+    pages this router sent it since that status was taken (the status is polled, so these cover a burst), and all
+    the requests this router ever sent it (the last tiebreak: idle servers take turns)."""
 
     url: str
     alive: bool
     status: ServerStatus = ServerStatus()
     sent: int = 0
     sent_pages: int = 0
+    total: int = 0
 
     @property
     def load(self) -> int:
@@ -100,10 +103,10 @@ def pick_prefill(servers: Sequence[ServerView], cached: Mapping[str, int], pinne
         return pin.url
     shortest = min(s.load for s in live)
 
-    def key(i: int) -> tuple[bool, int, int, int]:
+    def key(i: int) -> tuple[bool, int, int, int, int]:
         s = live[i]
         hit = cached.get(s.url, 0) if s.load - shortest <= cfg.max_queue_gap else 0
-        return not s.status.ready, -hit, s.load, i
+        return not s.status.ready, -hit, s.load, s.total, i
 
     return live[min(range(len(live)), key=key)].url
 
@@ -115,12 +118,12 @@ def pick_decode(servers: Sequence[ServerView], need_pages: int, pinned: str | No
     if (pin := _pinned(live, pinned)) is not None:
         return pin.url
 
-    def key(i: int) -> tuple[bool, bool, int, int, int]:
+    def key(i: int) -> tuple[bool, bool, int, int, int, int]:
         s = live[i]
         free = s.free_pages
         if free is None or free >= need_pages:
-            return not s.status.ready, False, s.load, -(free or 0), i
-        return not s.status.ready, True, -free, s.load, i
+            return not s.status.ready, False, s.load, -(free or 0), s.total, i
+        return not s.status.ready, True, -free, s.load, s.total, i
 
     return live[min(range(len(live)), key=key)].url
 

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from flask import Response
+from flask import Response, request
+from werkzeug.exceptions import HTTPException
 
 from jaxserve.engine import TokenEvent
 from jaxserve.engine.request import PromptLogprobs
@@ -55,6 +56,15 @@ def error_response(err: JaxserveError, retry_after_s: int = RETRY_AFTER_S) -> Re
     if isinstance(err, (QueueFullError, ShuttingDownError)):
         resp.headers["Retry-After"] = str(retry_after_s)
     return resp
+
+
+def http_error_response(err: HTTPException) -> Response:
+    """Flask's own errors (unknown route or method, ...) in OpenAI's shape: an invalid_request_error with a code
+    clients can test."""
+    message = f"Invalid URL ({request.method} {request.path[:200]})" if err.code == 404 else err.description
+    code = {404: "not_found", 405: "method_not_allowed"}.get(err.code or 500)
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    return Response(json.dumps(body), status=err.code or 500, mimetype="application/json")
 
 
 def usage(ends: list[TokenEvent], n: int = 1) -> dict[str, Any]:

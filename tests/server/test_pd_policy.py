@@ -30,9 +30,14 @@ def test_prefill_without_cached_prefixes_takes_the_shortest_queue():
     assert pick_prefill([view(A, sent=3), view(B, running=1)], {}) == B
 
 
-def test_equal_prefixes_tie_on_queue_depth_then_order():
+def test_equal_prefixes_tie_on_queue_depth_then_turns():
     assert pick_prefill([view(A, queued=2), view(B, queued=1)], {A: 16, B: 16}) == B
     assert pick_prefill([view(A), view(B)], {A: 16, B: 16}) == A
+    # idle servers take turns: the one this router sent fewer requests in all
+    assert pick_prefill([ServerView(A, True, ServerStatus(ready=True), total=3),
+                         ServerView(B, True, ServerStatus(ready=True), total=2)], {}) == B
+    assert pick_decode([ServerView(A, True, ServerStatus(ready=True), total=1),
+                        ServerView(B, True, ServerStatus(ready=True))], 1) == B
 
 
 def test_a_prefix_loses_its_pull_past_the_queue_gap():

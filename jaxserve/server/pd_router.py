@@ -1,0 +1,276 @@
+"""`jaxserve router`'s HTTP app: an OpenAI-compatible front end over a pool of prefill servers and a pool of
+decode servers (`jaxserve serve --role prefill|decode`), or over prefill-pool servers of `--role both` alone
+(then each request goes whole to one of them: a data-parallel front end).
+
+A generation request (/v1/completions, /v1/chat/completions) is parsed as the servers will parse it (the same
+parsers, tokenizer and chat template: `ParseView`), which gives its prompt token ids and max_tokens. Then:
+1. prefill server: the session's pin, else `pd_policy.pick_prefill` over the cached prefix each live server
+   reports for the prompt (`POST /internal/prefix_match`, asked only when there is a choice) and queue depths;
+2. without a decode pool the request goes there whole and its answer is relayed;
+3. with one, the prefill server gets the body with `"kv_transfer_params": {"do_remote_decode": true}` (not
+   streamed) and answers the first token plus the `kv_transfer_params` the decode side needs; the decode server
+   (`pd_policy.pick_decode`: free pages vs the request's prompt + max_tokens pages, then load) gets the original
+   body plus those `kv_transfer_params`, and its answer (streamed or not) is relayed.
+A server's error status and body are relayed as they are. A request that cannot connect to its server goes to
+another of the pool (nothing was sent). A server that dies or is cut mid-answer fails that request with a 502
+`backend_error` naming the server; mid-stream (the status line is out) the stream's last events are that error
+and `data: [DONE]`. Streams pass through event by event.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine import EngineConfig
+from jaxserve.errors import BackendError, BackendUnreachableError, JaxserveError
+from jaxserve.server.body import parse_json, require_json
+from jaxserve.server.chat_request import parse_chat
+from jaxserve.server.limits import AppConfig
+from jaxserve.server.pd_fleet import Fleet
+from jaxserve.server.pd_metrics import BROKEN, RouterMetrics
+from jaxserve.server.pd_policy import (DECODE, PREFILL, Pin, PolicyConfig, SessionTable, pages_for, pick_decode,
+                                       pick_prefill)
+from jaxserve.server.protocol import Generation, parse_completion
+from jaxserve.server.pd_upstream import Answer
+from jaxserve.server.responses import DONE, error_body, error_response, http_error_response, sse
+from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger("jaxserve.router")
+Parse = Callable[[Any, Any, str, AppConfig], Generation]
+FORWARDED_HEADERS = ("x-session-affinity", "authorization")
+PREFILL_HEADER, DECODE_HEADER = "x-jaxserve-prefill-server", "x-jaxserve-decode-server"
+
+
+@dataclass(frozen=True)
+class ParseView:
+    """What the request parsers read of an Engine (its tokenizer, model config and context window), so the router
+    turns a body into the same prompt token ids as the servers, without loading weights."""
+
+    tokenizer: Tokenizer
+    model_cfg: ModelConfig
+    cfg: EngineConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_name: str
+    app: AppConfig = AppConfig()
+    policy: PolicyConfig = PolicyConfig()
+
+
+class PdProxy:
+    """The generation endpoints' handler: parse, route, forward, relay."""
+
+    def __init__(self, fleet: Fleet, tokenizer: Tokenizer, model_cfg: ModelConfig, cfg: RouterConfig,
+                 metrics: RouterMetrics) -> None:
+        self.fleet, self.cfg, self.metrics = fleet, cfg, metrics
+        self.tokenizer, self.model_cfg = tokenizer, model_cfg
+        self.sessions = SessionTable()
+        self._views: dict[int, ParseView] = {}
+        self._lock = threading.Lock()
+
+    def view(self) -> ParseView:
+        """The parse view at the servers' context window (the model's own before any server reported one)."""
+        max_len = self.fleet.max_model_len() or self.model_cfg.max_position_embeddings
+        with self._lock:
+            if max_len not in self._views:
+                self._views[max_len] = ParseView(self.tokenizer, self.model_cfg, EngineConfig(max_model_len=max_len))
+            return self._views[max_len]
+
+    def __call__(self, parse: Parse) -> Response:
+        require_json(request.mimetype or None, request.mimetype_params, request.content_type)
+        raw = request.get_data(cache=False)
+        body = parse_json(raw)
+        gen = parse(body, self.view(), self.cfg.model_name, self.cfg.app)
+        session = request.headers.get("x-session-affinity") or gen.extras.affinity
+        pin = self.sessions.get(session)
+        if pin is not None:
+            self.metrics.sessions.inc()
+        headers = {"Content-Type": "application/json"}
+        headers |= {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+        if not self.fleet.disaggregated:
+            url, answer = self.send(PREFILL, lambda: self.choose_prefill(gen, pin), raw, headers, pages=0)
+            self.sessions.set(session, Pin(url))
+            return self.relay(answer, {PREFILL_HEADER: url})
+        return self.disaggregated(body, gen, session, pin, headers)
+
+    def disaggregated(self, body: dict[str, Any], gen: Generation, session: str | None, pin: Pin | None,
+                      headers: dict[str, str]) -> Response:
+        """Prefill on one server (first token + kv_transfer_params), then decode on another."""
+        page_size = self.fleet.page_size(DECODE)
+        pages = sum(pages_for(len(p), gen.params.max_tokens, page_size, gen.n) for p in gen.prompts) \
+            if page_size else 0
+        d_pin = pin.decode if pin is not None else None
+        pick_decode(self.fleet.views(DECODE), pages, d_pin)  # no live decode server: refused before any prefill
+        first = {k: v for k, v in body.items() if k != "stream_options"}
+        first |= {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        p_url, answer = self.send(PREFILL, lambda: self.choose_prefill(gen, pin), json.dumps(first).encode(),
+                                  headers, pages=0)
+        if answer.status != 200:
+            return self.relay(answer, {PREFILL_HEADER: p_url})
+        params = _transfer_params(answer)
+        d_url, answer = self.send(DECODE, lambda: pick_decode(self.fleet.views(DECODE), pages, d_pin),
+                                  json.dumps({**body, "kv_transfer_params": params}).encode(), headers, pages)
+        self.sessions.set(session, Pin(p_url, d_url))
+        return self.relay(answer, {PREFILL_HEADER: p_url, DECODE_HEADER: d_url})
+
+    def forward(self) -> Response:
+        """A GET (the model cards) answered by a live prefill-pool server."""
+        url, answer = self.send(PREFILL, lambda: pick_prefill(self.fleet.views(PREFILL), {}), None, {}, pages=0)
+        return self.relay(answer, {PREFILL_HEADER: url})
+
+    def choose_prefill(self, gen: Generation, pin: Pin | None) -> str:
+        views = self.fleet.views(PREFILL)
+        live = [v.url for v in views if v.alive]
+        pinned = pin.prefill if pin is not None else None
+        cached = {} if pinned in live or len(live) < 2 or gen.cache_salt is not None else \
+            {url: self.prefix_match(url, gen.prompt) for url in live}
+        url = pick_prefill(views, cached, pinned, self.cfg.policy)
+        self.metrics.cached_tokens.labels(url).inc(cached.get(url, 0))
+        return url
+
+    def prefix_match(self, url: str, prompt: list[int]) -> int:
+        """Tokens of `prompt` the server's prefix cache holds (0 if it cannot say)."""
+        try:
+            code, body = self.fleet.upstream(url).probe("POST", "/internal/prefix_match",
+                                                        {"prompt_token_ids": prompt})
+        except BackendError:
+            return 0  # the health checks judge the server; routing goes on without its answer
+        cached = body.get("cached_tokens") if code == 200 and isinstance(body, dict) else 0
+        return cached if isinstance(cached, int) and not isinstance(cached, bool) else 0
+
+    def send(self, pool: str, choose: Callable[[], str], body: bytes | None, headers: dict[str, str],
+             pages: int) -> tuple[str, Answer]:
+        """Send this request (method, path) with `body` to the server `choose()` picks -> (its URL, its answer); a server that cannot be
+        reached is marked dead and the next pick tried. Raises NoBackendError when none is left."""
+        while True:
+            url = choose()
+            self.metrics.requests.labels(pool, url).inc()
+            self.fleet.sent(url, pages)
+            try:
+                answer = self.fleet.upstream(url).request(request.method, request.path, body, headers)
+            except BackendError as e:
+                self.fleet.done(url)
+                self.metrics.errors.labels(pool, url, BROKEN).inc()
+                if not isinstance(e, BackendUnreachableError):
+                    raise
+                log.warning("%s; sending the request to another %s server", e.message, pool)
+                self.fleet.unreachable(url, e)
+                continue
+            if answer.status >= 400:
+                self.metrics.errors.labels(pool, url, str(answer.status)).inc()
+            answer.on_close(lambda: self.fleet.done(url))
+            return url, answer
+
+    def relay(self, answer: Answer, routed: dict[str, str]) -> Response:
+        """The server's answer as the client's: status and headers, the body whole or event by event."""
+        headers = {**answer.headers, **routed}
+        if not answer.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                return Response(answer.read(), status=answer.status, headers=headers)
+            except BackendError:
+                self.metrics.errors.labels(self.fleet.pool_of(answer.upstream.url), answer.upstream.url, BROKEN).inc()
+                raise
+        resp = Response(self.events(answer), status=answer.status, headers=headers)
+        resp.call_on_close(answer.close)  # a client gone before the first event still frees the connection
+        return resp
+
+    def events(self, answer: Answer) -> Iterator[bytes]:
+        """Relay complete SSE events as they arrive; if the server breaks off, end with its error and [DONE]."""
+        pending = b""
+        try:
+            for chunk in answer.chunks():
+                pending += chunk
+                cut = pending.rfind(b"\n\n") + 2
+                if cut > 1:
+                    yield pending[:cut]
+                    pending = pending[cut:]
+            if pending:
+                yield pending
+        except BackendError as e:
+            pool = self.fleet.pool_of(answer.upstream.url)
+            self.metrics.errors.labels(pool, answer.upstream.url, BROKEN).inc()
+            log.warning("stream from %s broke: %s", answer.upstream.url, e.message)
+            yield (sse(error_body(e)) + DONE).encode()
+
+
+def _transfer_params(answer: Answer) -> dict[str, Any]:
+    data = answer.json()
+    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    if not isinstance(params, dict):
+        raise BackendError(f"prefill server {answer.upstream.url} answered without kv_transfer_params: is it "
+                           "running `jaxserve serve --role prefill`?", value=answer.upstream.url)
+    return params
+
+
+def create_router_app(fleet: Fleet, tokenizer: Tokenizer, model_cfg: ModelConfig, cfg: RouterConfig) -> Flask:
+    """The router's Flask app over `fleet` (whose health checks the caller starts)."""
+    app = Flask("jaxserve-router")
+    app.config["MAX_CONTENT_LENGTH"] = cfg.app.max_body_bytes  # waitress refuses larger bodies first
+    metrics = RouterMetrics(fleet)
+    proxy = PdProxy(fleet, tokenizer, model_cfg, cfg, metrics)
+
+    @app.post("/v1/completions")
+    def completions() -> Response:
+        return proxy(parse_completion)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions() -> Response:
+        return proxy(parse_chat)
+
+    @app.get("/v1/models")
+    @app.get("/v1/models/<path:name>")
+    def models(name: str | None = None) -> Response:
+        return proxy.forward()
+
+    @app.get("/health")
+    def health() -> Response:
+        servers = [{"pool": pool, "url": url, "alive": alive, "ready": s.ready, "queued": s.queued,
+                    "running": s.running, "free_pages": s.free_pages, "in_flight": n}
+                   for pool, url, alive, s, n in fleet.snapshot()]
+        return Response(json.dumps({"status": "ok", "model": cfg.model_name, "servers": servers}),
+                        mimetype="application/json")
+
+    @app.get("/ready")
+    def ready() -> Response:
+        pools = {PREFILL, DECODE} if fleet.disaggregated else {PREFILL}
+        up = {pool for pool, _, alive, s, _ in fleet.snapshot() if alive and s.ready}
+        ok = pools <= up
+        return Response(json.dumps({"status": "ready" if ok else "not ready", "pools_ready": sorted(up)}),
+                        status=200 if ok else 503, mimetype="application/json")
+
+    @app.get("/metrics")
+    def metrics_endpoint() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, content_type=content_type)
+
+    _add_error_handlers(app, metrics)
+    return app
+
+
+def _add_error_handlers(app: Flask, metrics: RouterMetrics) -> None:
+    """Every error in the OpenAI shape; every response counted by route and status."""
+
+    @app.errorhandler(JaxserveError)
+    def typed_error(err: JaxserveError) -> Response:
+        return error_response(err)
+
+    app.register_error_handler(HTTPException, http_error_response)
+
+    @app.errorhandler(Exception)
+    def unexpected(err: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(JaxserveError(f"internal error: {type(err).__name__}"))
+
+    @app.after_request
+    def count(resp: Response) -> Response:
+        metrics.http.labels(request.url_rule.rule if request.url_rule else "other", str(resp.status_code)).inc()
+        return resp

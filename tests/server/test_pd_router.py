@@ -1,0 +1,145 @@
+"""`jaxserve router` in front of two `jaxserve serve` processes (role both, no decode pool): whole requests routed,
+answers equal a direct request's (whole and streamed), sessions pinned, backend errors relayed with their status,
+/metrics counting per server, and a killed backend: its stream ends with a clear error, later requests go to
+the other server."""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import httpx2 as httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve_procs import MODEL, start_router, start_serve
+
+TIMEOUT = 120.0
+PREFILL_HEADER = "x-jaxserve-prefill-server"
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("xla")
+    a = start_serve(cache, "--max-model-len", str(MAX_MODEL_LEN))
+    b = start_serve(cache, "--max-model-len", str(MAX_MODEL_LEN))
+    router = start_router([a.base, b.base], [])
+    yield router, a, b
+    router.close()
+    a.kill()
+    b.kill()
+
+
+def completion(prompt: str | list[int], max_tokens: int = 8, **extra: object) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def chat(text: str, max_tokens: int = 8, **extra: object) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+
+
+def post(base: str, path: str, body: dict, session: str | None = None) -> httpx.Response:
+    headers = {"x-session-affinity": session} if session else {}
+    return httpx.post(f"{base}{path}", json=body, headers=headers, timeout=TIMEOUT)
+
+
+def streamed_text(base: str, path: str, body: dict) -> tuple[str, list[str]]:
+    """(the text of a streamed answer, its raw data payloads)."""
+    with httpx.stream("POST", f"{base}{path}", json={**body, "stream": True}, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    text = ""
+    for d in data[:-1]:
+        c = json.loads(d)["choices"][0]
+        text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+    return text, data
+
+
+def router_metric(base: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_whole_requests_answer_as_a_direct_request(fleet):
+    router, a, _ = fleet
+    for path, body in (("/v1/completions", completion("def main():")), ("/v1/chat/completions", chat("hello"))):
+        direct = post(a.base, path, body).json()["choices"][0]
+        routed = post(router.base, path, body)
+        assert routed.status_code == 200 and routed.headers[PREFILL_HEADER]
+        assert routed.json()["choices"][0] == direct
+        text, data = streamed_text(router.base, path, body)
+        assert text == (direct.get("text") or direct.get("message", {}).get("content"))
+        assert data[-1] == "[DONE]"
+
+
+def test_a_session_sticks_to_one_server(fleet):
+    router, _, _ = fleet
+    for session in ("s-a", "s-b", "s-c"):
+        served = {post(router.base, "/v1/completions", completion(f"{session} x"), session).headers[PREFILL_HEADER]
+                  for _ in range(3)}
+        assert len(served) == 1
+    by_key = {post(router.base, "/v1/completions", completion("k", prompt_cache_key="key-1")).headers[PREFILL_HEADER]
+              for _ in range(3)}
+    assert len(by_key) == 1  # the body's prompt_cache_key pins as the header does
+
+
+def test_backend_errors_pass_through_with_their_status(fleet):
+    router, _, _ = fleet
+    missing = httpx.get(f"{router.base}/v1/models/nope", timeout=TIMEOUT)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    long_prompt = list(range(100, 100 + MAX_MODEL_LEN - 10))
+    over = post(router.base, "/v1/completions", completion(long_prompt, max_tokens=100))
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+    wrong_model = post(router.base, "/v1/completions", {**completion("x"), "model": "other"})
+    assert wrong_model.status_code == 404 and wrong_model.json()["error"]["code"] == "model_not_found"
+    models = httpx.get(f"{router.base}/v1/models", timeout=TIMEOUT).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_metrics_count_requests_per_server(fleet):
+    router, a, b = fleet
+    before = {s: router_metric(router.base, "jaxserve_router_requests_total", pool="prefill", server=s)
+              for s in (a.base, b.base)}
+    served = Counter(post(router.base, "/v1/completions", completion(f"count {i}"), f"m{i}").headers[PREFILL_HEADER]
+                     for i in range(6))
+    for s in (a.base, b.base):
+        after = router_metric(router.base, "jaxserve_router_requests_total", pool="prefill", server=s)
+        assert after - before[s] == served[s]
+        assert router_metric(router.base, "jaxserve_router_server_up", pool="prefill", server=s) == 1.0
+    assert router_metric(router.base, "jaxserve_router_in_flight") == 0.0
+
+
+def wait_dead(base: str, server: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = {s["url"]: s["alive"] for s in httpx.get(f"{base}/health", timeout=TIMEOUT).json()["servers"]}
+        if not states[server]:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{server} still alive in the router's /health")
+
+
+def test_killing_a_backend_ends_its_stream_with_an_error_and_routes_around_it(fleet):
+    router, a, b = fleet
+    session = next(f"k{i}" for i in range(100)
+                   if post(router.base, "/v1/completions", completion("pin"), f"k{i}").headers[PREFILL_HEADER] == b.base)
+    body = completion("def main():", max_tokens=400, ignore_eos=True, stream=True)
+    with httpx.stream("POST", f"{router.base}/v1/completions", json=body, headers={"x-session-affinity": session},
+                      timeout=TIMEOUT) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert "choices" in first
+        b.kill()
+        rest = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    error = json.loads(rest[-2])["error"]
+    assert error["type"] == "backend_error" and b.base in error["message"]
+    wait_dead(router.base, b.base)
+    for i in range(4):  # the pinned session too: its server is dead
+        r = post(router.base, "/v1/completions", completion(f"after {i}"), session if i == 0 else None)
+        assert r.status_code == 200 and r.headers[PREFILL_HEADER] == a.base
+    assert router_metric(router.base, "jaxserve_router_server_up", pool="prefill", server=b.base) == 0.0
+    assert router_metric(router.base, "jaxserve_router_errors_total", server=b.base, status="broken") >= 1
