@@ -137,6 +137,14 @@ class KVIntegrityError(JaxserveError):
     error_type = "kv_integrity_error"
 
 
+class KVTransferError(JaxserveError):
+    """Moving a request's KV pages between a prefill and a decode server failed (refused, broken or timed-out
+    connection, unknown transfer id, a page whose checksum differs after the copy): only that request fails."""
+
+    http_status = 502
+    error_type = "kv_transfer_error"
+
+
 class BackendError(JaxserveError):
     """A server behind `jaxserve router` failed a request it was sent: unreachable, its connection closed or timed
     out mid-answer, or its answer was unusable (value: the server's URL)."""

@@ -67,6 +67,14 @@ class EngineConfig:
     # every step; and a request is admitted only when the decode pool can hold it to its last token, so nothing is
     # ever preempted (a recompute runs prefill's path and changes the tokens)
     deterministic: bool = False
+    # which phases this engine runs (`jaxserve serve --role`): "both" (one process, hand-off inside), "prefill"
+    # (prefill pool and weights only; exports finished prompts' pages over the KV transfer service), "decode"
+    # (decode pool and weights only; pulls its requests' pages from a prefill server), see PD_PROTOCOL.md
+    role: Literal["both", "prefill", "decode"] = "both"
+    transfer_host: str = "127.0.0.1"  # prefill role: where the KV transfer service listens (port 0: a free one)
+    transfer_port: int = 0
+    transfer_timeout_s: float = 30.0  # an export not pulled by then is dropped; a pull's socket timeout
+    max_transfers: int = 64  # exports held at once (more: the request fails with KVTransferError)
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> None:
@@ -98,6 +106,8 @@ class EngineConfig:
             bad("max_batch", "must be >= 1")
         if self.devices < 1 or (self.disaggregate and self.devices % 2):
             bad("devices", "must be >= 1 (and even when disaggregated)")
+        if self.role not in ("both", "prefill", "decode") or self.role != "both" and self.disaggregate:
+            bad("role", "must be 'both', 'prefill' or 'decode' (disaggregate only with 'both')")
         if self.sharding not in ("tp", "ep", "dp_attention"):
             bad("sharding", "must be 'tp', 'ep' or 'dp_attention'")
         if self.expert_parallel and self.sharding == "tp":
@@ -124,6 +134,11 @@ class EngineConfig:
         if self.sharding != "dp_attention":
             return 1
         return self.devices // 2 if self.disaggregate else self.devices
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The phases this engine builds: ("prefill", "decode") for role "both", else the role's own."""
+        return ("prefill", "decode") if self.role == "both" else (self.role,)
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxserve.checkpoint import load
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.kv_transfer import Puller, TransferStore
 from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
 from jaxserve.engine.scheduler import Scheduler
@@ -47,12 +48,16 @@ class Engine:
         self._qlock = threading.Lock()
         eos = tuple(dict.fromkeys(tuple(model.cfg.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", ()))))
         self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, eos) if tokenizer is not None else None
-        self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer, self.grammar)
+        self._wake = threading.Event()
+        # prefill role: the exports and the KV transfer service; decode role: the pulls (engine.kv_transfer)
+        self.transfers = TransferStore(cfg, self._wake.set) if cfg.role == "prefill" else None
+        puller = Puller(self.programs, self._wake.set) if cfg.role == "decode" else None
+        self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer, self.grammar,
+                                   self.transfers, puller)
         if warmup == "first":
             self.warm_up("fast")
         elif warmup:
             self.programs.warmup()
-        self._wake = threading.Event()
         self._step_lock = threading.Lock()  # the scheduler is single-threaded: one step at a time, any caller
         self._stop = threading.Event()
         self._started = time.monotonic()
@@ -88,11 +93,13 @@ class Engine:
                 loaded[cache_key] = load(path, dtype=dtype, weights=key, mesh=par.mesh, rules=par.rules)[1]
             return loaded[cache_key]
 
-        prefill_model, decode_model = model_for(cfg.prefill_weights, p_dev), model_for(cfg.decode_weights, d_dev)
+        # each role loads only its own phase's weights
+        prefill_model = model_for(cfg.prefill_weights, p_dev) if "prefill" in cfg.phases else None
+        decode_model = model_for(cfg.decode_weights, d_dev) if "decode" in cfg.phases else None
         del loaded
         has_tok = any((Path(path) / f).exists() for f in ("tokenizer.json", "tiktoken.model"))
-        return cls(prefill_model, cfg, Tokenizer(path) if has_tok else None, start=start, warmup=warmup,
-                   decode_model=decode_model)
+        return cls(prefill_model or decode_model, cfg, Tokenizer(path) if has_tok else None, start=start,
+                   warmup=warmup, decode_model=decode_model)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -115,13 +122,32 @@ class Engine:
             raise InvalidRequestError(f"the prompt has {len(req.prompt)} tokens; the context window is "
                                       f"{self.cfg.max_model_len}", value=len(req.prompt), param="prompt")
         req.params.validate(V)
+        self._check_role(req)
         ps = self.cfg.page_size
         need = -(-min(len(req.prompt) + req.params.max_tokens, self.cfg.max_model_len) // ps)
-        capacity = min(self.cfg.num_decode_pages, self.cfg.num_prefill_pages) - 1  # page 0 is the null page
+        pools = {"prefill": self.cfg.num_prefill_pages, "decode": self.cfg.num_decode_pages}
+        capacity = min(pools[p] for p in self.cfg.phases) - 1  # page 0 is the null page
         if need > capacity:
             # it could never be admitted: refuse now rather than queue it forever
             raise InvalidRequestError(f"the request needs {need} KV pages of {ps} tokens; the pools hold {capacity}",
                                       value=need, param="max_tokens")
+
+    def _check_role(self, req: Request) -> None:
+        """A prefill server decodes nothing past the first token; a decode server prefills nothing (PD_PROTOCOL.md)."""
+        role = self.cfg.role
+        if role == "decode" and req.pull is None:
+            raise InvalidRequestError("a decode server takes requests from a router: kv_transfer_params missing",
+                                      value=None, param="kv_transfer_params")
+        if role != "decode" and req.pull is not None:
+            raise InvalidRequestError(f"kv_transfer_params to pull from are for a decode server; this one runs "
+                                      f"--role {role}", value=req.pull.transfer_id, param="kv_transfer_params")
+        if role == "prefill" and not req.export_kv and req.params.max_tokens > 1:
+            raise InvalidRequestError("a --role prefill server generates only the first token: send max_tokens 1, or "
+                                      'kv_transfer_params {"do_remote_decode": true} through a router',
+                                      value=req.params.max_tokens, param="max_tokens")
+        if role != "prefill" and req.export_kv:
+            raise InvalidRequestError(f"do_remote_decode needs a --role prefill server; this one runs --role {role}",
+                                      value=True, param="kv_transfer_params")
 
     def _matcher(self, req: Request) -> object | None:
         """The request's grammar matcher (engine.structured), None without structured output."""
@@ -273,9 +299,10 @@ class Engine:
             return run_jobs(level, full_plan(self.programs), progress)
         report = WarmupReport(level)
         if level == "fast":
+            extra = [functools.partial(compile_unpack, self.programs.decode_rows, self.cfg.row_buckets[0],
+                                       self.cfg.page_buckets[0])] if "decode" in self.cfg.phases else []
             with counting(report):
-                self.programs.compile_first(extra=[functools.partial(
-                    compile_unpack, self.programs.decode_rows, self.cfg.row_buckets[0], self.cfg.page_buckets[0])])
+                self.programs.compile_first(extra=extra)
             report.jobs = {"first request": 1}
             self.deferred_compiles.append(self.programs.compile_first_sampled)
         return report
@@ -307,10 +334,26 @@ class Engine:
                 self._wake.clear()
 
     def close(self) -> None:
+        if self.transfers is not None:
+            self.transfers.close()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    def pool_status(self) -> dict[str, int]:
+        """This role's page pool (decode's, prefill's for a prefill server): free pages (prefix-cache pages only the
+        cache holds count as free: they are evicted on demand), total allocatable pages, page size."""
+        s = self.scheduler
+        alloc = s.prefill_alloc if self.cfg.role == "prefill" else s.decode_alloc
+        evictable = sum(1 for c in s.prefix_caches for e in list(c.entries.values())
+                        if alloc is s.prefill_alloc and alloc.refcount(e.page) == 1 and alloc.tag(e.page) == e.tag)
+        return {"free_pages": alloc.num_free + evictable, "total_pages": alloc.capacity, "page_size": self.cfg.page_size}
+
+    def prefix_match(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens the prefix cache would serve for `tokens` (no references taken, LRU order untouched)."""
+        cache = self.scheduler.prefix_cache
+        return 0 if cache is None else cache.match(list(tokens), cache_salt) * self.cfg.page_size
 
     def stats(self) -> dict[str, float]:
         s = self.scheduler
@@ -325,4 +368,6 @@ class Engine:
             "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
             "generated_tokens": st.generated_tokens, "finished": st.finished, "aborted": st.aborted,
             "tokens_per_s": st.generated_tokens / elapsed, "steps": st.steps,
+            "kv_transfers": st.transfers, "kv_transfer_bytes": st.transfer_bytes,
+            "kv_transfer_tokens": st.transfer_tokens, "kv_transfer_s": st.transfer_s,
         }

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
+from jaxserve.cache.checksum import page_checksums
 from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, init_pages, insert_pages, pages_to_fp8
 from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
@@ -170,20 +171,26 @@ class Programs:
             out = _in_format(m, fmt(weights))
             return compute_layout(out, dtype_of(out)) if self.weight_layout[name] == "compute" else out
 
+        has = cfg.phases
         self.prefill_phase = self._phase(phase_model(model, "prefill", cfg.prefill_weights), self.prefill_parallel,
-                                         self.layouts.prefill, cfg.num_prefill_pages)
+                                         self.layouts.prefill, cfg.num_prefill_pages) if "prefill" in has else None
         self.decode_phase = self._phase(phase_model(decode_model or model, "decode", cfg.decode_weights),
-                                        self.decode_parallel,
-                                        self.layouts.decode, cfg.num_decode_pages)
+                                        self.decode_parallel, self.layouts.decode,
+                                        cfg.num_decode_pages) if "decode" in has else None
         self.compiles: collections.Counter[str] = collections.Counter()
-        pp, dp = self.prefill_parallel, self.decode_parallel
-        rows_p, rows_d = pp.sharding(("batch",)), dp.sharding(("batch",))
         # where decode batch arrays live: the scheduler uploads there, so batches built from the host and ones merged
         # on the device with a running decode's tokens are placed alike and share one compiled program
-        self.decode_rows = rows_d
-        ph, dh = self.prefill_phase, self.decode_phase
+        self.decode_rows = self.decode_parallel.sharding(("batch",))
+        if self.prefill_phase is not None:
+            self._jit_prefill()
+        if self.decode_phase is not None:
+            self._jit_decode()
+
+    def _jit_prefill(self) -> None:
+        """The prefill phase's programs (and the export of its pages in the decode format)."""
         # explicit layouts for every input: weights and pools as the rules say, batch arrays split by row (DP
         # attention) or replicated, so nothing is placed on a default device and resharded per call
+        ph, rows_p = self.prefill_phase, self.prefill_parallel.sharding(("batch",))
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
                                 in_shardings=(jax.tree.leaves(ph.state_sharding), ph.pages_sharding, rows_p, rows_p),
                                 out_shardings=(rows_p, rows_p, ph.pages_sharding))
@@ -191,10 +198,14 @@ class Programs:
                                        in_shardings=(jax.tree.leaves(ph.state_sharding), ph.pages_sharding, rows_p,
                                                      rows_p, rows_p),
                                        out_shardings=(rows_p, rows_p, ph.pages_sharding, rows_p))
+        self._export = jax.jit(self._export_fn)
+
+    def _jit_decode(self) -> None:
+        """The decode phase's programs (and the import of pages into its pool)."""
+        dh, rows_d = self.decode_phase, self.decode_rows
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
                                in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d),
                                out_shardings=(rows_d, rows_d, dh.pages_sharding))
-        self._export = jax.jit(self._export_fn)
         self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=dh.pages_sharding)
 
     def _phase(self, model: CausalLM, par: Parallel, layout: KVLayout, num_pages: int) -> Phase:
@@ -231,7 +242,7 @@ class Programs:
     def _export_fn(self, pages: KVPages, page_ids: jax.Array) -> KVPages:
         self.compiles["handoff"] += 1
         if self.cfg.kv_dtype == "fp8":
-            return pages_to_fp8(pages, page_ids, self.decode_phase.pages.layout.index_dtype)
+            return pages_to_fp8(pages, page_ids, self.layouts.decode.index_dtype)
         return _take_pages(pages, page_ids)
 
     # ---- host entry points -----------------------------------------------------------------------------------
@@ -269,6 +280,8 @@ class Programs:
         """Send each allocator's tag changes since the last call (allocations: the new tag; frees: 0) to its
         pool's device tags. Nothing is sent (or compiled) when nothing changed."""
         for phase, alloc in ((self.prefill_phase, prefill_alloc), (self.decode_phase, decode_alloc)):
+            if phase is None:
+                continue  # a phase this role does not run
             tags = alloc.sync_device_tags(phase.pages.tags)
             if tags is not phase.pages.tags:
                 phase.pages = dataclasses.replace(phase.pages, tags=tags)
@@ -285,24 +298,43 @@ class Programs:
         request is written and its destination pages get tag 0, so the owner fails its first decode check.
         groups: the request (0, 1, ...) each page belongs to when one hand-off carries several (None: one request).
         Call `sync_tags` first."""
-        n = self.cfg.pick(self.cfg.prefill_page_buckets, len(src_pages))
-        src = np.zeros(n, np.int32)
-        dst = np.full(n, -1, np.int32)
-        s_tags = np.zeros(n, np.uint32)
-        d_tags = np.zeros(n, np.uint32)
-        group = np.zeros(n, np.int32)
-        src[: len(src_pages)] = src_pages
-        dst[: len(dst_pages)] = dst_pages
-        s_tags[: len(src_tags)] = src_tags
-        d_tags[: len(dst_tags)] = dst_tags
-        if groups is not None:
-            group[: len(groups)] = groups
-        chunk = self._export(self.prefill_phase.pages, jax.device_put(src))
+        chunk = self._export(self.prefill_phase.pages, jax.device_put(self._padded(src_pages, 0, np.int32)))
         # disaggregated: the compact chunk crosses from the prefill devices to the decode devices
         mesh = self.decode_phase.mesh
-        chunk = jax.device_put(chunk, jax.tree.map(lambda x: _on_mesh(x, mesh), chunk))
+        self.import_chunk(jax.device_put(chunk, jax.tree.map(lambda x: _on_mesh(x, mesh), chunk)), dst_pages,
+                          src_tags, dst_tags, groups)
+
+    def _padded(self, values: Sequence[int], fill: int, dtype: type) -> np.ndarray:
+        """values padded with `fill` to their hand-off bucket (`prefill_page_buckets`)."""
+        out = np.full(self.cfg.pick(self.cfg.prefill_page_buckets, len(values)), fill, dtype)
+        out[: len(values)] = values
+        return out
+
+    def export_chunk(self, src_pages: list[int]) -> tuple[KVPages, jax.Array]:
+        """Prefill pages -> (a compact chunk of them in the decode pool's format, FP8 + scales when it is FP8, on
+        the prefill devices; their checksums [n, F] uint32, `cache.checksum`), both on the device, padded to a
+        hand-off bucket (padding reads the null page). The chunk carries the source pages' device tags."""
+        chunk = self._export(self.prefill_phase.pages, jax.device_put(self._padded(src_pages, 0, np.int32)))
+        return chunk, page_checksums(chunk, jnp.arange(chunk.tags.shape[0], dtype=jnp.int32))
+
+    def import_chunk(self, chunk: KVPages, dst_pages: list[int], src_tags: list[int], dst_tags: list[int],
+                     groups: list[int] | None = None) -> None:
+        """Write a chunk (on the decode devices, padded to its bucket) into decode pages: see `handoff`."""
+        dst, s_tags, d_tags = (self._padded(dst_pages, -1, np.int32), self._padded(src_tags, 0, np.uint32),
+                               self._padded(dst_tags, 0, np.uint32))
+        group = np.zeros(dst.shape[0], np.int32)
+        group[: len(groups or [])] = groups or []
         self.decode_phase.pages = self._import(self.decode_phase.pages, chunk,
                                                *jax.device_put((dst, s_tags, d_tags, group)))
+
+    def chunk_sharding(self) -> NamedSharding:
+        """Where a chunk pulled from a prefill server is placed before its import: replicated on the decode mesh."""
+        return NamedSharding(self.decode_phase.mesh, P())
+
+    def decode_checksums(self, pages: list[int]) -> np.ndarray:
+        """The checksums [n, F] uint32 of decode pool pages (after an import: what the exporter computed)."""
+        ids = jax.device_put(self._padded(pages, 0, np.int32))
+        return np.asarray(page_checksums(self.decode_phase.pages, ids))[: len(pages)]
 
     def warmup(self, progress: bool = True, *, background: bool = False) -> threading.Thread | None:
         """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages,
@@ -318,11 +350,7 @@ class Programs:
             t = threading.Thread(target=self.warmup, args=(False,), name="jaxserve-warmup", daemon=True)
             t.start()
             return t
-        c = self.cfg
-        combos = [("decode", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
-        combos += [("prefill", b, m, t) for b, t in c.prefill_shapes for m in c.prefill_page_buckets]
-        combos += [("handoff", 0, m, 0) for m in c.prefill_page_buckets]
-        combos.sort(key=lambda x: (max(x[1], 1) * max(x[3], 1) * x[2], x[0]))  # small (common) shapes first
+        combos = self.program_shapes()
         for combo in tqdm(combos, desc="warm-up compiles", disable=not progress):
             self._compile(*combo)
         return None
@@ -335,8 +363,7 @@ class Programs:
         Also in the pool: the tag syncs of the first requests (`FIRST_TAG_SYNCS`) and `extra` (the scheduler's own
         small jits), so that request compiles nothing at all."""
         jobs = [functools.partial(self._compile, *combo) for combo in self._first_shapes()]
-        jobs += [functools.partial(compile_tag_sync, ph.pages.tags, FIRST_TAG_SYNCS)
-                 for ph in (self.prefill_phase, self.decode_phase)]
+        jobs += [functools.partial(compile_tag_sync, ph.pages.tags, FIRST_TAG_SYNCS) for ph in self.phases()]
         jobs += list(extra)
         with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="jaxserve-compile") as pool:
             for f in [pool.submit(job) for job in jobs]:
@@ -345,13 +372,39 @@ class Programs:
     def compile_first_sampled(self) -> None:
         """The prefill and decode of `compile_first`'s shapes in the "full" sampling mode: what a request with the
         OpenAI defaults (temperature 1, top_p 1) runs."""
-        for kind, b, m, t in self._first_shapes()[:2]:
-            self._compile(kind, b, m, t, mode="full")
+        for kind, b, m, t in self._first_shapes():
+            if kind in ("prefill", "decode"):
+                self._compile(kind, b, m, t, mode="full")
 
     def _first_shapes(self) -> list[tuple[str, int, int, int]]:
         c = self.cfg
-        return [("prefill", 1, c.prefill_page_buckets[0], c.chunk_buckets[0]), ("decode", 1, c.page_buckets[0], 0),
-                ("handoff", 0, c.prefill_page_buckets[0], 0)]
+        return [x for x in [("prefill", 1, c.prefill_page_buckets[0], c.chunk_buckets[0]),
+                            ("decode", 1, c.page_buckets[0], 0), (self.move_kind, 0, c.prefill_page_buckets[0], 0)]
+                if x[0] in self.kinds]
+
+    @property
+    def move_kind(self) -> str:
+        """How pages leave prefill or reach decode in this role: "handoff" (both phases here), "export" (prefill
+        role: to the KV transfer service), "import" (decode role: from a prefill server)."""
+        return {"both": "handoff", "prefill": "export", "decode": "import"}[self.cfg.role]
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The program kinds this role compiles (`_compile`)."""
+        return (*self.cfg.phases, self.move_kind)
+
+    def phases(self) -> list[Phase]:
+        """The phases this role built."""
+        return [ph for ph in (self.prefill_phase, self.decode_phase) if ph is not None]
+
+    def program_shapes(self) -> list[tuple[str, int, int, int]]:
+        """Every bucketed (kind, rows, pages, chunk tokens) this role can run, small (common) shapes first."""
+        c = self.cfg
+        combos = [("decode", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
+        combos += [("prefill", b, m, t) for b, t in c.prefill_shapes for m in c.prefill_page_buckets]
+        combos += [(self.move_kind, 0, m, 0) for m in c.prefill_page_buckets]
+        combos.sort(key=lambda x: (max(x[1], 1) * max(x[3], 1) * x[2], x[0]))
+        return [x for x in combos if x[0] in self.kinds]
 
     def _compile(self, kind: str, b: int, m: int, t: int, mode: SamplingMode = "greedy") -> None:
         """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched);
@@ -359,21 +412,35 @@ class Programs:
         spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the live pools may be donated meanwhile
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         p_ph, d_ph = self.prefill_phase, self.decode_phase
-        p_pages, d_pages = spec(p_ph.pages), spec(d_ph.pages)
         if kind == "decode":
             batch, samp = jax.device_put(dummy_decode(b, m), self.decode_rows)
-            self._decode.lower(d_ph.params, d_pages, batch, dataclasses.replace(samp, mode=mode)).compile()
+            self._decode.lower(d_ph.params, spec(d_ph.pages), batch, dataclasses.replace(samp, mode=mode)).compile()
         elif kind == "prefill":
             batch, samp = dummy_prefill(b, t, m)
-            self._prefill.lower(p_ph.params, p_pages, batch, dataclasses.replace(samp, mode=mode)).compile()
+            self._prefill.lower(p_ph.params, spec(p_ph.pages), batch, dataclasses.replace(samp, mode=mode)).compile()
         else:
-            ids = jnp.zeros((m,), jnp.int32)
-            lowered = self._export.lower(p_pages, ids)
+            self._compile_move(kind, m, spec)
+
+    def _compile_move(self, kind: str, m: int, spec: Callable) -> None:
+        """Compile the export, import or hand-off of m pages (`move_kind`) with its checksums."""
+        ids = jnp.zeros((m,), jnp.int32)
+        d_ph = self.decode_phase
+        if kind in ("export", "handoff"):
+            lowered = self._export.lower(spec(self.prefill_phase.pages), ids)
             out = lowered.compile().output_shardings
+            mesh = d_ph.mesh if d_ph is not None else self.prefill_phase.mesh
             chunk = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(
-                d_ph.mesh, sh.spec if isinstance(sh, NamedSharding) else P())), lowered.out_info, out)
-            tags = jnp.zeros((m,), jnp.uint32)
-            self._import.lower(d_pages, chunk, ids, tags, tags, ids).compile()
+                mesh, sh.spec if isinstance(sh, NamedSharding) else P())), lowered.out_info, out)
+        else:
+            chunk = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.chunk_sharding()),
+                                 jax.eval_shape(lambda: init_pages(self.layouts.decode, m)))
+        if kind == "export":
+            page_checksums.lower(chunk, ids).compile()
+            return
+        tags = jnp.zeros((m,), jnp.uint32)
+        self._import.lower(spec(d_ph.pages), chunk, ids, tags, tags, ids).compile()
+        if kind == "import":
+            page_checksums.lower(spec(d_ph.pages), ids).compile()
 
 
 def weight_layout(cfg: EngineConfig, devices: list[jax.Device]) -> str:

@@ -107,8 +107,21 @@ def _budget_ok(budget: object, vocab_size: int) -> bool:
 class Status(Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
+    PULLING = "pulling"  # decode role: its pages are on their way from a prefill server
     DECODING = "decoding"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """Where a decode server pulls a request's KV pages from: the prefill server's answer (its kv_transfer_params),
+    and the first token that prefill sampled (the decode server emits it first, then decodes)."""
+
+    transfer_id: str
+    host: str
+    port: int
+    first_token: int
+    first_logprob: float
 
 
 @dataclass
@@ -121,6 +134,8 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     session_id: str | None = None
     cache_salt: str | None = None
+    export_kv: bool = False  # prefill role: keep the prompt's pages for a decode server to pull (PD_PROTOCOL.md)
+    pull: PullSpec | None = None  # decode role: pull the prompt's pages instead of prefilling it
 
 
 def request_seed(req: Request) -> int:
@@ -163,6 +178,7 @@ class TokenEvent:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer: dict | None = None  # prefill role, on the finish event: the kv_transfer_params to answer with
 
 
 @dataclass

@@ -39,6 +39,8 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.output import token_output, top_alternatives
 from jaxserve.engine.placement import Placement
 from jaxserve.engine.prefix_cache import PrefixCache, engine_salt
+from jaxserve.engine.remote_steps import RemoteSteps
+from jaxserve.engine.kv_transfer import Puller, TransferStore
 from jaxserve.engine.programs import Programs
 from jaxserve.engine.request import Request, Status, TokenEvent
 from jaxserve.engine.sampling import Sampled, SamplingArrays
@@ -65,17 +67,20 @@ def _live(seq: Sequence, slot: int, preemptions: int) -> bool:
     return seq.status is Status.DECODING and seq.slot == slot and seq.preemptions == preemptions
 
 
-class Scheduler:
-    """The serving policy over the prefill and decode page pools: which sequences prefill, move, decode, wait."""
+class Scheduler(RemoteSteps):
+    """The serving policy over the prefill and decode page pools: which sequences prefill, move, decode, wait.
+    transfers / puller: a prefill / decode server's side of KV transfers (`remote_steps`)."""
 
     def __init__(self, programs: Programs, model_cfg: ModelConfig, cfg: EngineConfig, emit: Emit,
-                 tokenizer: object | None = None, grammar: GrammarCompiler | None = None) -> None:
+                 tokenizer: object | None = None, grammar: GrammarCompiler | None = None,
+                 transfers: TransferStore | None = None, puller: Puller | None = None) -> None:
         self.programs = programs
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.emit = emit
         self.tokenizer = tokenizer
         self.grammar = grammar
+        self.transfers, self.puller = transfers, puller
         self.ranks = cfg.dp_ranks
         self.prefill_alloc = PageAllocator(cfg.num_prefill_pages, shards=self.ranks)
         self.decode_alloc = PageAllocator(cfg.num_decode_pages, shards=self.ranks)
@@ -83,7 +88,7 @@ class Scheduler:
         # one prefix cache per DP attention rank: a cached page is only readable on its own rank's devices
         salt = engine_salt(model_cfg, cfg.prefill_weights, programs.layouts.prefill.dtype, cfg.dtype)
         self.prefix_caches = [PrefixCache(self.prefill_alloc, cfg.page_size, salt) for _ in range(self.ranks)] \
-            if cfg.prefix_cache else []
+            if cfg.prefix_cache and "prefill" in cfg.phases else []
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # prefilling or decoding, in admission order
         self.place = Placement(cfg, self.decode_alloc, self.running, self.prefix_caches)
@@ -114,7 +119,8 @@ class Scheduler:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._aborts or self.waiting or self.running)
+            busy = self._inbox or self._aborts or self.waiting
+        return bool(busy or any(s.status is not Status.PULLING for s in self.running) or self.remote_work())
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -129,6 +135,7 @@ class Scheduler:
             self.waiting.append(seq)
         for rid in aborts:
             self._abort(rid)
+        self._remote_events()
         self._admit()
         self._prefill_step()
         self._decode_step()
@@ -158,6 +165,8 @@ class Scheduler:
     def _admit_one(self, seq: Sequence) -> bool:
         """Give the first waiting sequence a rank and its prefill pages (prefix-cache hits first). -> False if it
         must wait."""
+        if seq.req.pull is not None:
+            return self._admit_pull(seq)
         tokens = seq.tokens
         rank = self.place.rank_for(tokens, seq.req.cache_salt)
         if rank is None:
@@ -235,8 +244,9 @@ class Scheduler:
                     self._guarded(seq, self._complete_prefill, seq, int(out.tokens[i]), float(out.logprobs[i]),
                                   top_alternatives(out, i, seq))
         # every prefilled sequence moves to the decode pool together (retried each step while that pool is full)
-        self._handoffs([s for s in self.running if s.status is Status.PREFILLING and s.computed == s.target
-                        and not s.decode_pages])
+        done = [s for s in self.running if s.status is Status.PREFILLING and s.computed == s.target
+                and not s.decode_pages]
+        self._exports(done) if self.cfg.role == "prefill" else self._handoffs(done)
 
     def _extras(self, seqs: list[Sequence | None]) -> SamplingExtras:
         return sampling_extras(seqs, self.model_cfg.vocab_size, self.eos, self.grammar)
@@ -401,6 +411,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free everything and requeue at the front; it will recompute prompt + generated tokens."""
+        if self.cfg.role == "decode":
+            return self._preempt_remote(seq)
         self._release(self.decode_alloc, seq.decode_pages)
         self._release(self.prefill_alloc, seq.prefill_pages)
         seq.decode_pages, seq.prefill_pages = [], []
@@ -468,5 +480,6 @@ class Scheduler:
         self.stats.finished += 1
         self.emit(TokenEvent(seq.req.request_id, finish_reason=reason, error=error,
                              prompt_tokens=len(seq.req.prompt), cached_tokens=seq.cached_tokens,
-                             completion_tokens=len(seq.generated), prompt_logprobs=prompt_result(seq)))
+                             completion_tokens=len(seq.generated), prompt_logprobs=prompt_result(seq),
+                             kv_transfer=self._transfer_of(seq, reason)))
 

@@ -32,6 +32,7 @@ class Sequence:
     rank: int = 0  # data-parallel attention rank: its pages and batch rows live on that rank's devices
     prompt_scores: list | None = None  # (logprob, top) per prompt position, until sent (engine.scoring)
     budget: ThinkingBudget | None = None  # from params.thinking_budget (engine.budget)
+    kv_transfer: dict | None = None  # prefill role: the export's kv_transfer_params (engine.kv_transfer)
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -73,3 +74,7 @@ class Stats:
     aborted: int = 0
     steps: int = 0
     overlapped: int = 0  # decode steps dispatched before the previous one was read
+    transfers: int = 0  # decode role: pulls landed, their page payload bytes, page tokens, seconds
+    transfer_bytes: int = 0
+    transfer_tokens: int = 0
+    transfer_s: float = 0.0

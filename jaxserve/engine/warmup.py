@@ -100,17 +100,16 @@ def full_plan(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODE
     """Every program the configuration can select for a request without logit adjustments, grammar or logprobs
     (see the module docstring), smallest shapes first."""
     c = programs.cfg
-    shapes = [("decode", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
-    shapes += [("prefill", b, m, t) for b, t in c.prefill_shapes for m in c.prefill_page_buckets]
-    shapes.sort(key=lambda x: (max(x[1], 1) * max(x[3], 1) * x[2], x[0]))  # small (common) shapes first
+    shapes = programs.program_shapes()
     jobs: list[Job] = [(kind, functools.partial(programs._compile, kind, b, m, t, mode=mode))
-                       for kind, b, m, t in shapes for mode in modes]
-    jobs += [("handoff", functools.partial(programs._compile, "handoff", 0, m, 0)) for m in c.prefill_page_buckets]
+                       for kind, b, m, t in shapes if kind in ("prefill", "decode") for mode in modes]
+    jobs += [(kind, functools.partial(programs._compile, kind, b, m, t)) for kind, b, m, t in shapes
+             if kind not in ("prefill", "decode")]
     rows = programs.decode_rows
-    for b in c.row_buckets:
+    for b in c.row_buckets if programs.decode_phase is not None else ():
         for m in c.page_buckets:
             jobs.append(("unpack", functools.partial(compile_unpack, rows, b, m, tuple(c.row_buckets))))
-    for ph in (programs.prefill_phase, programs.decode_phase):
+    for ph in programs.phases():
         jobs.append(("tag sync", functools.partial(compile_tag_sync, ph.pages.tags,
                                                    _pow2_upto(ph.pages.tags.shape[0]))))
     return jobs

@@ -36,6 +36,7 @@ from jaxserve.server.limits import RETRY_AFTER_S, AppConfig, DisconnectWatcher, 
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openapi import openapi_spec
 from jaxserve.server.chat_request import parse_chat
+from jaxserve.server.disagg import add_internal_routes
 from jaxserve.server.protocol import Generation, parse_completion
 from jaxserve.server.responses_api import ResponsesApi
 from jaxserve.server.responses import (CHAT, COMPLETION, Reply, Shape, TokenText, complete, error_response,
@@ -182,6 +183,7 @@ def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None,
         return responses.get(response_id)
 
     _add_info_routes(app, engine, model_name, metrics, lifecycle)
+    add_internal_routes(app, engine, lifecycle)
     _add_error_handlers(app, cfg, metrics)
     return app
 

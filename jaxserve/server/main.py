@@ -101,6 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-weights", type=canonical_format, choices=["int4", "fp8", "bf16"], default="int4")
     p.add_argument("--prefill-weights", type=canonical_format, choices=["fp8", "bf16"], default="fp8")
     p.add_argument("--integrity", choices=["on", "off"], default="on", help="KV page generation-tag checks")
+    p.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                   help="prefill and decode as separate servers (PD_PROTOCOL.md): 'prefill' runs prompts and serves "
+                        "their KV pages on the transfer port, 'decode' pulls them and generates; 'both' does all")
+    p.add_argument("--transfer-host", default="127.0.0.1", help="--role prefill: the KV transfer service's address")
+    p.add_argument("--transfer-port", type=int, default=0, help="--role prefill: its port (0: a free port)")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--workers", type=int, default=1,
                    help="data-parallel replicas, each on its own --devices devices; a x-session-affinity session sticks to one")
@@ -135,7 +140,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(kv_dtype=args.kv_dtype, decode_weights=args.decode_weights,
                         prefill_weights=args.prefill_weights, integrity=args.integrity == "on",
                         devices=args.devices, max_model_len=args.max_model_len, max_queue=admission(args)[0],
-                        deterministic=args.deterministic)
+                        deterministic=args.deterministic, role=args.role, transfer_host=args.transfer_host,
+                        transfer_port=args.transfer_port)
 
 
 def model_name(checkpoint: str | Path) -> str:
