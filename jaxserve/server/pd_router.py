@@ -131,17 +131,17 @@ class PdProxy:
         views = self.fleet.views(PREFILL)
         live = [v.url for v in views if v.alive]
         pinned = pin.prefill if pin is not None else None
-        cached = {} if pinned in live or len(live) < 2 or gen.cache_salt is not None else \
-            {url: self.prefix_match(url, gen.prompt) for url in live}
+        cached = {} if pinned in live or len(live) < 2 else \
+            {url: self.prefix_match(url, gen.prompt, gen.cache_salt) for url in live}
         url = pick_prefill(views, cached, pinned, self.cfg.policy)
         self.metrics.cached_tokens.labels(url).inc(cached.get(url, 0))
         return url
 
-    def prefix_match(self, url: str, prompt: list[int]) -> int:
-        """Tokens of `prompt` the server's prefix cache holds (0 if it cannot say)."""
+    def prefix_match(self, url: str, prompt: list[int], salt: str | None) -> int:
+        """Tokens of `prompt` (under the request's cache_salt) the server's prefix cache holds (0: cannot say)."""
+        query: dict[str, Any] = {"prompt_token_ids": prompt} | ({"cache_salt": salt} if salt is not None else {})
         try:
-            code, body = self.fleet.upstream(url).probe("POST", "/internal/prefix_match",
-                                                        {"prompt_token_ids": prompt})
+            code, body = self.fleet.upstream(url).probe("POST", "/internal/prefix_match", query)
         except BackendError:
             return 0  # the health checks judge the server; routing goes on without its answer
         cached = body.get("cached_tokens") if code == 200 and isinstance(body, dict) else 0

@@ -86,6 +86,25 @@ def test_a_session_sticks_to_one_server(fleet):
     assert len(by_key) == 1  # the body's prompt_cache_key pins as the header does
 
 
+def test_a_prompt_goes_to_the_server_holding_its_prefix(fleet):
+    router, a, b = fleet
+    shared = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(20))
+    holder = post(router.base, "/v1/completions", completion(shared + "first"), "p1").headers[PREFILL_HEADER]
+    other = b.base if holder == a.base else a.base
+
+    def totals() -> dict[str, int]:
+        return {v.url: v.total for v in router.fleet.views("prefill")}
+
+    while totals()[holder] <= totals()[other]:  # idle servers take turns: make it the other's turn
+        assert post(router.base, "/v1/completions", completion("x"), "p1").headers[PREFILL_HEADER] == holder
+    before = router_metric(router.base, "jaxserve_router_cached_prompt_tokens_total", server=holder)
+    again = post(router.base, "/v1/completions", completion(shared + "second"))
+    assert again.headers[PREFILL_HEADER] == holder
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    after = router_metric(router.base, "jaxserve_router_cached_prompt_tokens_total", server=holder)
+    assert after - before == again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 def test_backend_errors_pass_through_with_their_status(fleet):
     router, _, _ = fleet
     missing = httpx.get(f"{router.base}/v1/models/nope", timeout=TIMEOUT)
