@@ -12,8 +12,6 @@ Every failure (refused, broken or timed-out pull, checksum) ends only its reques
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from jaxserve.engine.kv_transfer import Puller, TransferStore, chunk_of
@@ -22,21 +20,19 @@ from jaxserve.engine.request import Status
 from jaxserve.engine.sequence import Sequence
 from jaxserve.errors import JaxserveError, KVTransferError, OutOfPagesError
 
-if TYPE_CHECKING:
-    from jaxserve.engine.scheduler import Scheduler
-
 
 class RemoteSteps:
-    """Mixin: `transfers` (prefill role) and `puller` (decode role) are set by the scheduler (None otherwise)."""
+    """Mixin of `scheduler.Scheduler` (not imported here: the scheduler imports this module): `transfers` (prefill
+    role) and `puller` (decode role) are set by the scheduler (None otherwise)."""
 
     transfers: TransferStore | None
     puller: Puller | None
 
-    def remote_work(self: Scheduler) -> bool:
+    def remote_work(self) -> bool:
         """Exports to release or pulls landed: the engine loop steps for them even with nothing else to do."""
         return bool(self.transfers and self.transfers.has_work() or self.puller and self.puller.has_work())
 
-    def _remote_events(self: Scheduler) -> None:
+    def _remote_events(self) -> None:
         """Free the pages of taken or expired exports; import the pulls that landed."""
         if self.transfers is not None:
             for pages in self.transfers.releases():
@@ -47,7 +43,7 @@ class RemoteSteps:
                     self._land(seq, result, seconds)
 
     # ---- prefill role ---------------------------------------------------------------------------------------
-    def _exports(self: Scheduler, seqs: list[Sequence]) -> None:
+    def _exports(self, seqs: list[Sequence]) -> None:
         """In place of the hand-off: emit each prefilled sequence's first token and end it, exporting its pages
         first when asked to."""
         for seq in seqs:
@@ -63,7 +59,7 @@ class RemoteSteps:
             if seq.status is not Status.FINISHED:
                 self._finish(seq, "length")  # a prefill server never decodes
 
-    def _export(self: Scheduler, seq: Sequence, token: int, logprob: float) -> None:
+    def _export(self, seq: Sequence, token: int, logprob: float) -> None:
         """Convert seq's prefill pages to the decode format on the device, checksum them, and hand them (and the
         request's reference to them) to the transfer store."""
         self.programs.sync_tags(self.prefill_alloc, self.decode_alloc)
@@ -75,7 +71,7 @@ class RemoteSteps:
                            "first_token": token, "first_logprob": logprob, "page_size": self.cfg.page_size,
                            "kv_format": self.programs.layouts.decode.dtype, "prompt_token_ids": seq.req.prompt}
 
-    def _transfer_of(self: Scheduler, seq: Sequence, reason: str) -> dict | None:
+    def _transfer_of(self, seq: Sequence, reason: str) -> dict | None:
         """The kv_transfer_params seq's finish event carries: only when it ended by length after its first token
         (a stop leaves nothing to decode: its export is dropped)."""
         if seq.kv_transfer is None:
@@ -86,7 +82,7 @@ class RemoteSteps:
         return None
 
     # ---- decode role ----------------------------------------------------------------------------------------
-    def _admit_pull(self: Scheduler, seq: Sequence) -> bool:
+    def _admit_pull(self, seq: Sequence) -> bool:
         """Give the first waiting sequence decode pages for its prompt and start its pull. -> False if it waits."""
         rank = self.place.rank_for(seq.tokens)
         if rank is None:
@@ -104,7 +100,7 @@ class RemoteSteps:
         self.puller.start(seq)
         return True
 
-    def _land(self: Scheduler, seq: Sequence, result: Pulled | JaxserveError, seconds: float) -> None:
+    def _land(self, seq: Sequence, result: Pulled | JaxserveError, seconds: float) -> None:
         """Import a landed pull into seq's pages and verify it, then decode; or fail seq with the pull's error."""
         if isinstance(result, JaxserveError):
             self._fail(seq, result)
@@ -131,7 +127,7 @@ class RemoteSteps:
         seq.pending = (spec.first_token, spec.first_logprob, ())
         self._guarded(seq, self._handed_off, seq, pages)
 
-    def _preempt_remote(self: Scheduler, seq: Sequence) -> None:
+    def _preempt_remote(self, seq: Sequence) -> None:
         """Decode role: a preempted request cannot be recomputed here (no prefill): it fails, its pages return."""
         self._fail(seq, OutOfPagesError("the decode pool is full and this decode server cannot recompute a "
                                         "preempted request (no prefill here): retry it", value=seq.req.request_id,

@@ -36,7 +36,7 @@ from jaxserve.server.limits import RETRY_AFTER_S, AppConfig, DisconnectWatcher, 
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openapi import openapi_spec
 from jaxserve.server.chat_request import parse_chat
-from jaxserve.server.disagg import add_internal_routes
+from jaxserve.server.disagg import add_internal_routes, kv_transfer
 from jaxserve.server.protocol import Generation, parse_completion
 from jaxserve.server.responses_api import ResponsesApi
 from jaxserve.server.responses import (CHAT, COMPLETION, Reply, Shape, TokenText, complete, error_response,
@@ -72,7 +72,8 @@ class GenerationHandler:
     def __call__(self, parse: Parse, shape: Shape) -> Response:
         t0 = time.monotonic()
         self.check_open()
-        gen = parse(_request_json(), self.engine, self.model_name, self.cfg)
+        raw = _request_json()
+        gen = kv_transfer(parse(raw, self.engine, self.model_name, self.cfg), raw, self.engine)
         reply, ids, events = self.start(gen, shape)
         resp = self.streamed(reply, ids, events, t0) if gen.stream else self.whole(reply, ids, events, t0)
         return name_ignored(resp, gen.ignored)

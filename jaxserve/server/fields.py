@@ -26,7 +26,7 @@ IGNORED = frozenset({"store", "service_tier", "safety_identifier", "verbosity", 
 COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                            "stream_options", "n", "user", "presence_penalty", "frequency_penalty",
                            "top_k", "ignore_eos", "stop_token_ids", "logit_bias", "repetition_penalty",
-                           "min_tokens", "cache_salt"})
+                           "min_tokens", "cache_salt", "kv_transfer_params"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"} | IGNORED
 CHAT_FIELDS = COMMON_FIELDS | IGNORED | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from jaxserve.engine import Engine, Request, SamplingParams
+from jaxserve.engine.request import PullSpec
 from jaxserve.engine.structured import StructuredOutput
 from jaxserve.errors import ContextLengthError, ModelNotFoundError, UnsupportedParameterError
 from jaxserve.server.body import Body, UnknownFields, field_error, json_kind
@@ -43,6 +44,8 @@ class Generation:
     ignored: tuple[str, ...] = ()
     more_prompts: tuple[list[int], ...] = ()
     echo: tuple[str, ...] = ()
+    export_kv: bool = False  # kv_transfer_params {"do_remote_decode": true} (server.disagg)
+    pull: PullSpec | None = None  # a decode server's kv_transfer_params (server.disagg)
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -62,7 +65,7 @@ class Generation:
         session = session if session is not None else self.extras.affinity
         if self.n == 1 and not self.more_prompts:
             return [Request(self.prompt, self.params, request_id=rid, session_id=session,
-                            cache_salt=self.cache_salt)]
+                            cache_salt=self.cache_salt, export_kv=self.export_kv, pull=self.pull)]
         p = self.params
         return [Request(prompt, p if p.seed is None else replace(p, seed=(p.seed + i) % 2**32),
                         request_id=f"{rid}-{k * self.n + i}", session_id=session, cache_salt=self.cache_salt)

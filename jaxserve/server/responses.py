@@ -257,6 +257,8 @@ def complete(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float, 
     body = {"id": reply.rid, "object": reply.shape.object_name, "created": int(time.time()),
             "model": reply.model_name, "choices": out_choices, "usage": usage(ends, reply.gen.n),
             "system_fingerprint": None}
+    if ends[0].kv_transfer is not None:  # a prefill server's answer: where a decode server pulls its KV pages
+        body["kv_transfer_params"] = ends[0].kv_transfer
     return Response(json.dumps(body), mimetype="application/json")
 
 
