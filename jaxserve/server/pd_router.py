@@ -8,20 +8,22 @@ parsers, tokenizer and chat template: `ParseView`), which gives its prompt token
    reports for the prompt (`POST /internal/prefix_match`, asked only when there is a choice) and queue depths;
 2. without a decode pool the request goes there whole and its answer is relayed;
 3. with one, the prefill server gets the body with `"kv_transfer_params": {"do_remote_decode": true}` (not
-   streamed) and answers the first token plus the `kv_transfer_params` the decode side needs; the decode server
+   streamed) and answers the first token plus the `kv_transfer_params` the decode side needs (none: the first
+   token ended the request, and that answer is the client's, as a stream if it asked for one); the decode server
    (`pd_policy.pick_decode`: free pages vs the request's prompt + max_tokens pages, then load) gets the original
-   body plus those `kv_transfer_params`, and its answer (streamed or not) is relayed.
+   body plus those `kv_transfer_params`, and its answer (streamed or not) is relayed (`server.pd_relay`).
 A server's error status and body are relayed as they are. A request that cannot connect to its server goes to
-another of the pool (nothing was sent). A server that dies or is cut mid-answer fails that request with a 502
-`backend_error` naming the server; mid-stream (the status line is out) the stream's last events are that error
-and `data: [DONE]`. Streams pass through event by event.
+another of the pool (nothing was sent). A decode leg that fails before its answer starts (the server went away,
+502 kv_transfer_error, 503 out of pages) is run once more from the prefill, on another decode server. A server
+that dies or is cut mid-answer fails that request with a 502 `backend_error` naming the server; mid-stream (the
+status line is out) the stream's last events are that error and `data: [DONE]`.
 """
 from __future__ import annotations
 
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,16 +38,19 @@ from jaxserve.server.chat_request import parse_chat
 from jaxserve.server.limits import AppConfig
 from jaxserve.server.pd_fleet import Fleet
 from jaxserve.server.pd_metrics import BROKEN, RouterMetrics
+from jaxserve.server.pd_relay import Relay, whole_as_events
 from jaxserve.server.pd_policy import (DECODE, PREFILL, Pin, PolicyConfig, SessionTable, pages_for, pick_decode,
                                        pick_prefill)
 from jaxserve.server.protocol import Generation, parse_completion
 from jaxserve.server.pd_upstream import Answer
-from jaxserve.server.responses import DONE, error_body, error_response, http_error_response, sse
+from jaxserve.server.responses import error_response, http_error_response
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve.router")
 Parse = Callable[[Any, Any, str, AppConfig], Generation]
 FORWARDED_HEADERS = ("x-session-affinity", "authorization")
+DECODE_RETRIES = 1  # a decode leg that failed before its answer started runs again from the prefill, once
+RETRIED_STATUSES = (502, 503)  # kv_transfer_error (the pull failed), out_of_pages / service_unavailable
 PREFILL_HEADER, DECODE_HEADER = "x-jaxserve-prefill-server", "x-jaxserve-decode-server"
 
 
@@ -74,6 +79,7 @@ class PdProxy:
         self.fleet, self.cfg, self.metrics = fleet, cfg, metrics
         self.tokenizer, self.model_cfg = tokenizer, model_cfg
         self.sessions = SessionTable()
+        self.relay = Relay(fleet, metrics)
         self._views: dict[int, ParseView] = {}
         self._lock = threading.Lock()
 
@@ -104,23 +110,59 @@ class PdProxy:
 
     def disaggregated(self, body: dict[str, Any], gen: Generation, session: str | None, pin: Pin | None,
                       headers: dict[str, str]) -> Response:
-        """Prefill on one server (first token + kv_transfer_params), then decode on another."""
+        """Prefill on one server (first token + kv_transfer_params), then decode on another. A decode leg that fails
+        before its answer starts (its server went away, the KV transfer failed, its pool was full) is run once
+        more from the prefill, on another decode server: nothing reached the client yet."""
         page_size = self.fleet.page_size(DECODE)
         pages = sum(pages_for(len(p), gen.params.max_tokens, page_size, gen.n) for p in gen.prompts) \
             if page_size else 0
+        tried: set[str] = set()
         d_pin = pin.decode if pin is not None else None
         pick_decode(self.fleet.views(DECODE), pages, d_pin)  # no live decode server: refused before any prefill
         first = {k: v for k, v in body.items() if k != "stream_options"}
         first |= {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-        p_url, answer = self.send(PREFILL, lambda: self.choose_prefill(gen, pin), json.dumps(first).encode(),
-                                  headers, pages=0)
-        if answer.status != 200:
-            return self.relay(answer, {PREFILL_HEADER: p_url})
-        params = _transfer_params(answer)
-        d_url, answer = self.send(DECODE, lambda: pick_decode(self.fleet.views(DECODE), pages, d_pin),
-                                  json.dumps({**body, "kv_transfer_params": params}).encode(), headers, pages)
-        self.sessions.set(session, Pin(p_url, d_url))
-        return self.relay(answer, {PREFILL_HEADER: p_url, DECODE_HEADER: d_url})
+        for attempt in range(1 + DECODE_RETRIES):
+            p_url, answer = self.send(PREFILL, lambda: self.choose_prefill(gen, pin), json.dumps(first).encode(),
+                                      headers, pages=0)
+            routed = {PREFILL_HEADER: p_url}
+            if answer.status != 200:
+                return self.relay(answer, routed)
+            prefilled = answer.json()
+            params = prefilled.get("kv_transfer_params") if isinstance(prefilled, dict) else None
+            if params is None:  # the first token ended the request: the prefill answer is final
+                self.sessions.set(session, Pin(p_url, d_pin))
+                return self.final(prefilled, gen, routed)
+
+            def choose() -> str:
+                views = self.fleet.views(DECODE)
+                return pick_decode([v for v in views if v.url not in tried] or views, pages, d_pin)
+
+            d_body = json.dumps({**body, "kv_transfer_params": params}).encode()
+            try:
+                d_url, answer = self.send(DECODE, choose, d_body, headers, pages)
+            except BackendError as e:
+                if attempt == DECODE_RETRIES:
+                    raise
+                tried.add(e.value)
+                log.warning("%s; prefilling again for another decode server", e.message)
+                continue
+            if answer.status in RETRIED_STATUSES and attempt < DECODE_RETRIES:
+                log.warning("decode server %s answered %d: %s; prefilling again for another decode server", d_url,
+                            answer.status, answer.read()[:300])
+                tried.add(d_url)
+                d_pin = None
+                continue
+            self.sessions.set(session, Pin(p_url, d_url))
+            return self.relay(answer, routed | {DECODE_HEADER: d_url})
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def final(self, prefilled: dict[str, Any], gen: Generation, routed: dict[str, str]) -> Response:
+        """A prefill server's final answer, streamed if the client asked for a stream."""
+        if not gen.stream:
+            return Response(json.dumps(prefilled), mimetype="application/json", headers=routed)
+        chat = request.path.endswith("/chat/completions")
+        return Response(whole_as_events(prefilled, chat, gen.include_usage), mimetype="text/event-stream",
+                        headers=routed | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def forward(self) -> Response:
         """A GET (the model cards) answered by a live prefill-pool server."""
@@ -169,47 +211,6 @@ class PdProxy:
                 self.metrics.errors.labels(pool, url, str(answer.status)).inc()
             answer.on_close(lambda: self.fleet.done(url))
             return url, answer
-
-    def relay(self, answer: Answer, routed: dict[str, str]) -> Response:
-        """The server's answer as the client's: status and headers, the body whole or event by event."""
-        headers = {**answer.headers, **routed}
-        if not answer.headers.get("content-type", "").startswith("text/event-stream"):
-            try:
-                return Response(answer.read(), status=answer.status, headers=headers)
-            except BackendError:
-                self.metrics.errors.labels(self.fleet.pool_of(answer.upstream.url), answer.upstream.url, BROKEN).inc()
-                raise
-        resp = Response(self.events(answer), status=answer.status, headers=headers)
-        resp.call_on_close(answer.close)  # a client gone before the first event still frees the connection
-        return resp
-
-    def events(self, answer: Answer) -> Iterator[bytes]:
-        """Relay complete SSE events as they arrive; if the server breaks off, end with its error and [DONE]."""
-        pending = b""
-        try:
-            for chunk in answer.chunks():
-                pending += chunk
-                cut = pending.rfind(b"\n\n") + 2
-                if cut > 1:
-                    yield pending[:cut]
-                    pending = pending[cut:]
-            if pending:
-                yield pending
-        except BackendError as e:
-            pool = self.fleet.pool_of(answer.upstream.url)
-            self.metrics.errors.labels(pool, answer.upstream.url, BROKEN).inc()
-            log.warning("stream from %s broke: %s", answer.upstream.url, e.message)
-            yield (sse(error_body(e)) + DONE).encode()
-
-
-def _transfer_params(answer: Answer) -> dict[str, Any]:
-    data = answer.json()
-    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
-    if not isinstance(params, dict):
-        raise BackendError(f"prefill server {answer.upstream.url} answered without kv_transfer_params: is it "
-                           "running `jaxserve serve --role prefill`?", value=answer.upstream.url)
-    return params
-
 
 def create_router_app(fleet: Fleet, tokenizer: Tokenizer, model_cfg: ModelConfig, cfg: RouterConfig) -> Flask:
     """The router's Flask app over `fleet` (whose health checks the caller starts)."""
