@@ -55,5 +55,8 @@ class RouterMetrics:
                                 registry=r)
         r.register(FleetCollector(fleet))
 
+    def request(self, endpoint: str, status: int) -> None:
+        self.http.labels(endpoint, str(status)).inc()
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from flask import Flask, Response, request
-from werkzeug.exceptions import HTTPException
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import EngineConfig
-from jaxserve.errors import BackendError, BackendUnreachableError, JaxserveError
+from jaxserve.errors import BackendError, BackendUnreachableError
 from jaxserve.server.body import parse_json, require_json
 from jaxserve.server.chat_request import parse_chat
 from jaxserve.server.limits import AppConfig
@@ -43,7 +42,7 @@ from jaxserve.server.pd_policy import (DECODE, PREFILL, Pin, PolicyConfig, Sessi
                                        pick_prefill)
 from jaxserve.server.protocol import Generation, parse_completion
 from jaxserve.server.pd_upstream import Answer
-from jaxserve.server.responses import error_response, http_error_response
+from jaxserve.server.responses import add_error_handlers
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve.router")
@@ -253,25 +252,5 @@ def create_router_app(fleet: Fleet, tokenizer: Tokenizer, model_cfg: ModelConfig
         body, content_type = metrics.render()
         return Response(body, content_type=content_type)
 
-    _add_error_handlers(app, metrics)
+    add_error_handlers(app, metrics.request)
     return app
-
-
-def _add_error_handlers(app: Flask, metrics: RouterMetrics) -> None:
-    """Every error in the OpenAI shape; every response counted by route and status."""
-
-    @app.errorhandler(JaxserveError)
-    def typed_error(err: JaxserveError) -> Response:
-        return error_response(err)
-
-    app.register_error_handler(HTTPException, http_error_response)
-
-    @app.errorhandler(Exception)
-    def unexpected(err: Exception) -> Response:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(JaxserveError(f"internal error: {type(err).__name__}"))
-
-    @app.after_request
-    def count(resp: Response) -> Response:
-        metrics.http.labels(request.url_rule.rule if request.url_rule else "other", str(resp.status_code)).inc()
-        return resp
