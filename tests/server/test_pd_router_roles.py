@@ -6,7 +6,9 @@ requests go to the survivor."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
@@ -63,8 +65,8 @@ def answer(base: str, body: dict, session: str | None = None) -> tuple[str, dict
         data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]", data[-3:]
     for d in data[:-1]:
-        c = json.loads(d)["choices"][0]
-        text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+        for c in json.loads(d)["choices"]:  # none in the usage chunk
+            text += c.get("text") or (c.get("delta") or {}).get("content") or ""
     return text, dict(r.headers)
 
 
@@ -103,6 +105,49 @@ def test_concurrent_requests_equal_a_both_server_and_sessions_stick(pd):
     for d in ("decode0", "decode1"):
         assert router_metric(router.base, "jaxserve_router_requests_total", pool="decode",
                              server=procs[d].base) > 0
+
+
+def test_a_request_the_first_token_ends_is_answered_by_the_prefill_server(pd):
+    router, procs = pd
+    body = body_of(0)[1]
+    first = answer(procs["both"].base, {**body, "max_tokens": 1, "stream": False})[0]
+    assert first  # its first token's text, made a stop string: the prefill ends the request
+    for stream in (False, True):
+        stopped = {**body, "stop": [first], "stream": stream}
+        if stream:
+            stopped["stream_options"] = {"include_usage": True}
+        text, headers = answer(router.base, stopped)
+        assert text == answer(procs["both"].base, stopped)[0]
+        assert headers[PREFILL_HEADER] == procs["prefill"].base and DECODE_HEADER not in headers
+
+
+def health_of(router_base: str, url: str) -> bool:
+    return next(s["alive"] for s in httpx.get(f"{router_base}/health", timeout=TIMEOUT).json()["servers"]
+                if s["url"] == url)
+
+
+def wait_health(router_base: str, url: str, alive: bool) -> None:
+    deadline = time.monotonic() + 60
+    while health_of(router_base, url) != alive:
+        assert time.monotonic() < deadline, f"{url} never became {'alive' if alive else 'dead'}"
+        time.sleep(0.1)
+
+
+def test_a_hung_decode_server_is_cut_and_its_request_decoded_elsewhere(pd):
+    router, procs = pd
+    hung, other = procs["decode0"], procs["decode1"]
+    session = sessions_on(router.base, [hung.base, other.base], 1)[hung.base][0]
+    body = body_of(2)[1]
+    want = answer(procs["both"].base, body)[0]
+    hung.proc.send_signal(signal.SIGSTOP)
+    try:
+        text, headers = answer(router.base, body, session)  # pinned to the hung server until it is declared dead
+        assert text == want and headers[DECODE_HEADER] == other.base
+        assert not health_of(router.base, hung.base)
+        assert router_metric(router.base, "jaxserve_router_errors_total", server=hung.base, status="broken") >= 1
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+    wait_health(router.base, hung.base, alive=True)  # one good health check brings it back
 
 
 def long_stream(base: str, session: str, out: dict, started: threading.Event) -> None:
