@@ -138,6 +138,10 @@ class Engine:
         if role == "decode" and req.pull is None:
             raise InvalidRequestError("a decode server takes requests from a router: kv_transfer_params missing",
                                       value=None, param="kv_transfer_params")
+        if role == "decode" and req.params.prompt_logprobs is not None:
+            raise InvalidRequestError("a decode server has no prefill to score the prompt with: prompt logprobs "
+                                      "(echo with logprobs) need a --role both server", value=req.params.prompt_logprobs,
+                                      param="prompt_logprobs")
         if role != "decode" and req.pull is not None:
             raise InvalidRequestError(f"kv_transfer_params to pull from are for a decode server; this one runs "
                                       f"--role {role}", value=req.pull.transfer_id, param="kv_transfer_params")

@@ -228,6 +228,12 @@ def start_warmup(engine: Engine, level: str, lifecycle: Lifecycle, progress: boo
     return thread
 
 
+def _transfer_line(engine: object) -> str:
+    """Where a prefill server's KV transfer service listens, for the start-up line ("" for other roles)."""
+    transfers = getattr(engine, "transfers", None)
+    return "" if transfers is None else ", KV transfers on {}:{}".format(*transfers.address)
+
+
 def run(args: argparse.Namespace) -> int:
     from jaxserve.cli import default_checkpoint
     from jaxserve.server.app import create_app
@@ -238,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
     serve_cfg = ServeConfig(args.host, args.port, threads, args.max_body_bytes)
     enable_from_args(args)  # before anything compiles: a restart loads its programs instead of compiling them
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
+    if args.workers > 1 and args.role != "both":
+        raise ConfigError("--workers replicates a --role both server; run one process per prefill / decode server",
+                          value=args.workers, param="workers")
     if args.workers > 1:
         from jaxserve.engine.router import SessionRouter
 
@@ -256,8 +265,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, shutdown.on_signal)
     start_warmup(engine, args.warmup, lifecycle)  # a restart loads its programs from the compile cache
     print(f"jaxserve: serving {name} on http://{args.host}:{server.effective_port}/v1 (admits {max_queue} "
-          f"requests, {serve_cfg.threads} threads; warm-up {args.warmup}: /ready answers 200 once done)",
-          file=sys.stderr, flush=True)
+          f"requests, {serve_cfg.threads} threads; warm-up {args.warmup}: /ready answers 200 once done; role "
+          f"{args.role}{_transfer_line(engine)})", file=sys.stderr, flush=True)
     try:
         server.run()  # returns once drained (waitress catches the SystemExit of the last signal)
     finally:

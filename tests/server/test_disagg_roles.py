@@ -135,6 +135,15 @@ def via_proxy(kv: dict, **faults: int) -> dict:
 
 
 # ---- tests -----------------------------------------------------------------------------------------------------
+def test_each_role_builds_only_its_phase(srv):
+    kinds = {role: {k for k, *_ in srv[role].engine.programs.program_shapes()} for role in srv}
+    assert kinds == {"prefill": {"prefill", "export"}, "decode": {"decode", "import"},
+                     "both": {"prefill", "decode", "handoff"}}
+    prefill, decode = srv["prefill"].engine.programs, srv["decode"].engine.programs
+    assert decode.prefill_phase is None and prefill.decode_phase is None
+    assert srv["both"].engine.transfers is None and prefill.cfg.role == "prefill"
+
+
 def test_prefill_then_decode_equals_both(srv):
     for i, prompt in enumerate(PROMPTS):
         body = completion(prompt)
@@ -207,6 +216,16 @@ def test_a_dropped_transfer_fails_its_request_and_returns_every_page(srv):
     kv = prefill(srv, "/v1/completions", body)["kv_transfer_params"]
     assert decode_text(srv, "/v1/completions", body, kv, stream=False) == want
     wait_pages_back(srv)
+
+
+def test_a_stalled_transfer_times_out_and_fails_only_its_request(srv):
+    body = completion(PROMPTS[0])
+    kv = prefill(srv, "/v1/completions", body)["kv_transfer_params"]
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts the connection, never answers
+        stalled = {**kv, "host": "127.0.0.1", "port": silent.getsockname()[1]}
+        r = post(srv["decode"].base, "/v1/completions", {**body, "kv_transfer_params": stalled})
+    assert r.status_code == 502 and "timed out" in r.json()["error"]["message"]
+    wait_pages_back(srv, timeout=TRANSFER_TIMEOUT_S + 30)  # the export nobody pulled expires on the prefill side
 
 
 def test_transfer_bytes_per_token_are_the_decode_layouts(srv):
