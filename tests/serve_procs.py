@@ -26,7 +26,7 @@ MODEL = "tiny-kimi"  # the embedded checkpoint's folder name: what clients send 
 
 @dataclass
 class ServeProc:
-    """A `jaxserve serve` process and its stderr lines (kept for failure messages)."""
+    """A `jaxserve serve` (or `router`) process and its stderr lines (kept for failure messages)."""
 
     proc: subprocess.Popen
     base: str
@@ -44,10 +44,13 @@ class ServeProc:
 
 def start_serve(cache_dir: Path, *args: str) -> ServeProc:
     """`jaxserve serve --port 0 --warmup none` with `args`; returns once it listens."""
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--warmup", "none",
-           "--compile-cache", str(cache_dir), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return start_jaxserve("serve", "--port", "0", "--warmup", "none", "--compile-cache", str(cache_dir), *args)
+
+
+def start_jaxserve(*args: str) -> ServeProc:
+    """`jaxserve <args>` (serve or router); returns once its start-up line names the URL it listens on."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", *args], cwd=ROOT, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     log: list[str] = []
     found = threading.Event()
     base: list[str] = []
@@ -64,7 +67,7 @@ def start_serve(cache_dir: Path, *args: str) -> ServeProc:
     threading.Thread(target=read, daemon=True).start()
     if not found.wait(START_TIMEOUT) or not base:
         proc.kill()
-        raise AssertionError(f"jaxserve serve did not start: {''.join(log)}")
+        raise AssertionError(f"jaxserve {args[0]} did not start: {''.join(log)}")
     return ServeProc(proc, base[0], log)
 
 

@@ -5,6 +5,10 @@ the other server."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -12,7 +16,7 @@ import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_procs import MODEL, start_router, start_serve
+from serve_procs import MODEL, ROOT, start_jaxserve, start_router, start_serve
 
 TIMEOUT = 120.0
 PREFILL_HEADER = "x-jaxserve-prefill-server"
@@ -129,6 +133,23 @@ def test_metrics_count_requests_per_server(fleet):
         assert after - before[s] == served[s]
         assert router_metric(router.base, "jaxserve_router_server_up", pool="prefill", server=s) == 1.0
     assert router_metric(router.base, "jaxserve_router_in_flight") == 0.0
+
+
+def test_the_router_command(fleet):
+    _, a, b = fleet
+    router = start_jaxserve("router", "--prefill", a.base, b.base, "--port", "0", "--health-interval", "0.2")
+    try:
+        body = completion("def main():")
+        r = post(router.base, "/v1/completions", body)
+        assert r.status_code == 200 and r.headers[PREFILL_HEADER] in (a.base, b.base)
+        assert r.json()["choices"][0] == post(a.base, "/v1/completions", body).json()["choices"][0]
+        assert httpx.get(f"{router.base}/ready", timeout=TIMEOUT).status_code == 200
+    finally:
+        router.proc.send_signal(signal.SIGTERM)
+        assert router.proc.wait(timeout=30) == 0, router.text()
+    bad = subprocess.run([sys.executable, "-m", "jaxserve.cli", "router", "--prefill", "ftp://x:1"], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert bad.returncode == 2 and "http://host:port" in bad.stderr
 
 
 def wait_dead(base: str, server: str) -> None:
