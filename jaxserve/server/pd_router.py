@@ -14,7 +14,8 @@ parsers, tokenizer and chat template: `ParseView`), which gives its prompt token
    body plus those `kv_transfer_params`, and its answer (streamed or not) is relayed (`server.pd_relay`).
 A server's error status and body are relayed as they are. A request that cannot connect to its server goes to
 another of the pool (nothing was sent). A decode leg that fails before its answer starts (the server went away,
-502 kv_transfer_error, 503 out of pages) is run once more from the prefill, on another decode server. A server
+502 kv_transfer_error, 503 out of pages) is run once more from the prefill, on another decode server; a whole
+request whose server went away before answering, once more on another server. A server
 that dies or is cut mid-answer fails that request with a 502 `backend_error` naming the server; mid-stream (the
 status line is out) the stream's last events are that error and `data: [DONE]`.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ from jaxserve.tokenizer import Tokenizer
 log = logging.getLogger("jaxserve.router")
 Parse = Callable[[Any, Any, str, AppConfig], Generation]
 FORWARDED_HEADERS = ("x-session-affinity", "authorization")
-DECODE_RETRIES = 1  # a decode leg that failed before its answer started runs again from the prefill, once
+RETRIES = 1  # a request whose server failed before its answer started runs again on another server, once
 RETRIED_STATUSES = (502, 503)  # kv_transfer_error (the pull failed), out_of_pages / service_unavailable
 PREFILL_HEADER, DECODE_HEADER = "x-jaxserve-prefill-server", "x-jaxserve-decode-server"
 
@@ -102,10 +103,27 @@ class PdProxy:
         headers = {"Content-Type": "application/json"}
         headers |= {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         if not self.fleet.disaggregated:
-            url, answer = self.send(PREFILL, lambda: self.choose_prefill(gen, pin), raw, headers, pages=0)
+            return self.whole(raw, gen, session, pin, headers)
+        return self.disaggregated(body, gen, session, pin, headers)
+
+    def whole(self, raw: bytes, gen: Generation, session: str | None, pin: Pin | None,
+              headers: dict[str, str]) -> Response:
+        """The request, whole, to one prefill-pool server (role both); one that fails before its answer starts
+        (it died or hung) is replaced by another, once."""
+        tried: set[str] = set()
+        for attempt in range(1 + RETRIES):
+            try:
+                url, answer = self.send(PREFILL, lambda: self.choose_prefill(gen, pin, tried), raw, headers, pages=0)
+            except BackendError as e:
+                if attempt == RETRIES:
+                    raise
+                tried.add(e.value)
+                pin = None
+                log.warning("%s; sending the request to another server", e.message)
+                continue
             self.sessions.set(session, Pin(url))
             return self.relay(answer, {PREFILL_HEADER: url})
-        return self.disaggregated(body, gen, session, pin, headers)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def disaggregated(self, body: dict[str, Any], gen: Generation, session: str | None, pin: Pin | None,
                       headers: dict[str, str]) -> Response:
@@ -120,7 +138,7 @@ class PdProxy:
         pick_decode(self.fleet.views(DECODE), pages, d_pin)  # no live decode server: refused before any prefill
         first = {k: v for k, v in body.items() if k != "stream_options"}
         first |= {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-        for attempt in range(1 + DECODE_RETRIES):
+        for attempt in range(1 + RETRIES):
             p_url, answer = self.send(PREFILL, lambda: self.choose_prefill(gen, pin), json.dumps(first).encode(),
                                       headers, pages=0)
             routed = {PREFILL_HEADER: p_url}
@@ -140,12 +158,12 @@ class PdProxy:
             try:
                 d_url, answer = self.send(DECODE, choose, d_body, headers, pages)
             except BackendError as e:
-                if attempt == DECODE_RETRIES:
+                if attempt == RETRIES:
                     raise
                 tried.add(e.value)
                 log.warning("%s; prefilling again for another decode server", e.message)
                 continue
-            if answer.status in RETRIED_STATUSES and attempt < DECODE_RETRIES:
+            if answer.status in RETRIED_STATUSES and attempt < RETRIES:
                 log.warning("decode server %s answered %d: %s; prefilling again for another decode server", d_url,
                             answer.status, answer.read()[:300])
                 tried.add(d_url)
@@ -168,8 +186,10 @@ class PdProxy:
         url, answer = self.send(PREFILL, lambda: pick_prefill(self.fleet.views(PREFILL), {}), None, {}, pages=0)
         return self.relay(answer, {PREFILL_HEADER: url})
 
-    def choose_prefill(self, gen: Generation, pin: Pin | None) -> str:
+    def choose_prefill(self, gen: Generation, pin: Pin | None, avoid: Collection[str] = ()) -> str:
+        """The prefill server for `gen`, not one in `avoid` unless no other lives."""
         views = self.fleet.views(PREFILL)
+        views = [v for v in views if v.url not in avoid and v.alive] or views
         live = [v.url for v in views if v.alive]
         pinned = pin.prefill if pin is not None else None
         cached = {} if pinned in live or len(live) < 2 else \

@@ -152,20 +152,39 @@ def test_the_router_command(fleet):
     assert bad.returncode == 2 and "http://host:port" in bad.stderr
 
 
-def wait_dead(base: str, server: str) -> None:
+def pinned_to(router_base: str, server: str) -> str:
+    """A session pinned to `server` (idle servers take turns, so one of a few new sessions lands there)."""
+    return next(f"to-{server}-{i}" for i in range(100) if post(router_base, "/v1/completions", completion("pin"),
+                                                               f"to-{server}-{i}").headers[PREFILL_HEADER] == server)
+
+
+def wait_alive(base: str, server: str, alive: bool) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         states = {s["url"]: s["alive"] for s in httpx.get(f"{base}/health", timeout=TIMEOUT).json()["servers"]}
-        if not states[server]:
+        if states[server] == alive:
             return
         time.sleep(0.1)
-    raise AssertionError(f"{server} still alive in the router's /health")
+    raise AssertionError(f"{server} never became {'alive' if alive else 'dead'} in the router's /health")
+
+
+def test_a_hung_backend_is_cut_and_its_request_served_by_the_other(fleet):
+    router, a, b = fleet
+    session = pinned_to(router.base, b.base)
+    body = completion("hung")
+    want = post(a.base, "/v1/completions", body).json()["choices"][0]
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        r = post(router.base, "/v1/completions", body, session)  # sent to b, cut once b is declared dead
+        assert r.status_code == 200 and r.headers[PREFILL_HEADER] == a.base and r.json()["choices"][0] == want
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    wait_alive(router.base, b.base, alive=True)
 
 
 def test_killing_a_backend_ends_its_stream_with_an_error_and_routes_around_it(fleet):
     router, a, b = fleet
-    session = next(f"k{i}" for i in range(100)
-                   if post(router.base, "/v1/completions", completion("pin"), f"k{i}").headers[PREFILL_HEADER] == b.base)
+    session = pinned_to(router.base, b.base)
     body = completion("def main():", max_tokens=400, ignore_eos=True, stream=True)
     with httpx.stream("POST", f"{router.base}/v1/completions", json=body, headers={"x-session-affinity": session},
                       timeout=TIMEOUT) as r:
@@ -177,7 +196,7 @@ def test_killing_a_backend_ends_its_stream_with_an_error_and_routes_around_it(fl
     assert rest[-1] == "[DONE]"
     error = json.loads(rest[-2])["error"]
     assert error["type"] == "backend_error" and b.base in error["message"]
-    wait_dead(router.base, b.base)
+    wait_alive(router.base, b.base, alive=False)
     for i in range(4):  # the pinned session too: its server is dead
         r = post(router.base, "/v1/completions", completion(f"after {i}"), session if i == 0 else None)
         assert r.status_code == 200 and r.headers[PREFILL_HEADER] == a.base
