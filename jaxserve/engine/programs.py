@@ -4,6 +4,9 @@ prefill: BF16 page pool, prefill weights (FP8 by default), plain MLA, chunked; s
 decode:  FP8 (or BF16) page pool, decode weights (INT4 by default), tag check, absorbed MLA attention, sampling.
 handoff: BF16 prefill pages -> decode pool pages (FP8 conversion on the prefill side, then a device transfer);
          the source pages' device tags travel with them and are verified on the decode side.
+export / import: the two halves of the hand-off when the phases are separate servers (`EngineConfig.role`
+         "prefill" / "decode": each builds, loads and compiles only its own phase; engine.kv_transfer moves the chunk,
+         with per-page checksums computed on the device on both sides, `cache.checksum`).
 Each pool carries its device tags (`KVPages.tags`); `sync_tags` sends the host allocator's changes before a
 program reads them.
 
@@ -26,8 +29,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from jaxserve.cache.checksum import page_checksums
 from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, init_pages, insert_pages, pages_to_fp8
+from jaxserve.cache.checksum import page_checksums
 from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.layouts import PhaseLayouts

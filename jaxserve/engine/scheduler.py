@@ -2,6 +2,9 @@
 prefills to the decode pool, preemption by recompute when decode pages run out, aborts, ends (`engine.output` says
 when a token ends a sequence). The batches it uploads are built in `engine.batch`.
 
+Prefill and decode as separate servers (`EngineConfig.role`): `remote_steps` (a mixin) exports instead of handing off
+(prefill role) or pulls instead of prefilling (decode role).
+
 Every path that ends a sequence (finish, abort, integrity failure, preemption) returns its pages to the pools.
 The scheduler is single-threaded: only the engine loop calls `step()`; other threads talk to it through `submit`
 and `abort`, which only touch a locked inbox.

@@ -3,7 +3,8 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
 Server-Sent Events ending in `data: [DONE]`), POST /v1/responses and GET /v1/responses/{id} (`server.responses_api`:
 a chat request underneath), GET /health (live), GET /ready (warmed up, not draining), GET /metrics,
-GET /openapi.json. While the server drains (`server.limits.Lifecycle`), generation requests get 503 + Retry-After.
+GET /openapi.json, GET /internal/status and POST /internal/prefix_match (`server.disagg`, for a router; with
+`kv_transfer_params` a request is one step of prefill and decode as separate servers). While the server drains (`server.limits.Lifecycle`), generation requests get 503 + Retry-After.
 
 A generation request's body is read as strict JSON (`server.body`: 415 unless declared JSON) and validated into a
 `Generation` (`server.protocol`: a 400 naming the field) before anything reaches the engine; then it is admitted
