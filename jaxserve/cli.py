@@ -1,4 +1,4 @@
-"""The `jaxserve` command: convert, quantize, generate, serve, eval-quality.
+"""The `jaxserve` command: convert, quantize, generate, serve, router, eval-quality, plan.
 
 Each subcommand's arguments and body live with what it drives (`add_arguments(parser)` + `run(args) -> int`);
 this module only wires them and turns typed errors into a one-line message and exit code 2.
@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("jaxserve.quant.checkpoint", "write FP8 prefill / INT4 decode weights beside a checkpoint"),
     "generate": ("jaxserve.engine.generate", "generate a continuation of a prompt (default: the embedded model)"),
     "serve": ("jaxserve.server.main", "serve the OpenAI-compatible HTTP API (default: the embedded model)"),
+    "router": ("jaxserve.server.pd_main", "an OpenAI-compatible front end routing over prefill and decode servers"),
     "eval-quality": ("jaxserve.eval.quality", "compare weight and KV formats on held-out text"),
     "plan": ("jaxserve.plan", "per-device weights, temporaries, KV tokens and collectives of a model on N devices"),
 }

@@ -145,6 +145,26 @@ class KVTransferError(JaxserveError):
     error_type = "kv_transfer_error"
 
 
+class BackendError(JaxserveError):
+    """A server behind `jaxserve router` failed a request it was sent: unreachable, its connection closed or timed
+    out mid-answer, or its answer was unusable (value: the server's URL)."""
+
+    http_status = 502
+    error_type = "backend_error"
+
+
+class BackendUnreachableError(BackendError):
+    """A server behind `jaxserve router` refused or timed out the connection: nothing was sent, so the router may
+    send the request to another server."""
+
+
+class NoBackendError(JaxserveError):
+    """`jaxserve router` has no live server in a pool the request needs (value: the pool's URLs)."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
 def http_status(error: BaseException) -> int:
     """The HTTP status code for any exception (500 for anything not typed here)."""
     return error.http_status if isinstance(error, JaxserveError) else 500

@@ -28,10 +28,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from flask import Flask, Response, request
-from werkzeug.exceptions import HTTPException
 
 from jaxserve.engine import Engine, TokenEvent
-from jaxserve.errors import JaxserveError, ModelNotFoundError, ShuttingDownError
+from jaxserve.errors import ModelNotFoundError, ShuttingDownError
 from jaxserve.server.body import parse_json, require_json
 from jaxserve.server.limits import RETRY_AFTER_S, AppConfig, DisconnectWatcher, Lifecycle
 from jaxserve.server.metrics import ServerMetrics
@@ -40,8 +39,8 @@ from jaxserve.server.chat_request import parse_chat
 from jaxserve.server.disagg import add_internal_routes, kv_transfer
 from jaxserve.server.protocol import Generation, parse_completion
 from jaxserve.server.responses_api import ResponsesApi
-from jaxserve.server.responses import (CHAT, COMPLETION, Reply, Shape, TokenText, complete, error_response,
-                                       single_choice, stream)
+from jaxserve.server.responses import (CHAT, COMPLETION, Reply, Shape, TokenText, add_error_handlers,
+                                       complete, single_choice, stream)
 
 log = logging.getLogger("jaxserve.server")
 
@@ -186,7 +185,7 @@ def create_app(engine: Engine, model_name: str, cfg: AppConfig | None = None,
 
     _add_info_routes(app, engine, model_name, metrics, lifecycle)
     add_internal_routes(app, engine, lifecycle)
-    _add_error_handlers(app, cfg, metrics)
+    add_error_handlers(app, metrics.request, cfg.retry_after_s)
     return app
 
 
@@ -236,29 +235,3 @@ def _add_info_routes(app: Flask, engine: Engine, model_name: str, metrics: Serve
     @app.get("/openapi.json")
     def openapi() -> Response:
         return Response(json.dumps(spec), mimetype="application/json")
-
-
-def _add_error_handlers(app: Flask, cfg: AppConfig, metrics: ServerMetrics) -> None:
-    """Every error as an OpenAI-shaped JSON body, and every response counted by route and status."""
-
-    @app.errorhandler(JaxserveError)
-    def typed_error(err: JaxserveError) -> Response:
-        return error_response(err, cfg.retry_after_s)
-
-    @app.errorhandler(HTTPException)
-    def http_error(err: HTTPException) -> Response:
-        # OpenAI's shape for an unknown route or method: an invalid_request_error with a code clients can test
-        message = f"Invalid URL ({request.method} {request.path[:200]})" if err.code == 404 else err.description
-        code = {404: "not_found", 405: "method_not_allowed"}.get(err.code or 500)
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-        return Response(json.dumps(body), status=err.code or 500, mimetype="application/json")
-
-    @app.errorhandler(Exception)
-    def unexpected(err: Exception) -> Response:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(JaxserveError(f"internal error: {type(err).__name__}"))
-
-    @app.after_request
-    def count(resp: Response) -> Response:
-        metrics.request(request.url_rule.rule if request.url_rule else "other", resp.status_code)
-        return resp

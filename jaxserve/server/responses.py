@@ -8,13 +8,15 @@ from `jaxserve.errors.http_status` (the one place that maps exception types to c
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from flask import Response
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
 
 from jaxserve.engine import TokenEvent
 from jaxserve.engine.request import PromptLogprobs
@@ -26,6 +28,7 @@ from jaxserve.server.reasoning import ReasoningParser
 from jaxserve.server.toolcalls import ToolCall, ToolCallParser
 
 DONE = "data: [DONE]\n\n"
+log = logging.getLogger("jaxserve.server")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,35 @@ def error_response(err: JaxserveError, retry_after_s: int = RETRY_AFTER_S) -> Re
     if isinstance(err, (QueueFullError, ShuttingDownError)):
         resp.headers["Retry-After"] = str(retry_after_s)
     return resp
+
+
+def http_error_response(err: HTTPException) -> Response:
+    """Flask's own errors (unknown route or method, ...) in OpenAI's shape: an invalid_request_error with a code
+    clients can test."""
+    message = f"Invalid URL ({request.method} {request.path[:200]})" if err.code == 404 else err.description
+    code = {404: "not_found", 405: "method_not_allowed"}.get(err.code or 500)
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    return Response(json.dumps(body), status=err.code or 500, mimetype="application/json")
+
+
+def add_error_handlers(app: Flask, count: Callable[[str, int], None], retry_after_s: int = RETRY_AFTER_S) -> None:
+    """Every error of `app` as an OpenAI-shaped JSON body; every response counted by `count(route, status)`."""
+
+    @app.errorhandler(JaxserveError)
+    def typed_error(err: JaxserveError) -> Response:
+        return error_response(err, retry_after_s)
+
+    app.register_error_handler(HTTPException, http_error_response)
+
+    @app.errorhandler(Exception)
+    def unexpected(err: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(JaxserveError(f"internal error: {type(err).__name__}"))
+
+    @app.after_request
+    def counted(resp: Response) -> Response:
+        count(request.url_rule.rule if request.url_rule else "other", resp.status_code)
+        return resp
 
 
 def usage(ends: list[TokenEvent], n: int = 1) -> dict[str, Any]:

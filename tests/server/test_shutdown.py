@@ -4,15 +4,14 @@ with no waitress thread left running."""
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import httpx2 as httpx
+
+from serve_procs import start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAIN_S = 3.0
@@ -21,25 +20,8 @@ TIMEOUT = 120.0
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen, str, list[str]]:
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--warmup", "none",
-           "--drain-timeout", str(DRAIN_S), "--compile-cache", str(tmp_path / "xla")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    log: list[str] = []
-    found = threading.Event()
-    base: list[str] = []
-
-    def read() -> None:
-        for line in proc.stderr:
-            log.append(line)
-            m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
-            if m and not found.is_set():
-                base.append(m.group(1))
-                found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    assert found.wait(TIMEOUT), "".join(log)
-    return proc, base[0], log
+    served = start_serve(tmp_path / "xla", "--drain-timeout", str(DRAIN_S))
+    return served.proc, served.base, served.log
 
 
 def _stream(base: str, out: list[str], started: threading.Event) -> None:
