@@ -1,0 +1,106 @@
+"""`serve --cpu-layout`: what each choice resolves to by core count and platform (a pure function), and a served
+greedy request under the layout `auto` picks for two cores returns the same tokens as the one-device server."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from jaxserve.errors import ConfigError
+from jaxserve.server.cpu_layout import AUTO, CPU_LAYOUTS, CpuLayout, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 300.0  # a cold embedded-model start on a loaded 2-core host
+
+
+def test_auto_is_one_device_on_one_core_and_the_measured_winner_on_two():
+    assert resolve("auto", 1, "cpu") == CpuLayout("single")
+    assert AUTO == "single"  # README "Every core": one device won on 2 cores (bench/results/cpu_cores.json)
+    assert resolve("auto", 2, "cpu") == resolve(AUTO, 2, "cpu") == CpuLayout("single")
+
+
+def test_explicit_layouts_use_one_device_or_replica_per_core():
+    assert resolve("tp", 2, "cpu") == CpuLayout("tp", cpu_devices=2, devices=2)
+    assert resolve("dp", 4, "cpu") == CpuLayout("dp", cpu_devices=4, devices=4, sharding="dp_attention")
+    assert resolve("workers", 2, "cpu") == CpuLayout("workers", cpu_devices=2, workers=2)
+    for choice in CPU_LAYOUTS:  # one core has one layout
+        assert resolve(choice, 1, "cpu") == CpuLayout("single")
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_no_cpu_layout_on_an_accelerator(platform):
+    for choice in CPU_LAYOUTS:
+        assert resolve(choice, 2, platform) is None
+        assert resolve(choice, 2, platform, devices=8) is None
+
+
+def test_explicit_devices_or_workers_are_taken_as_given_under_auto_only():
+    assert resolve("auto", 2, "cpu", devices=2) == CpuLayout("manual", cpu_devices=2, devices=2)
+    assert resolve("auto", 2, "cpu", devices=2, workers=3) == CpuLayout("manual", cpu_devices=6, devices=2, workers=3)
+    with pytest.raises(ConfigError) as e:
+        resolve("dp", 2, "cpu", workers=2)
+    assert e.value.param == "cpu_layout" and e.value.value == "dp"
+
+
+def test_bad_choice_or_core_count_is_a_config_error():
+    with pytest.raises(ConfigError) as e:
+        resolve("every", 2, "cpu")
+    assert e.value.value == "every"
+    with pytest.raises(ConfigError) as e:
+        resolve("auto", 0, "cpu")
+    assert e.value.param == "cores"
+
+
+def _serve(tmp: Path, layout: str) -> tuple[subprocess.Popen, str, list[str]]:
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--warmup", "none", "--cpu-layout", layout,
+           "--cpu-cores", "2", "--compile-cache", str(tmp / "xla")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    log: list[str] = []
+    found, base = threading.Event(), []
+
+    def read() -> None:
+        for line in proc.stderr:
+            log.append(line)
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+            if m and not found.is_set():
+                base.append(m.group(1))
+                found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not found.wait(TIMEOUT):
+        proc.kill()
+        raise AssertionError("".join(log))
+    return proc, base[0], log
+
+
+def _greedy(base: str) -> list[list[int]]:
+    """Three greedy completions of token-id prompts in one request -> each choice's tokens (logprobs' token texts)."""
+    prompts = [[5 + i, 70 + 3 * i, 200 + i, 11] * 4 for i in range(3)]
+    body = {"model": "tiny-kimi", "prompt": prompts, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return [c["logprobs"]["tokens"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+def test_a_served_request_under_the_two_core_auto_layout_equals_the_one_device_server(tmp_path):
+    outs, logs = {}, {}
+    for layout in ("auto", "single"):
+        proc, base, log = _serve(tmp_path, layout)
+        try:
+            outs[layout] = _greedy(base)
+            logs[layout] = "".join(log)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    assert f"CPU layout {resolve('auto', 2, 'cpu').name}:" in logs["auto"]
+    assert "CPU layout single:" in logs["single"]
+    assert all(len(t) == 12 for t in outs["single"])
+    assert outs["auto"] == outs["single"]
