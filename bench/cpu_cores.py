@@ -14,7 +14,8 @@ tensor parallel / DP attention), "workers<N>" (N engine replicas, one device eac
 "eigen-off" (one device, XLA's multi-threaded Eigen off), "xnn" (one device, XNNPACK dots), "sched" (one device,
 XLA:CPU's concurrency-optimized scheduler), "xnn-workers<N>" / "xnn-dp<N>" / "sched-xnn" (combinations). Host load
 (/proc/loadavg) is recorded before and after; the host may be shared, so read the ratios to "1core".
-Agreement: the share of rows whose greedy tokens equal "1dev"'s in the same rep.
+Agreement: the share of rows whose greedy tokens equal "1dev"'s in the same rep. Busy: the candidate process's
+CPU seconds (all threads) per wall second of a run, i.e. how many cores it kept busy.
 """
 from __future__ import annotations
 
@@ -57,6 +58,11 @@ def layouts(cores: int) -> dict[str, Layout]:
             "sched": Layout(xla_flags=SCHED), "sched-xnn": Layout(xla_flags=f"{SCHED} {XNN}")}
 
 
+def default_names(cores: int) -> tuple[str, ...]:
+    """The candidates run by default (the combinations lost in a first run: --layouts names them)."""
+    return (f"tp{cores}", f"dp{cores}", f"workers{cores}", "sched", "xnn")
+
+
 @dataclass(frozen=True)
 class Workload:
     prompt_len: int = 64
@@ -68,7 +74,8 @@ class Workload:
 
 
 def child(name: str, layout: Layout, wl: Workload) -> None:
-    """Load, warm up, then answer one JSON line per request line on stdin: {"c", "seed"} -> {"s", "tokens"}."""
+    """Load, warm up, then answer one JSON line per request line on stdin: {"c", "seed"} -> {"s", "cpu_s",
+    "tokens"} (wall and CPU seconds of the run, greedy tokens per row)."""
     if layout.pin is not None:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:layout.pin])  # before XLA sizes its thread pools
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {layout.xla_flags}".strip()
@@ -94,10 +101,17 @@ def child(name: str, layout: Layout, wl: Workload) -> None:
                       "affinity": sorted(os.sched_getaffinity(0))}), flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), cpu_seconds()
         tokens = generate(engine, prompts(ask["c"], wl.prompt_len, vocab, ask["seed"]), wl.new_tokens)
-        print(json.dumps({"s": time.perf_counter() - t0, "tokens": tokens}), flush=True)
+        print(json.dumps({"s": time.perf_counter() - t0, "cpu_s": cpu_seconds() - cpu0, "tokens": tokens}),
+              flush=True)
     engine.close()
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process, all threads."""
+    t = os.times()
+    return t.user + t.system
 
 
 def prompts(c: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -170,6 +184,7 @@ def run(names: list[str], reps: int, wl: Workload, logdir: Path) -> dict:
             cands[-1].wait_ready()
         load_before = loadavg()
         times: dict[str, dict[int, list[float]]] = {n: {c: [] for c in wl.concurrency} for n in names}
+        busy: dict[str, dict[int, list[float]]] = {n: {c: [] for c in wl.concurrency} for n in names}
         agree: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(reps):
             for c in wl.concurrency:
@@ -177,6 +192,7 @@ def run(names: list[str], reps: int, wl: Workload, logdir: Path) -> dict:
                 for cand in cands:
                     r = cand.run(c, rep)
                     times[cand.name][c].append(c * wl.new_tokens / r["s"])
+                    busy[cand.name][c].append(r["cpu_s"] / r["s"])
                     outs[cand.name] = r["tokens"]
                 ref = outs.get("1dev")
                 for n, toks in outs.items():
@@ -195,7 +211,7 @@ def run(names: list[str], reps: int, wl: Workload, logdir: Path) -> dict:
             xs = times[n][c]
             base = times["1core"][c] if "1core" in times else None
             rows[n][f"c{c}"] = {"tok_s": spread(xs), "over_1core": spread([x / b for x, b in zip(xs, base)])
-                                if base else None}
+                                if base else None, "cores_busy": spread(busy[n][c])}
     return {"workload": vars(wl), "reps": reps, "cores": os.cpu_count(), "loadavg_before": load_before,
             "loadavg_after": load_after, "layouts": rows}
 
@@ -209,7 +225,7 @@ def spread(xs: list[float]) -> dict:
 def table(r: dict, concurrency: tuple[int, ...]) -> str:
     lines = [f"cores {r['cores']}, {r['reps']} interleaved reps, loadavg before {r['loadavg_before']} after "
              f"{r['loadavg_after']}",
-             f"  {'layout':<10}" + "".join(f" {'c=' + str(c) + ' tok/s':>22} {'x 1core':>18}" for c in concurrency)
+             f"  {'layout':<12}" + "".join(f" {'c=' + str(c) + ' tok/s':>22} {'x 1core':>18} {'busy':>5}" for c in concurrency)
              + f" {'agree':>6}"]
     for n, row in r["layouts"].items():
         cells = ""
@@ -217,8 +233,9 @@ def table(r: dict, concurrency: tuple[int, ...]) -> str:
             t, q = row[f"c{c}"]["tok_s"], row[f"c{c}"]["over_1core"]
             cells += f" {t['median']:>7.0f} ({t['min']:>5.0f}..{t['max']:>5.0f})"
             cells += f" {q['median']:>5.2f} ({q['min']:.2f}..{q['max']:.2f})" if q else f" {'-':>18}"
+            cells += f" {row[f'c{c}']['cores_busy']['median']:>5.2f}"
         a = row["agreement_with_1dev"]
-        lines.append(f"  {n:<10}{cells} {a if a is None else f'{a:.2f}':>6}")
+        lines.append(f"  {n:<12}{cells} {a if a is None else f'{a:.2f}':>6}")
     return "\n".join(lines)
 
 
@@ -226,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--layouts", nargs="+", default=None, help="candidate names (default: all; 1core always)")
+    ap.add_argument("--layouts", nargs="+", default=None,
+                    help="candidates (default: tp, dp, workers at the core count, sched, xnn; 1core and 1dev always run)")
     ap.add_argument("--json", dest="json_out", type=Path, default=RESULT)
     args = ap.parse_args(argv)
     all_layouts = layouts(os.cpu_count())
@@ -234,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, all_layouts[args.child], wl)
         return 0
-    names = list(dict.fromkeys(["1core", "1dev", *(args.layouts or all_layouts)]))
+    names = list(dict.fromkeys(["1core", "1dev", *(args.layouts or default_names(os.cpu_count()))]))
     r = run(names, args.reps, wl, Path("/tmp"))
     sys.path.insert(0, str(ROOT))
     from bench import common

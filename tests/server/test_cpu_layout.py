@@ -1,21 +1,15 @@
 """`serve --cpu-layout`: what each choice resolves to by core count and platform (a pure function), and a served
-greedy request under the layout `auto` picks for two cores returns the same tokens as the one-device server."""
+greedy request under the layout `auto` picks for two cores (and under dp) returns the same tokens as the one-device
+server."""
 from __future__ import annotations
-
-import os
-import re
-import subprocess
-import sys
-import threading
-from pathlib import Path
 
 import httpx2 as httpx
 import pytest
+from test_shutdown import start_serve
 
 from jaxserve.errors import ConfigError
 from jaxserve.server.cpu_layout import AUTO, CPU_LAYOUTS, CpuLayout, resolve
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300.0  # a cold embedded-model start on a loaded 2-core host
 
 
@@ -57,29 +51,6 @@ def test_bad_choice_or_core_count_is_a_config_error():
     assert e.value.param == "cores"
 
 
-def _serve(tmp: Path, layout: str) -> tuple[subprocess.Popen, str, list[str]]:
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--warmup", "none", "--cpu-layout", layout,
-           "--cpu-cores", "2", "--compile-cache", str(tmp / "xla")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
-    log: list[str] = []
-    found, base = threading.Event(), []
-
-    def read() -> None:
-        for line in proc.stderr:
-            log.append(line)
-            m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
-            if m and not found.is_set():
-                base.append(m.group(1))
-                found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not found.wait(TIMEOUT):
-        proc.kill()
-        raise AssertionError("".join(log))
-    return proc, base[0], log
-
-
 def _greedy(base: str) -> list[list[int]]:
     """Three greedy completions of token-id prompts in one request -> each choice's tokens (logprobs' token texts)."""
     prompts = [[5 + i, 70 + 3 * i, 200 + i, 11] * 4 for i in range(3)]
@@ -90,17 +61,21 @@ def _greedy(base: str) -> list[list[int]]:
     return [c["logprobs"]["tokens"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
 
-def test_a_served_request_under_the_two_core_auto_layout_equals_the_one_device_server(tmp_path):
+def test_a_served_request_under_the_two_core_auto_layout_and_dp_equals_the_one_device_server(tmp_path):
+    """auto (what two cores resolve to) and dp (one device per core, DP attention: the layout that creates devices)
+    serve the same greedy tokens as one device."""
     outs, logs = {}, {}
-    for layout in ("auto", "single"):
-        proc, base, log = _serve(tmp_path, layout)
+    for layout in ("single", "auto", "dp"):
+        proc, base, log = start_serve(tmp_path, "--cpu-layout", layout, "--cpu-cores", "2", timeout=TIMEOUT)
         try:
             outs[layout] = _greedy(base)
             logs[layout] = "".join(log)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+    assert "CPU layout single: 1 engine(s) x 1 device(s)" in logs["single"]
     assert f"CPU layout {resolve('auto', 2, 'cpu').name}:" in logs["auto"]
-    assert "CPU layout single:" in logs["single"]
+    assert "CPU layout dp: 1 engine(s) x 2 device(s)" in logs["dp"]
     assert all(len(t) == 12 for t in outs["single"])
     assert outs["auto"] == outs["single"]
+    assert outs["dp"] == outs["single"]

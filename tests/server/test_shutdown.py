@@ -20,9 +20,11 @@ STREAMS = 10
 TIMEOUT = 120.0
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, str, list[str]]:
+def start_serve(tmp_path: Path, *flags: str, timeout: float = TIMEOUT) -> tuple[subprocess.Popen, str, list[str]]:
+    """`jaxserve serve` (embedded model, no warm-up, port 0, `flags` added) in a child process -> (process, its base
+    URL once it listens, its stderr lines so far and to come)."""
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--warmup", "none",
-           "--drain-timeout", str(DRAIN_S), "--compile-cache", str(tmp_path / "xla")]
+           "--compile-cache", str(tmp_path / "xla"), *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     log: list[str] = []
@@ -38,7 +40,9 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, str, list[str]]:
                 found.set()
 
     threading.Thread(target=read, daemon=True).start()
-    assert found.wait(TIMEOUT), "".join(log)
+    if not found.wait(timeout):
+        proc.kill()
+        raise AssertionError("".join(log))
     return proc, base[0], log
 
 
@@ -52,7 +56,7 @@ def _stream(base: str, out: list[str], started: threading.Event) -> None:
 
 
 def test_sigterm_drains_every_stream_to_a_final_event_and_exits_0(tmp_path):
-    proc, base, log = _start(tmp_path)
+    proc, base, log = start_serve(tmp_path, "--drain-timeout", str(DRAIN_S))
     try:
         outs = [[] for _ in range(STREAMS)]
         starts = [threading.Event() for _ in range(STREAMS)]
