@@ -1,9 +1,10 @@
 """`jaxserve serve`'s CPU layout: how one server process spreads the model over a CPU host's cores.
 
-XLA:CPU fixes its device count and flags when JAX starts, so the serve entry point resolves the layout from the
-core count first (`resolve`), sets them (`apply_before_jax`), and only then lets JAX start; the library itself keeps
-no such state (an Engine uses whatever devices it is given). `auto` is the layout bench/cpu_cores.py measured
-best on a 2-core host (README, "Every core"); on a GPU or TPU host the layout changes nothing.
+XLA:CPU fixes its device count when JAX starts, so the serve entry point (server.main.start_jax) resolves the
+layout from the core count first, creates the CPU devices it needs, and only then lets JAX start; the library keeps
+no such state (an Engine uses whatever devices it is given). `auto` is the layout bench/cpu_cores.py measured best
+on a 2-core host (README, "Every core": one device, XLA's own thread pool over the cores); on a GPU or TPU host the
+layout changes nothing.
 """
 from __future__ import annotations
 
@@ -58,7 +59,9 @@ def resolve(choice: str, cores: int, platform: str, devices: int = 1, workers: i
     return CpuLayout("workers", cpu_devices=cores, workers=cores)
 
 
-AUTO = "single"  # the measured winner on more than one core (bench/results/cpu_cores.json)
+# auto on more than one core: one device won on 2 cores (bench/results/cpu_cores.json: tp, dp and workers ran slower
+# at c = 16 in four interleaved runs, and tp / dp at c = 1 too; XLA:CPU flags made no measurable difference)
+AUTO = "single"
 
 
 def usable_cores() -> int:
