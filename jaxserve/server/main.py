@@ -8,6 +8,8 @@ waitress gets more worker threads than that (`--threads`, default max-queue + 4;
 max-queue to threads - 4), so every admitted request has a thread and the spare ones answer /health and the 429s at once: overload never queues inside waitress.
 Bodies over `--max-body-bytes` are refused by waitress from the Content-Length header, before the body is read,
 with a 413 in the OpenAI error shape.
+CPU hosts: `--cpu-layout` (default auto: the layout bench/cpu_cores.py measured best for the core count, see
+server/cpu_layout.py) sets the XLA CPU device count before JAX starts, and the engine's devices, sharding, replicas.
 Compiled programs persist across restarts in the XLA compilation cache (`--compile-cache DIR`, default under the
 user cache dir; `--no-compile-cache` turns it off).
 
@@ -44,6 +46,7 @@ from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.errors import ConfigError
 from jaxserve.format_names import canonical_format
 from jaxserve.engine.warmup import WARMUP_LEVELS
+from jaxserve.server.cpu_layout import CPU_LAYOUTS, CpuLayout, resolve, usable_cores
 from jaxserve.server.limits import DEFAULT_CHAT_MAX_TOKENS, MAX_BODY_BYTES, AppConfig, Lifecycle
 
 SPARE_THREADS = 4  # beyond the admission limit: /health, /metrics and refusals never wait for a stream to end
@@ -107,6 +110,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-host", default="127.0.0.1", help="--role prefill: the KV transfer service's address")
     p.add_argument("--transfer-port", type=int, default=0, help="--role prefill: its port (0: a free port)")
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--cpu-layout", choices=CPU_LAYOUTS, default="auto",
+                   help="on a CPU host, how the cores are used: single = one XLA device, tp / dp = one device per "
+                        "core (tensor parallel / DP attention), workers = one engine replica per core; auto = the "
+                        "layout measured best for the core count (README, 'Every core'). No effect on GPU/TPU")
+    p.add_argument("--cpu-cores", type=int, default=None,
+                   help="cores the CPU layout spreads over (default: those this process may run on)")
     p.add_argument("--workers", type=int, default=1,
                    help="data-parallel replicas, each on its own --devices devices; a x-session-affinity session sticks to one")
     p.add_argument("--max-model-len", type=int, default=2048, help="context window (prompt + completion)")
@@ -136,12 +145,28 @@ def admission(args: argparse.Namespace) -> tuple[int, int]:
     return max_queue, threads
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, layout: CpuLayout | None = None) -> EngineConfig:
+    """The engine's config from the flags; on a CPU host `layout` sets its devices and sharding."""
+    devices, sharding = (args.devices, "tp") if layout is None else (layout.devices, layout.sharding)
     return EngineConfig(kv_dtype=args.kv_dtype, decode_weights=args.decode_weights,
                         prefill_weights=args.prefill_weights, integrity=args.integrity == "on",
-                        devices=args.devices, max_model_len=args.max_model_len, max_queue=admission(args)[0],
-                        deterministic=args.deterministic, role=args.role, transfer_host=args.transfer_host,
-                        transfer_port=args.transfer_port)
+                        devices=devices, sharding=sharding, max_model_len=args.max_model_len,
+                        max_queue=admission(args)[0], deterministic=args.deterministic, role=args.role,
+                        transfer_host=args.transfer_host, transfer_port=args.transfer_port)
+
+
+def start_jax(args: argparse.Namespace) -> CpuLayout | None:
+    """Create the XLA CPU devices the CPU layout needs (before JAX starts: the device count is fixed then; on an
+    accelerator host they are unused), start JAX, and return the layout for its platform (None off CPU)."""
+    import jax
+
+    cores = args.cpu_cores if args.cpu_cores is not None else usable_cores()
+    want = resolve(args.cpu_layout, cores, "cpu", args.devices, args.workers)
+    jax.config.update("jax_num_cpu_devices", want.cpu_devices)
+    layout = resolve(args.cpu_layout, cores, jax.default_backend(), args.devices, args.workers)
+    if layout is not None:
+        _say(f"CPU layout {layout.name}: {layout.workers} engine(s) x {layout.devices} device(s), {cores} cores")
+    return layout
 
 
 def model_name(checkpoint: str | Path) -> str:
@@ -244,16 +269,18 @@ def run(args: argparse.Namespace) -> int:
     serve_cfg = ServeConfig(args.host, args.port, threads, args.max_body_bytes)
     enable_from_args(args)  # before anything compiles: a restart loads its programs instead of compiling them
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
-    if args.workers > 1 and args.role != "both":
+    layout = start_jax(args)
+    workers = args.workers if layout is None else layout.workers
+    if workers > 1 and args.role != "both":
         raise ConfigError("--workers replicates a --role both server; run one process per prefill / decode server",
-                          value=args.workers, param="workers")
-    if args.workers > 1:
+                          value=workers, param="workers")
+    if workers > 1:
         from jaxserve.engine.router import SessionRouter
 
         # data-parallel replicas, each on its own slice of --devices devices
-        engine = SessionRouter.replicas(checkpoint, engine_config(args), args.workers)
+        engine = SessionRouter.replicas(checkpoint, engine_config(args, layout), workers)
     else:
-        engine = Engine.from_checkpoint(checkpoint, engine_config(args), start=True)
+        engine = Engine.from_checkpoint(checkpoint, engine_config(args, layout), start=True)
     name = model_name(checkpoint)
     app_cfg = AppConfig(max_inflight=max_queue, max_body_bytes=args.max_body_bytes,
                         default_chat_max_tokens=args.default_max_tokens or DEFAULT_CHAT_MAX_TOKENS,
