@@ -244,3 +244,22 @@ def test_a_model_without_its_head_is_the_same_model(models):
     assert kv_layout(plain.cfg, PAGE, "fp8").num_layers == kv_layout(model.cfg, PAGE, "fp8").num_layers - 1
     tokens = jnp.asarray(np.random.default_rng(6).integers(0, model.cfg.vocab_size, (2, 7)), jnp.int32)
     np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(plain(tokens)))
+
+
+def test_decode_returns_the_dense_hidden_state(models):
+    """decode(..., return_hidden=True): the last decoder layer's output of the step's token, the MTP head's input."""
+    from jaxserve.models.paged import decode
+
+    model = models["glm4_moe"]
+    cfg = model.cfg
+    B, L = 2, 7
+    seq = np.random.default_rng(7).integers(0, cfg.vocab_size, (B, L + 1)).astype(np.int32)
+    rows = Rows(B, -(-(L + 1) // PAGE))
+    pages = replace(init_pages(kv_layout(cfg, PAGE, "f32"), 1 + B * rows.M), tags=jnp.asarray(rows.tags))
+    _, _, pages = _paged_chunk(model, pages, rows.chunk(seq, 0, np.array([L, L]), L), jnp.asarray(seq[:, 1:]), "xla")
+    step = nnx.jit(lambda m, p, b: decode(m, p, b, integrity=True, attention=AttentionBackend(), return_hidden=True))
+    logits, _, ok, hidden = step(model, pages, rows.step(seq[:, L], np.array([L, L])))
+    want = np.asarray(_hidden(model, jnp.asarray(seq), jnp.full((B,), L + 1, jnp.int32)))[:, L]
+    assert np.asarray(ok).all() and hidden.shape == (B, cfg.hidden_size)
+    assert _rel(np.asarray(hidden), want) <= 1e-5
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(model.logits(jnp.asarray(want))), rtol=0, atol=1e-5)
