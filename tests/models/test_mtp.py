@@ -4,7 +4,8 @@ transformers has no MTP forward, so the reference is DeepSeek-V3's formula in to
 transformers' own decoder layer class at layer_idx = num_hidden_layers loaded with the MTP layer's weights, torch
 RMSNorms and Linear for enorm / hnorm / eh_proj / shared_head.norm, and the main model's embedding, rotary embedding,
 final hidden states and lm_head; the MTP tensors go into the safetensors beside the model's and through the real
-converter. The paged path (mtp_extend over prompt chunks, then chained mtp_step drafts) is checked against the
+converter (DeepSeek-V3 / Kimi MLA, GLM-4.5 GQA, and GLM-5's MLA + DSA, whose MTP layer runs its own indexer: 12 rows
+over an index_topk of 4, so its selection counts). The paged path (mtp_extend over prompt chunks, then chained mtp_step drafts) is checked against the
 dense `mtp_forward` over the same sequence, in f32, BF16 and FP8 pools.
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _mtp(model: CausalLM, hidden, next_tokens, lengths, absorbed=False):
 # ------------------------------------------------------------------------------------------- vs the torch formula
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "glm_moe_dsa"])
 def converted(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     hf = hf_tiny.build(request.param)
