@@ -167,9 +167,13 @@ def _dense_chain(model: CausalLM, seq: np.ndarray, lens: np.ndarray, steps: int)
 TOL = {"f32": 1e-5, "bf16": 5e-3, "fp8": 0.15}
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "fp8"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_paged_extend_then_steps_equal_dense(models, arch, kv_dtype):
+CASES = [(a, d, "xla") for a in ARCHS for d in ("f32", "bf16", "fp8")] + [
+    # the paged kernels (interpret mode) read the MTP layer's pool layer like any other
+    ("deepseek_v3", "fp8", "pallas_interpret"), ("glm4_moe", "bf16", "pallas_interpret")]
+
+
+@pytest.mark.parametrize("arch,kv_dtype,attention", CASES, ids=["-".join(c) for c in CASES])
+def test_paged_extend_then_steps_equal_dense(models, arch, kv_dtype, attention):
     model = models[arch]
     cfg = model.cfg
     rng = np.random.default_rng(4)
@@ -190,7 +194,7 @@ def test_paged_extend_then_steps_equal_dense(models, arch, kv_dtype):
         n = np.clip(lens - s, 0, chunk)
         batch = rows.chunk(seq, s, n, chunk)
         nxt = np.take_along_axis(seq, np.clip(np.asarray(batch.positions) + 1, 0, W - 1), 1)
-        logits, h, pages = _paged_chunk(model, pages, batch, jnp.asarray(nxt), "xla")
+        logits, h, pages = _paged_chunk(model, pages, batch, jnp.asarray(nxt), attention)
         for b in range(B):
             got_prompt[b, s:s + n[b]] = np.asarray(logits)[b, :n[b]]
             if n[b]:
@@ -200,7 +204,8 @@ def test_paged_extend_then_steps_equal_dense(models, arch, kv_dtype):
     hidden = jnp.asarray(h_last)
     for k in range(1, steps + 1):
         pos = lens + k - 1  # the MTP row after the sampled token, then after each draft
-        logits, hidden, pages = _paged_step(model, pages, rows.step(seq[np.arange(B), pos + 1], pos), hidden, "xla")
+        logits, hidden, pages = _paged_step(model, pages, rows.step(seq[np.arange(B), pos + 1], pos), hidden,
+                                            attention)
         assert np.abs(np.asarray(logits) - want[k]).max() <= TOL[kv_dtype] * scale, k
 
 
