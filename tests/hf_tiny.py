@@ -77,7 +77,7 @@ class MTPReference(torch.nn.Module):
         torch.manual_seed(seed)
         self.enorm, self.hnorm = norm_cls(H, eps=cfg.rms_norm_eps), norm_cls(H, eps=cfg.rms_norm_eps)
         self.eh_proj = torch.nn.Linear(2 * H, H, bias=False)
-        self.layer = layer_cls(cfg, layer_idx=n)
+        self.layer = layer_cls(_with_mtp_layer(cfg), layer_idx=n)
         self.shared_norm = norm_cls(H, eps=cfg.rms_norm_eps)
         _randomize(self)
         self.model = [model]  # a list: not a submodule (its weights are the main model's)
@@ -117,7 +117,21 @@ class MTPReference(torch.nn.Module):
             mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None].expand(B, 1, T, T)
             h = self.layer(x, attention_mask=mask, position_ids=pos,
                            position_embeddings=main.model.rotary_emb(x, pos))
+            h = h[0] if isinstance(h, tuple) else h  # GLM-5's layer also returns its top-k selection
             return main.lm_head(self.shared_norm(h)), h
+
+
+def _with_mtp_layer(cfg: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """cfg with per-layer lists (GLM-5's mlp_layer_types, indexer_types) one entry longer: the MTP layer is a MoE
+    layer with its own indexer."""
+    import copy
+
+    out = copy.deepcopy(cfg)
+    if getattr(cfg, "indexer_types", None):
+        out.indexer_types = list(cfg.indexer_types) + ["full"]
+    if getattr(cfg, "mlp_layer_types", None):
+        out.mlp_layer_types = list(cfg.mlp_layer_types) + ["sparse"]
+    return out
 
 
 def _randomize(module: torch.nn.Module) -> None:

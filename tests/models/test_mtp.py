@@ -4,7 +4,8 @@ transformers has no MTP forward, so the reference is DeepSeek-V3's formula in to
 transformers' own decoder layer class at layer_idx = num_hidden_layers loaded with the MTP layer's weights, torch
 RMSNorms and Linear for enorm / hnorm / eh_proj / shared_head.norm, and the main model's embedding, rotary embedding,
 final hidden states and lm_head; the MTP tensors go into the safetensors beside the model's and through the real
-converter. The paged path (mtp_extend over prompt chunks, then chained mtp_step drafts) is checked against the
+converter (DeepSeek-V3 / Kimi MLA, GLM-4.5 GQA, and GLM-5's MLA + DSA, whose MTP layer runs its own indexer: 12 rows
+over an index_topk of 4, so its selection counts). The paged path (mtp_extend over prompt chunks, then chained mtp_step drafts) is checked against the
 dense `mtp_forward` over the same sequence, in f32, BF16 and FP8 pools.
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _mtp(model: CausalLM, hidden, next_tokens, lengths, absorbed=False):
 # ------------------------------------------------------------------------------------------- vs the torch formula
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "glm_moe_dsa"])
 def converted(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     hf = hf_tiny.build(request.param)
@@ -166,9 +167,13 @@ def _dense_chain(model: CausalLM, seq: np.ndarray, lens: np.ndarray, steps: int)
 TOL = {"f32": 1e-5, "bf16": 5e-3, "fp8": 0.15}
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "fp8"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_paged_extend_then_steps_equal_dense(models, arch, kv_dtype):
+CASES = [(a, d, "xla") for a in ARCHS for d in ("f32", "bf16", "fp8")] + [
+    # the paged kernels (interpret mode) read the MTP layer's pool layer like any other
+    ("deepseek_v3", "fp8", "pallas_interpret"), ("glm4_moe", "bf16", "pallas_interpret")]
+
+
+@pytest.mark.parametrize("arch,kv_dtype,attention", CASES, ids=["-".join(c) for c in CASES])
+def test_paged_extend_then_steps_equal_dense(models, arch, kv_dtype, attention):
     model = models[arch]
     cfg = model.cfg
     rng = np.random.default_rng(4)
@@ -189,7 +194,7 @@ def test_paged_extend_then_steps_equal_dense(models, arch, kv_dtype):
         n = np.clip(lens - s, 0, chunk)
         batch = rows.chunk(seq, s, n, chunk)
         nxt = np.take_along_axis(seq, np.clip(np.asarray(batch.positions) + 1, 0, W - 1), 1)
-        logits, h, pages = _paged_chunk(model, pages, batch, jnp.asarray(nxt), "xla")
+        logits, h, pages = _paged_chunk(model, pages, batch, jnp.asarray(nxt), attention)
         for b in range(B):
             got_prompt[b, s:s + n[b]] = np.asarray(logits)[b, :n[b]]
             if n[b]:
@@ -199,7 +204,8 @@ def test_paged_extend_then_steps_equal_dense(models, arch, kv_dtype):
     hidden = jnp.asarray(h_last)
     for k in range(1, steps + 1):
         pos = lens + k - 1  # the MTP row after the sampled token, then after each draft
-        logits, hidden, pages = _paged_step(model, pages, rows.step(seq[np.arange(B), pos + 1], pos), hidden, "xla")
+        logits, hidden, pages = _paged_step(model, pages, rows.step(seq[np.arange(B), pos + 1], pos), hidden,
+                                            attention)
         assert np.abs(np.asarray(logits) - want[k]).max() <= TOL[kv_dtype] * scale, k
 
 
@@ -244,3 +250,22 @@ def test_a_model_without_its_head_is_the_same_model(models):
     assert kv_layout(plain.cfg, PAGE, "fp8").num_layers == kv_layout(model.cfg, PAGE, "fp8").num_layers - 1
     tokens = jnp.asarray(np.random.default_rng(6).integers(0, model.cfg.vocab_size, (2, 7)), jnp.int32)
     np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(plain(tokens)))
+
+
+def test_decode_returns_the_dense_hidden_state(models):
+    """decode(..., return_hidden=True): the last decoder layer's output of the step's token, the MTP head's input."""
+    from jaxserve.models.paged import decode
+
+    model = models["glm4_moe"]
+    cfg = model.cfg
+    B, L = 2, 7
+    seq = np.random.default_rng(7).integers(0, cfg.vocab_size, (B, L + 1)).astype(np.int32)
+    rows = Rows(B, -(-(L + 1) // PAGE))
+    pages = replace(init_pages(kv_layout(cfg, PAGE, "f32"), 1 + B * rows.M), tags=jnp.asarray(rows.tags))
+    _, _, pages = _paged_chunk(model, pages, rows.chunk(seq, 0, np.array([L, L]), L), jnp.asarray(seq[:, 1:]), "xla")
+    step = nnx.jit(lambda m, p, b: decode(m, p, b, integrity=True, attention=AttentionBackend(), return_hidden=True))
+    logits, _, ok, hidden = step(model, pages, rows.step(seq[:, L], np.array([L, L])))
+    want = np.asarray(_hidden(model, jnp.asarray(seq), jnp.full((B,), L + 1, jnp.int32)))[:, L]
+    assert np.asarray(ok).all() and hidden.shape == (B, cfg.hidden_size)
+    assert _rel(np.asarray(hidden), want) <= 1e-5
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(model.logits(jnp.asarray(want))), rtol=0, atol=1e-5)
