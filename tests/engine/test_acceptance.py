@@ -122,3 +122,141 @@ def test_no_drafts_is_sample():
             np.testing.assert_array_equal(np.asarray(got.tokens[:, 0]), np.asarray(want.tokens))
             np.testing.assert_array_equal(np.asarray(got.logprobs[:, 0]), np.asarray(want.logprobs))
             np.testing.assert_array_equal(np.asarray(got.top_ids[:, 0]), np.asarray(want.top_ids))
+
+
+# ---- sampled rows: the emitted tokens are distributed exactly as the target's ----------------------------------
+V_SMALL, K_SMALL, PER_CASE = 8, 2, 20_000
+# (temperature, top_k, top_p) per batch program; temperature 0 rows ride along (their two tokens are fixed)
+CASES = {"top_k": [(1.0, 3, 1.0), (0.6, 5, 0.8), (1.7, 8, 1.0), (0.0, 0, 1.0)],
+         "full": [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.4, 0, 0.75), (0.9, 6, 0.9), (0.0, 0, 1.0)]}
+
+
+def target_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The definition of the processed distribution [..., V], in numpy: argmax at temperature 0; else scale,
+    keep the top_k most likely, then the smallest most-likely-first prefix whose mass before each token < top_p."""
+    if temperature == 0:
+        return np.eye(logits.shape[-1])[logits.argmax(-1)]
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, axis=-1, kind="stable")
+    ranked = np.take_along_axis(scaled, order, axis=-1)
+    keep = np.arange(logits.shape[-1]) < (top_k or logits.shape[-1])
+    p = np.where(keep, np.exp(ranked - ranked[..., :1]), 0.0)
+    p /= p.sum(-1, keepdims=True)
+    keep = keep & (np.cumsum(p, -1) - p < top_p)
+    p = np.where(keep, p, 0.0)
+    out = np.zeros_like(p)
+    np.put_along_axis(out, order, p / p.sum(-1, keepdims=True), axis=-1)
+    return out
+
+
+def draw(rng: np.random.Generator, q: np.ndarray) -> np.ndarray:
+    """One token per row of q [N, V] (inverse CDF)."""
+    return np.minimum((np.cumsum(q, -1) < rng.random(len(q))[:, None]).sum(-1), q.shape[-1] - 1).astype(np.int32)
+
+
+class Target:
+    """A toy target model over V_SMALL tokens after a fixed prefix: logits of token 1, of token 2 given token 1,
+    of token 3 given tokens 1 and 2; P0, P1, P2 the processed distributions per case."""
+
+    def __init__(self, cases: list[tuple[float, int, float]]):
+        rng = np.random.default_rng(2024)
+        V = V_SMALL
+        self.L0 = rng.normal(size=V).astype(np.float32) * 1.5
+        self.L1 = rng.normal(size=(V, V)).astype(np.float32) * 1.5
+        self.L2 = rng.normal(size=(V, V, V)).astype(np.float32) * 1.5
+        self.P = [[target_probs(L, *c) for L in (self.L0, self.L1, self.L2)] for c in cases]
+
+    def exact(self, case: int) -> np.ndarray:
+        """[V, V]: P(token 1 = a, token 2 = b)."""
+        P0, P1, _ = self.P[case]
+        return P0[:, None] * P1
+
+
+def drafts_for(kind: str, target: Target, case: np.ndarray, context: np.ndarray | None, rng: np.random.Generator
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+    """K_SMALL drafts per row after the prefix (context None) or after prefix + context [N] -> (drafts [N, 2],
+    draft_probs [N, 2, V] or None). random: uniform tokens, deterministic (q one-hot); far: drawn from a q far
+    from p (the target's logits negated); good: drawn from q = p."""
+    N, V = len(case), V_SMALL
+    if kind == "random":
+        return rng.integers(0, V, size=(N, K_SMALL)).astype(np.int32), None
+
+    def q_after(level: int, prev: tuple[np.ndarray, ...]) -> np.ndarray:
+        L = (target.L0, target.L1, target.L2)[level]
+        if kind == "far":
+            x = -L[prev] if prev else np.broadcast_to(-L, (N, V))
+            return np.exp(x) / np.exp(x).sum(-1, keepdims=True)
+        P = np.stack([target.P[c][level] for c in range(len(target.P))])  # [cases, ...]
+        return P[(case, *prev)]
+
+    prev: tuple[np.ndarray, ...] = () if context is None else (context,)
+    q0 = q_after(len(prev), prev)
+    d0 = draw(rng, q0)
+    q1 = q_after(len(prev) + 1, (*prev, d0))
+    return np.stack([d0, draw(rng, q1)], 1), np.stack([q0, q1], 1).astype(np.float32)
+
+
+def run_two_tokens(kind: str, mode: str) -> tuple[Target, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """PER_CASE rows per case, distinct seeds: verify once after the prefix and, where only one token came out,
+    once more after it (step 1). -> (target, case [N], token 1 [N], token 2 [N], the first verify's count [N])."""
+    cases = CASES[mode]
+    target = Target(cases)
+    case = np.repeat(np.arange(len(cases)), PER_CASE)
+    N = len(case)
+    rows = [cases[c] for c in case]
+    rng = np.random.default_rng({"random": 1, "far": 2, "good": 3}[kind])
+    seeds = np.arange(N) + 100_000 * len(kind)
+    d, q = drafts_for(kind, target, case, None, rng)
+    logits = np.stack([np.broadcast_to(target.L0, (N, V_SMALL)), target.L1[d[:, 0]], target.L2[d[:, 0], d[:, 1]]], 1)
+    first = VERIFY(jnp.asarray(logits), jnp.asarray(d), None if q is None else jnp.asarray(q),
+                   arrays(rows, seeds, 0, mode=mode))
+    tokens, count = np.asarray(first.tokens), np.asarray(first.count)
+    t0 = tokens[:, 0]
+    d, q = drafts_for(kind, target, case, t0, rng)
+    logits = np.stack([target.L1[t0], target.L2[t0, d[:, 0]], np.zeros((N, V_SMALL), np.float32)], 1)
+    second = VERIFY(jnp.asarray(logits), jnp.asarray(d), None if q is None else jnp.asarray(q),
+                    arrays(rows, seeds, 1, mode=mode))
+    t1 = np.where(count >= 2, tokens[:, 1], np.asarray(second.tokens)[:, 0])
+    return target, case, t0, t1, count
+
+
+def chi_square_p(observed: list[np.ndarray], expected: list[np.ndarray]) -> float:
+    """Joint goodness of fit over independent multinomials (one per case): observed counts and expected
+    probabilities [cells] each; cells expected under 5 are pooled, zero-probability cells must be empty."""
+    from scipy.stats import chi2
+
+    stat, dof = 0.0, 0
+    for o, p in zip(observed, expected):
+        assert o[p == 0].sum() == 0, "a token the target cannot emit was emitted"
+        e = p * o.sum()
+        small = (e > 0) & (e < 5)
+        o = np.append(o[e >= 5], o[small].sum())
+        e = np.append(e[e >= 5], e[small].sum())
+        o, e = o[e > 0], e[e > 0]
+        stat += float(((o - e) ** 2 / e).sum())
+        dof += len(e) - 1
+    return float(chi2.sf(stat, dof)) if dof else 1.0
+
+
+@pytest.mark.parametrize("mode", ["top_k", "full"])
+@pytest.mark.parametrize("kind", ["random", "far", "good"])
+def test_two_sampled_tokens_follow_the_target_distribution(kind, mode):
+    target, case, t0, t1, count = run_two_tokens(kind, mode)
+    V = V_SMALL
+    observed = [np.bincount(t0[case == c] * V + t1[case == c], minlength=V * V) for c in range(len(CASES[mode]))]
+    p = chi_square_p(observed, [target.exact(c).ravel() for c in range(len(CASES[mode]))])
+    # negative control, same samples: against the unprocessed target (temperature 1, no filters) the fit fails
+    changed = [c for c, row in enumerate(CASES[mode]) if row != (1.0, 0, 1.0)]
+    raw = (target_probs(target.L0, 1.0, 0, 1.0)[:, None] * target_probs(target.L1, 1.0, 0, 1.0)).ravel()
+    o_raw = [observed[c] for c in changed]
+    p_raw = chi_square_p(o_raw, [raw] * len(changed))
+    sampled = np.isin(case, [c for c, row in enumerate(CASES[mode]) if row[0] > 0])
+    rate = np.bincount(count[sampled], minlength=K_SMALL + 2)[1:] / sampled.sum()
+    print(f"\n{kind} drafts, {mode} program: chi-square p = {p:.4f} (against the unprocessed target: {p_raw:.2g}); "
+          f"first verify's count 1/2/3: {np.round(rate, 4)}")
+    assert p > 0.01
+    assert p_raw < 1e-6
+    if kind == "good":
+        assert rate[-1] == 1.0  # q = p: every draft is accepted (min(1, p / q) = 1)
+    else:
+        assert rate[0] > 0.5  # the drafts are bad: most first drafts are rejected
