@@ -8,6 +8,35 @@ from jaxserve.errors import ConfigError
 from jaxserve.format_names import FORMATS, KV_DTYPES, KVDtype, canonical_format
 from jaxserve.models.attention_backend import ATTENTION_NAMES, AttentionBackend
 
+SPECULATIVE_METHODS = ("ngram", "mtp")
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding: each decode step drafts k tokens per row and verifies them in one target forward over
+    k + 1 positions (engine.speculative). method: "ngram" (prompt lookup on the host, `engine.ngram`) or "mtp" (the
+    model's MTP head, on the device)."""
+
+    method: str
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}",
+                              value=self.method, param="speculative")
+        if not isinstance(self.k, int) or not 1 <= self.k <= 16:
+            raise ConfigError("speculative draft count k must be an integer in [1, 16]", value=self.k,
+                              param="speculative")
+
+    @classmethod
+    def parse(cls, text: str) -> Speculative:
+        """"ngram:3" / "mtp:3" -> Speculative; anything else is a ConfigError naming it."""
+        method, _, k = text.partition(":")
+        if not k.isdigit():
+            raise ConfigError("speculative must be METHOD:K, e.g. ngram:3 or mtp:3", value=text,
+                              param="speculative")
+        return cls(method, int(k))
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -67,6 +96,8 @@ class EngineConfig:
     # every step; and a request is admitted only when the decode pool can hold it to its last token, so nothing is
     # ever preempted (a recompute runs prefill's path and changes the tokens)
     deterministic: bool = False
+    # draft k tokens per decode step and verify them in one forward (Speculative, or its "ngram:3" text); None: off
+    speculative: Speculative | None = None
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> None:
@@ -104,6 +135,8 @@ class EngineConfig:
             object.__setattr__(self, "sharding", "ep")
         if self.dtype not in ("bfloat16", "float32"):
             bad("dtype", "must be 'bfloat16' or 'float32'")
+        if isinstance(self.speculative, str):
+            object.__setattr__(self, "speculative", Speculative.parse(self.speculative))
         if self.page_bucket_steps not in (1, 2):
             bad("page_bucket_steps", "must be 1 (powers of two) or 2 (half octaves)")
         for p in ("min_rows_bucket", "min_pages_bucket", "min_chunk_bucket"):
@@ -186,6 +219,9 @@ class EngineConfig:
 
         Default config (max_batch 32, 128 pages per sequence, chunks 16..256, 512 prefill tokens): decode 6 x 9
         = 54, prefill 20 x 5 = 100, hand-off 5."""
-        return {"decode": len(self.row_buckets) * len(self.page_buckets),
-                "prefill": len(self.prefill_shapes) * len(self.prefill_page_buckets),
-                "handoff": len(self.prefill_page_buckets)}
+        out = {"decode": len(self.row_buckets) * len(self.page_buckets),
+               "prefill": len(self.prefill_shapes) * len(self.prefill_page_buckets),
+               "handoff": len(self.prefill_page_buckets)}
+        if self.speculative is not None:  # the verify program: decode's grid, k + 1 positions per row
+            out["verify"] = out["decode"]
+        return out

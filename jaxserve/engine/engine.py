@@ -325,4 +325,5 @@ class Engine:
             "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
             "generated_tokens": st.generated_tokens, "finished": st.finished, "aborted": st.aborted,
             "tokens_per_s": st.generated_tokens / elapsed, "steps": st.steps,
+            "verify_rows": st.verify_rows, "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
         }

@@ -32,6 +32,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.layouts import PhaseLayouts
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.engine.scoring import PromptScores, prompt_scores
+from jaxserve.engine.verify import Verified, dummy_verify, verify_step
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.attention_backend import AttentionBackend
@@ -194,6 +195,10 @@ class Programs:
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
                                in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d),
                                out_shardings=(rows_d, rows_d, dh.pages_sharding))
+        # speculative decoding's verify: the decode phase's model and pool, k + 1 positions per row (engine.verify)
+        self._verify = jax.jit(self._verify_fn, donate_argnums=(1,),
+                               in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d,
+                                             rows_d), out_shardings=(rows_d, rows_d, dh.pages_sharding))
         self._export = jax.jit(self._export_fn)
         self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=dh.pages_sharding)
 
@@ -227,6 +232,13 @@ class Programs:
         ph = self.decode_phase
         return decode_step(ph.graphdef, ph.params_of(params), pages, batch, samp,
                            integrity=self.cfg.integrity, attention=self.cfg.attention_backend)
+
+    def _verify_fn(self, params: list[jax.Array], pages: KVPages, batch: PrefillBatch, drafts: jax.Array,
+                   samp: SamplingArrays):
+        self.compiles["verify"] += 1
+        ph = self.decode_phase
+        return verify_step(ph.graphdef, ph.params_of(params), pages, batch, drafts, samp,
+                           attention=self.cfg.attention_backend, integrity=self.cfg.integrity)
 
     def _export_fn(self, pages: KVPages, page_ids: jax.Array) -> KVPages:
         self.compiles["handoff"] += 1
@@ -264,6 +276,15 @@ class Programs:
         """Wait for a dispatched decode: -> (Sampled with numpy fields, ok [B] bool)."""
         sampled, ok = pending
         return jax.tree.map(np.asarray, sampled), np.asarray(ok)
+
+    def run_verify(self, batch: tuple[np.ndarray, ...], drafts: np.ndarray, samp: SamplingArrays
+                   ) -> tuple[Verified, np.ndarray]:
+        """One verify program over the decode pool (`verify.verify_batch`'s numpy batch, uploaded where decode
+        batches live) -> (Verified with numpy fields, ok [B] bool)."""
+        ph = self.decode_phase
+        batch, drafts = jax.device_put((PrefillBatch(*batch), drafts), self.decode_rows)
+        out, ok, ph.pages = self._verify(ph.params, ph.pages, batch, drafts, samp)
+        return jax.tree.map(np.asarray, out), np.asarray(ok)
 
     def sync_tags(self, prefill_alloc: PageAllocator, decode_alloc: PageAllocator) -> None:
         """Send each allocator's tag changes since the last call (allocations: the new tag; frees: 0) to its
@@ -306,7 +327,7 @@ class Programs:
 
     def warmup(self, progress: bool = True, *, background: bool = False) -> threading.Thread | None:
         """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages,
-        hand-off sizes; `EngineConfig.program_count`), smallest shapes first, with a progress bar. Afterwards no
+        hand-off sizes, verify rows x pages when speculative; `EngineConfig.program_count`), smallest shapes first, with a progress bar. Afterwards no
         greedy request compiles anything (a sampling mode compiles its program on first use).
 
         Nothing runs: each program is lowered and compiled against the pools' shapes, so the pools are never
@@ -322,6 +343,8 @@ class Programs:
         combos = [("decode", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
         combos += [("prefill", b, m, t) for b, t in c.prefill_shapes for m in c.prefill_page_buckets]
         combos += [("handoff", 0, m, 0) for m in c.prefill_page_buckets]
+        if c.speculative is not None:
+            combos += [("verify", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
         combos.sort(key=lambda x: (max(x[1], 1) * max(x[3], 1) * x[2], x[0]))  # small (common) shapes first
         for combo in tqdm(combos, desc="warm-up compiles", disable=not progress):
             self._compile(*combo)
@@ -363,6 +386,9 @@ class Programs:
         if kind == "decode":
             batch, samp = jax.device_put(dummy_decode(b, m), self.decode_rows)
             self._decode.lower(d_ph.params, d_pages, batch, dataclasses.replace(samp, mode=mode)).compile()
+        elif kind == "verify":
+            batch, drafts, samp = jax.device_put(dummy_verify(b, self.cfg.speculative.k, m), self.decode_rows)
+            self._verify.lower(d_ph.params, d_pages, batch, drafts, dataclasses.replace(samp, mode=mode)).compile()
         elif kind == "prefill":
             batch, samp = dummy_prefill(b, t, m)
             self._prefill.lower(p_ph.params, p_pages, batch, dataclasses.replace(samp, mode=mode)).compile()

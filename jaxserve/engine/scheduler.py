@@ -44,6 +44,7 @@ from jaxserve.engine.request import Request, Status, TokenEvent
 from jaxserve.engine.sampling import Sampled, SamplingArrays
 from jaxserve.engine.scoring import prompt_result, score_targets, take_scores, wants_scores
 from jaxserve.engine.sequence import Sequence, Stats
+from jaxserve.engine.speculative import Speculation
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.errors import JaxserveError, KVIntegrityError, OutOfPagesError, PageAllocatorError
 
@@ -93,6 +94,7 @@ class Scheduler:
         self._aborts: set[str] = set()
         self._inflight: _InFlight | None = None  # the decode dispatched but not read yet (overlap)
         self._lock = threading.Lock()
+        self._speculation = Speculation(self) if cfg.speculative is not None else None  # engine.speculative
         self.eos = set(model_cfg.eos_token_ids)
         if tokenizer is not None:
             self.eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -131,7 +133,7 @@ class Scheduler:
             self._abort(rid)
         self._admit()
         self._prefill_step()
-        self._decode_step()
+        (self._speculation.step if self._speculation else self._decode_step)()
         self.stats.steps += 1
 
     def _abort(self, rid: str) -> None:

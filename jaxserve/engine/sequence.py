@@ -73,3 +73,6 @@ class Stats:
     aborted: int = 0
     steps: int = 0
     overlapped: int = 0  # decode steps dispatched before the previous one was read
+    verify_rows: int = 0  # speculative: rows verified (one per row per verify step)
+    draft_tokens: int = 0  # speculative: draft tokens proposed
+    accepted_tokens: int = 0  # speculative: draft tokens the target accepted

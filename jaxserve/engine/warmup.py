@@ -2,7 +2,7 @@
 from the persistent compilation cache.
 
   * "full": every program the serving configuration can select, so nothing compiles once it is done: decode
-    (rows x pages) and prefill ((rows, chunk) x pages) in each sampling mode ("greedy", "top_k", "full"), the
+    (rows x pages), speculative verify (rows x pages, when on) and prefill ((rows, chunk) x pages) in each sampling mode ("greedy", "top_k", "full"), the
     hand-off sizes, the decode-batch unpacking (rows x pages, and after an overlapped step rows x previous rows x
     pages), and each pool's tag syncs (every power-of-two length up to its page count). `full_plan` lists them;
     `EngineConfig.program_count` counts the model programs among them.
@@ -102,6 +102,8 @@ def full_plan(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODE
     c = programs.cfg
     shapes = [("decode", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
     shapes += [("prefill", b, m, t) for b, t in c.prefill_shapes for m in c.prefill_page_buckets]
+    if c.speculative is not None:
+        shapes += [("verify", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
     shapes.sort(key=lambda x: (max(x[1], 1) * max(x[3], 1) * x[2], x[0]))  # small (common) shapes first
     jobs: list[Job] = [(kind, functools.partial(programs._compile, kind, b, m, t, mode=mode))
                        for kind, b, m, t in shapes for mode in modes]

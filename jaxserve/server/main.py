@@ -112,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant outputs: greedy and seeded requests give the same tokens whatever else "
                         "runs (every program at its largest shape; see README for the throughput cost)")
+    p.add_argument("--speculative", default=None, metavar="METHOD:K",
+                   help="speculative decoding: draft K tokens per step and verify them in one forward; ngram:K "
+                        "(prompt lookup) or mtp:K (the checkpoint's MTP head); greedy output is unchanged (default off)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on SIGTERM/SIGINT: seconds in-flight requests may finish before they are aborted")
     add_cache_arguments(p)
@@ -135,7 +138,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(kv_dtype=args.kv_dtype, decode_weights=args.decode_weights,
                         prefill_weights=args.prefill_weights, integrity=args.integrity == "on",
                         devices=args.devices, max_model_len=args.max_model_len, max_queue=admission(args)[0],
-                        deterministic=args.deterministic)
+                        deterministic=args.deterministic, speculative=args.speculative)
 
 
 def model_name(checkpoint: str | Path) -> str:
