@@ -277,12 +277,13 @@ class Programs:
         sampled, ok = pending
         return jax.tree.map(np.asarray, sampled), np.asarray(ok)
 
-    def run_verify(self, batch: tuple[np.ndarray, ...], drafts: np.ndarray, samp: SamplingArrays
+    def run_verify(self, batch: PrefillBatch, drafts: np.ndarray, samp: SamplingArrays
                    ) -> tuple[Verified, np.ndarray]:
-        """One verify program over the decode pool (`verify.verify_batch`'s numpy batch, uploaded where decode
-        batches live) -> (Verified with numpy fields, ok [B] bool)."""
+        """One verify program over the decode pool (`verify.verify_batch`'s host batch and drafts, uploaded where
+        decode batches live) -> (Verified with numpy fields, ok [B] bool)."""
         ph = self.decode_phase
-        batch, drafts = jax.device_put((PrefillBatch(*batch), drafts), self.decode_rows)
+        # everything on the decode rows' sharding, as `_compile` lowers it: another placement is another program
+        batch, drafts, samp = jax.device_put((batch, drafts, samp), self.decode_rows)
         out, ok, ph.pages = self._verify(ph.params, ph.pages, batch, drafts, samp)
         return jax.tree.map(np.asarray, out), np.asarray(ok)
 
@@ -326,9 +327,10 @@ class Programs:
                                                *jax.device_put((dst, s_tags, d_tags, group)))
 
     def warmup(self, progress: bool = True, *, background: bool = False) -> threading.Thread | None:
-        """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages,
-        hand-off sizes, verify rows x pages when speculative; `EngineConfig.program_count`), smallest shapes first, with a progress bar. Afterwards no
-        greedy request compiles anything (a sampling mode compiles its program on first use).
+        """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages, hand-off
+        sizes, verify rows x pages when speculative; `EngineConfig.program_count`), smallest shapes first, with a
+        progress bar. Afterwards no greedy request compiles anything (a sampling mode compiles its program on first
+        use).
 
         Nothing runs: each program is lowered and compiled against the pools' shapes, so the pools are never
         touched and warm-up may run beside live traffic. `background=True` does it in a daemon thread (returned);
@@ -351,12 +353,12 @@ class Programs:
         return None
 
     def compile_first(self, extra: Sequence[Callable[[], None]] = ()) -> None:
-        """Compile the programs a first short greedy request runs (one row in the smallest prefill, hand-off and
-        decode buckets), each in its own thread: XLA compiles with the GIL released, so on a multi-core host the
-        first request waits for the slowest of them instead of their sum. Later calls with these shapes reuse them
-        (an ahead-of-time compile fills the jit cache). `compile_first_sampled` does the same shapes with sampling.
-        Also in the pool: the tag syncs of the first requests (`FIRST_TAG_SYNCS`) and `extra` (the scheduler's own
-        small jits), so that request compiles nothing at all."""
+        """Compile the programs a first short greedy request runs (one row in the smallest prefill, hand-off, decode
+        and, when speculative, verify buckets), each in its own thread: XLA compiles with the GIL released, so on a
+        multi-core host the first request waits for the slowest of them instead of their sum. Later calls with these
+        shapes reuse them (an ahead-of-time compile fills the jit cache). `compile_first_sampled` does the same shapes
+        with sampling. Also in the pool: the tag syncs of the first requests (`FIRST_TAG_SYNCS`) and `extra` (the
+        scheduler's own small jits), so that request compiles nothing at all."""
         jobs = [functools.partial(self._compile, *combo) for combo in self._first_shapes()]
         jobs += [functools.partial(compile_tag_sync, ph.pages.tags, FIRST_TAG_SYNCS)
                  for ph in (self.prefill_phase, self.decode_phase)]
@@ -374,7 +376,8 @@ class Programs:
     def _first_shapes(self) -> list[tuple[str, int, int, int]]:
         c = self.cfg
         return [("prefill", 1, c.prefill_page_buckets[0], c.chunk_buckets[0]), ("decode", 1, c.page_buckets[0], 0),
-                ("handoff", 0, c.prefill_page_buckets[0], 0)]
+                ("handoff", 0, c.prefill_page_buckets[0], 0)] + \
+            ([("verify", 1, c.page_buckets[0], 0)] if c.speculative is not None else [])
 
     def _compile(self, kind: str, b: int, m: int, t: int, mode: SamplingMode = "greedy") -> None:
         """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched);

@@ -20,6 +20,7 @@ dispatch order on the threaded pool, so N+1's write into such a page lands befor
 long before any new owner's (re-tagged) write or read. Batches with a row that needs host-side per-token state
 (`Sequence.special`: penalties, min_tokens, a grammar, top logprobs), DP attention, and steps whose next page
 cannot be had without a preemption run one step at a time (dispatch, read, then the next).
+With `EngineConfig.speculative` the decode phase of a step is `engine.speculative.Speculation.step` instead.
 """
 from __future__ import annotations
 

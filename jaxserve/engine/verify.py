@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.cache import NULL_PAGE, KVPages
+from jaxserve.cache import KVPages
 from jaxserve.engine.acceptance import Verified, verify_tokens
-from jaxserve.engine.batch import DecodeRows, sampling_arrays
+from jaxserve.engine.batch import DecodeRows, dummy_prefill, padding_prefill
 from jaxserve.engine.sampling import SamplingArrays
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import PrefillBatch, prefill
@@ -34,39 +34,29 @@ def verify_step(graphdef: nnx.GraphDef, state: nnx.State, pages: KVPages, batch:
 
 
 def verify_batch(rows: DecodeRows, idx: np.ndarray, place: list[int], drafts: list[list[int]], b: int, k: int,
-                 m: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
-    """The verify batch of DecodeRows rows idx [n] at batch rows `place`, each with its drafts (<= k tokens),
-    padded to b rows and m pages, as numpy: (PrefillBatch fields, drafts [b, k] int32, -1 padding). Row i's positions are
-    length .. length + k (the last sampled token first); slots past its own drafts and padding rows' are -1."""
+                 m: int) -> tuple[PrefillBatch, np.ndarray]:
+    """The verify batch of DecodeRows rows idx [n] at batch rows `place`, each with its drafts (<= k tokens), padded to
+    b rows and m pages, on the host: (PrefillBatch of numpy arrays, drafts [b, k] int32, -1 padding). Row i's
+    positions are length .. length + k (the last sampled token first); slots past its own drafts are -1."""
     ps, t = rows.page_size, k + 1
-    tokens = np.zeros((b, t), np.int32)
-    positions = np.zeros((b, t), np.int32)
-    slots = np.full((b, t), -1, np.int32)
-    tables = np.full((b, m), NULL_PAGE, np.int32)
-    tags = np.zeros((b, m), np.uint32)
-    ctx = np.zeros(b, np.int32)
-    chunk = np.zeros(b, np.int32)
-    used = np.zeros(b, np.int32)
+    x = padding_prefill(b, t, m)
     draft_arr = np.full((b, k), -1, np.int32)
     for i, slot, d in zip(place, idx.tolist(), drafts):
         n, start = len(d), int(rows.length[slot])
-        tokens[i, 0] = rows.last[slot]
-        tokens[i, 1:n + 1] = d
+        x.tokens[i, 0] = rows.last[slot]
+        x.tokens[i, 1:n + 1] = d
         draft_arr[i, :n] = d
         pos = start + np.arange(t)
-        positions[i] = pos
+        x.positions[i] = pos
         table = rows.tables[slot, :m]
-        slots[i, :n + 1] = table[pos[:n + 1] // ps] * ps + pos[:n + 1] % ps
-        tables[i] = table
-        tags[i] = rows.tags[slot, :m]
-        ctx[i], chunk[i], used[i] = start + n + 1, n + 1, rows.num_pages[slot]
-    return (tokens, positions, slots, tables, ctx, chunk, tags, used), draft_arr
+        x.slots[i, :n + 1] = table[pos[:n + 1] // ps] * ps + pos[:n + 1] % ps
+        x.block_tables[i] = table
+        x.expected_tags[i] = rows.tags[slot, :m]
+        x.ctx_lens[i], x.chunk_lens[i], x.num_pages[i] = start + n + 1, n + 1, rows.num_pages[slot]
+    return x, draft_arr
 
 
 def dummy_verify(b: int, k: int, m: int) -> tuple[PrefillBatch, jax.Array, SamplingArrays]:
     """An all-padding verify batch of bucket shape (b rows, k drafts, m pages): for warm-up compiles."""
-    z = jnp.zeros
-    batch = PrefillBatch(z((b, k + 1), jnp.int32), z((b, k + 1), jnp.int32), jnp.full((b, k + 1), -1, jnp.int32),
-                         z((b, m), jnp.int32), z((b,), jnp.int32), z((b,), jnp.int32), z((b, m), jnp.uint32),
-                         z((b,), jnp.int32))
-    return batch, z((b, k), jnp.int32), sampling_arrays([None] * b)
+    batch, samp = dummy_prefill(b, k + 1, m)
+    return batch, jnp.full((b, k), -1, jnp.int32), samp

@@ -21,6 +21,7 @@ from engine_util import engine, pool_is_full, prompts, small_config, tiny_model
 from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams
 from jaxserve.engine.config import Speculative
 from jaxserve.errors import ConfigError, KVIntegrityError
+from jaxserve.server.metrics import ServerMetrics
 from test_engine_sharded import eight_head_model
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi"
@@ -76,8 +77,8 @@ def test_greedy_output_is_unchanged_through_the_pallas_attention_kernels(model, 
 def test_preemption_and_a_prefix_hit(model):
     # 12 usable decode pages of 4 tokens for 4 requests wanting up to 10 each: someone is preempted
     plain, spec = pair(model, num_decode_pages=13)
-    ps = looping(4, seed=3)
-    sp = SamplingParams(max_tokens=26, ignore_eos=True)
+    ps = looping(4, seed=3)  # 11..23 tokens
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
     assert_same(plain.generate(ps, sp), spec.generate(ps, sp), spec)
     assert spec.stats()["preemptions"] > 0
     again = ps[0] + [1, 2, 3]  # the first prompt's pages are in the prefix cache
@@ -112,6 +113,12 @@ def test_rollbacks_across_page_boundaries_return_their_pages(model):
     assert returned, "no draft page was rolled back: the test does not exercise the path"
     assert got == [o.token_ids for o in plain.generate([r.prompt for r in reqs], SP)]
     assert pool_is_full(spec)
+    st = spec.stats()  # and /metrics reports the counters
+    text = ServerMetrics(spec).render()[0].decode()
+    assert f"jaxserve_spec_draft_tokens_total {float(st['draft_tokens'])}" in text
+    assert f"jaxserve_spec_accepted_tokens_total {float(st['accepted_tokens'])}" in text
+    mean = (st["accepted_tokens"] + st["verify_rows"]) / st["verify_rows"]
+    assert f"jaxserve_spec_mean_accept_length {mean}" in text and mean > 1
 
 
 def test_a_stale_page_under_a_draft_run_fails_only_its_request(model):
@@ -182,8 +189,8 @@ def test_a_stop_string_inside_an_accepted_run(embedded):
     text = [ev.text for ev in stream]
     j = next(b + 1 for b, a in steps if a - b >= 3 and text[b + 1].strip())  # in-run token with visible text
     full = "".join(text[: j + 1])
-    stop = full[-2:] if full.find(full[-2:]) == len(full) - 2 else full[-1:]
-    assert full.find(stop) == len(full) - len(stop), "the stop string occurs earlier: pick another"
+    # the shortest tail of the text up to token j that occurs nowhere before: the stop string completes at token j
+    stop = next(full[-n:] for n in range(1, len(full) + 1) if full.find(full[-n:]) == len(full) - n)
     stopped = SamplingParams(max_tokens=48, ignore_eos=True, stop=(stop,))
     ref, got = plain.generate([CODE], stopped)[0], spec.generate([CODE], stopped)[0]
     assert got.finish_reason == ref.finish_reason == "stop"
