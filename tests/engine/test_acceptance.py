@@ -304,3 +304,12 @@ def test_a_rows_tokens_follow_its_seed_not_its_batch():
     np.testing.assert_array_equal(np.asarray(salted[0].tokens), np.asarray(salted[1].tokens))
     emitted = [[tuple(np.asarray(v.tokens[b, :int(v.count[b])])) for b in range(B)] for v in (got, salted[0])]
     assert emitted[0] != emitted[1]
+
+
+def test_greedy_verify_has_no_sort_and_no_random_numbers():
+    B, K, V = 4, 3, 300
+    args = (jnp.zeros((B, K + 1, V)), jnp.zeros((B, K), jnp.int32), None)
+    text = {m: VERIFY.lower(*args, arrays([(0.0 if m == "greedy" else 1.0, 0, 1.0)] * B, np.arange(B), 0, mode=m)
+                            ).compile().as_text() for m in ("greedy", "full")}
+    assert " sort(" in text["full"] and "threefry" in text["full"]  # negative control
+    assert " sort(" not in text["greedy"] and "threefry" not in text["greedy"]
