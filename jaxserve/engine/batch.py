@@ -139,31 +139,32 @@ def rank_rows(ranks: list[int], n_ranks: int, buckets: list[int]) -> tuple[int, 
     return B, out
 
 
+def padding_prefill(b: int, t: int, m: int) -> PrefillBatch:
+    """A prefill-shaped batch of b rows, t tokens, m pages as host (numpy) arrays, all padding (slots -1, null pages,
+    zeros), for a builder to fill in place."""
+    return PrefillBatch(np.zeros((b, t), np.int32), np.zeros((b, t), np.int32), np.full((b, t), -1, np.int32),
+                        np.full((b, m), NULL_PAGE, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),
+                        np.zeros((b, m), np.uint32), np.zeros(b, np.int32))
+
+
 def prefill_batch(rows: list[tuple[Sequence, int, int]], place: list[int], b: int, t: int, m: int,
                   page_size: int) -> PrefillBatch:
     """The prefill chunks rows[j] = (sequence, start, n) (tokens [start, start + n) of its `tokens`) at batch rows
     place[j], padded to b rows of t tokens and m pages, on the device (one upload). Padding: slot -1, null pages."""
     ps = page_size
-    tokens = np.zeros((b, t), np.int32)
-    positions = np.zeros((b, t), np.int32)
-    slots = np.full((b, t), -1, np.int32)
-    tables = np.full((b, m), NULL_PAGE, np.int32)
-    tags = np.zeros((b, m), np.uint32)
-    ctx = np.zeros(b, np.int32)
-    chunk = np.zeros(b, np.int32)
-    used_pages = np.zeros(b, np.int32)
+    x = padding_prefill(b, t, m)
     for i, (seq, start, n) in zip(place, rows):
         toks = seq.tokens
         pos = np.arange(start, start + n)
         pages = np.array([p for p, _ in seq.prefill_pages], np.int32)
-        tokens[i, :n] = toks[start:start + n]
-        positions[i, :n] = pos
-        slots[i, :n] = pages[pos // ps] * ps + pos % ps
+        x.tokens[i, :n] = toks[start:start + n]
+        x.positions[i, :n] = pos
+        x.slots[i, :n] = pages[pos // ps] * ps + pos % ps
         used = -(-(start + n) // ps)
-        tables[i, :used] = pages[:used]
-        tags[i, :used] = [tag for _, tag in seq.prefill_pages[:used]]
-        ctx[i], chunk[i], used_pages[i] = start + n, n, used
-    return PrefillBatch(*jax.device_put((tokens, positions, slots, tables, ctx, chunk, tags, used_pages)))
+        x.block_tables[i, :used] = pages[:used]
+        x.expected_tags[i, :used] = [tag for _, tag in seq.prefill_pages[:used]]
+        x.ctx_lens[i], x.chunk_lens[i], x.num_pages[i] = start + n, n, used
+    return jax.device_put(x)
 
 
 # packed decode upload: int32 columns, then the block table and expected tags (M each)

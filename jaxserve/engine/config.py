@@ -8,6 +8,41 @@ from jaxserve.errors import ConfigError
 from jaxserve.format_names import FORMATS, KV_DTYPES, KVDtype, canonical_format
 from jaxserve.models.attention_backend import ATTENTION_NAMES, AttentionBackend
 
+SPECULATIVE_METHODS = ("ngram", "mtp")
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding: each decode step drafts k tokens per row and verifies them in one target forward over
+    k + 1 positions (engine.speculative). method: "ngram" (prompt lookup on the host, `engine.ngram`) or "mtp" (the
+    model's MTP head, on the device). max_rows: speculate only while at most this many rows decode, plain decode
+    (overlapped) above (None: always); bench/speculative.py measures where drafts stop paying."""
+
+    method: str
+    k: int
+    max_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}",
+                              value=self.method, param="speculative")
+        if not isinstance(self.k, int) or not 1 <= self.k <= 16:
+            raise ConfigError("speculative draft count k must be an integer in [1, 16]", value=self.k,
+                              param="speculative")
+        if self.max_rows is not None and (not isinstance(self.max_rows, int) or self.max_rows < 1):
+            raise ConfigError("speculative max_rows must be None or an integer >= 1", value=self.max_rows,
+                              param="speculative")
+
+    @classmethod
+    def parse(cls, text: str) -> Speculative:
+        """"ngram:3" / "mtp:3" (METHOD:K), or METHOD:K:MAX_ROWS -> Speculative; anything else is a ConfigError
+        naming it."""
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[1:]):
+            raise ConfigError("speculative must be METHOD:K or METHOD:K:MAX_ROWS, e.g. ngram:3 or ngram:3:8",
+                              value=text, param="speculative")
+        return cls(parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -75,6 +110,8 @@ class EngineConfig:
     transfer_port: int = 0
     transfer_timeout_s: float = 30.0  # an export not pulled by then is dropped; a pull's socket timeout
     max_transfers: int = 64  # exports held at once (more: the request fails with KVTransferError)
+    # draft k tokens per decode step and verify them in one forward (Speculative, or its "ngram:3" text); None: off
+    speculative: Speculative | None = None
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> None:
@@ -114,6 +151,8 @@ class EngineConfig:
             object.__setattr__(self, "sharding", "ep")
         if self.dtype not in ("bfloat16", "float32"):
             bad("dtype", "must be 'bfloat16' or 'float32'")
+        if isinstance(self.speculative, str):
+            object.__setattr__(self, "speculative", Speculative.parse(self.speculative))
         if self.page_bucket_steps not in (1, 2):
             bad("page_bucket_steps", "must be 1 (powers of two) or 2 (half octaves)")
         for p in ("min_rows_bucket", "min_pages_bucket", "min_chunk_bucket"):
@@ -201,6 +240,9 @@ class EngineConfig:
 
         Default config (max_batch 32, 128 pages per sequence, chunks 16..256, 512 prefill tokens): decode 6 x 9
         = 54, prefill 20 x 5 = 100, hand-off 5."""
-        return {"decode": len(self.row_buckets) * len(self.page_buckets),
-                "prefill": len(self.prefill_shapes) * len(self.prefill_page_buckets),
-                "handoff": len(self.prefill_page_buckets)}
+        out = {"decode": len(self.row_buckets) * len(self.page_buckets),
+               "prefill": len(self.prefill_shapes) * len(self.prefill_page_buckets),
+               "handoff": len(self.prefill_page_buckets)}
+        if self.speculative is not None:  # the verify program: decode's grid, k + 1 positions per row
+            out["verify"] = out["decode"]
+        return out

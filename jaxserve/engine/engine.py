@@ -374,4 +374,5 @@ class Engine:
             "tokens_per_s": st.generated_tokens / elapsed, "steps": st.steps,
             "kv_transfers": st.transfers, "kv_transfer_bytes": st.transfer_bytes,
             "kv_transfer_tokens": st.transfer_tokens, "kv_transfer_s": st.transfer_s,
+            "verify_rows": st.verify_rows, "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
         }

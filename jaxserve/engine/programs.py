@@ -33,16 +33,17 @@ from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, i
 from jaxserve.cache.checksum import page_checksums
 from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.layouts import PhaseLayouts
+from jaxserve.engine.layouts import PhaseLayouts, in_format, weight_layout
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.engine.scoring import PromptScores, prompt_scores
+from jaxserve.engine.verify import Verified, dummy_verify, verify_step
 from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
-from jaxserve.models.build import dtype_of, matmuls, shard_model
+from jaxserve.models.build import dtype_of, shard_model
 from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_sharding, state_shardings
-from jaxserve.quant.apply import compute_layout, quantize_model
+from jaxserve.quant.apply import compute_layout
 from jaxserve.quant.weight_format import WeightFormat
 
 
@@ -171,7 +172,7 @@ class Programs:
         self.weight_layout = {"prefill": weight_layout(cfg, p_dev), "decode": weight_layout(cfg, d_dev)}
 
         def phase_model(m: CausalLM, name: str, weights: str) -> CausalLM:
-            out = _in_format(m, fmt(weights))
+            out = in_format(m, fmt(weights))
             return compute_layout(out, dtype_of(out)) if self.weight_layout[name] == "compute" else out
 
         has = cfg.phases
@@ -209,6 +210,10 @@ class Programs:
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
                                in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d),
                                out_shardings=(rows_d, rows_d, dh.pages_sharding))
+        # speculative decoding's verify: the decode phase's model and pool, k + 1 positions per row (engine.verify)
+        self._verify = jax.jit(self._verify_fn, donate_argnums=(1,),
+                               in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d,
+                                             rows_d), out_shardings=(rows_d, rows_d, dh.pages_sharding))
         self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=dh.pages_sharding)
 
     def _phase(self, model: CausalLM, par: Parallel, layout: KVLayout, num_pages: int) -> Phase:
@@ -241,6 +246,13 @@ class Programs:
         ph = self.decode_phase
         return decode_step(ph.graphdef, ph.params_of(params), pages, batch, samp,
                            integrity=self.cfg.integrity, attention=self.cfg.attention_backend)
+
+    def _verify_fn(self, params: list[jax.Array], pages: KVPages, batch: PrefillBatch, drafts: jax.Array,
+                   samp: SamplingArrays):
+        self.compiles["verify"] += 1
+        ph = self.decode_phase
+        return verify_step(ph.graphdef, ph.params_of(params), pages, batch, drafts, samp,
+                           attention=self.cfg.attention_backend, integrity=self.cfg.integrity)
 
     def _export_fn(self, pages: KVPages, page_ids: jax.Array) -> KVPages:
         self.compiles["handoff"] += 1
@@ -278,6 +290,16 @@ class Programs:
         """Wait for a dispatched decode: -> (Sampled with numpy fields, ok [B] bool)."""
         sampled, ok = pending
         return jax.tree.map(np.asarray, sampled), np.asarray(ok)
+
+    def run_verify(self, batch: PrefillBatch, drafts: np.ndarray, samp: SamplingArrays
+                   ) -> tuple[Verified, np.ndarray]:
+        """One verify program over the decode pool (`verify.verify_batch`'s host batch and drafts, uploaded where
+        decode batches live) -> (Verified with numpy fields, ok [B] bool)."""
+        ph = self.decode_phase
+        # everything on the decode rows' sharding, as `_compile` lowers it: another placement is another program
+        batch, drafts, samp = jax.device_put((batch, drafts, samp), self.decode_rows)
+        out, ok, ph.pages = self._verify(ph.params, ph.pages, batch, drafts, samp)
+        return jax.tree.map(np.asarray, out), np.asarray(ok)
 
     def sync_tags(self, prefill_alloc: PageAllocator, decode_alloc: PageAllocator) -> None:
         """Send each allocator's tag changes since the last call (allocations: the new tag; frees: 0) to its
@@ -340,9 +362,10 @@ class Programs:
         return np.asarray(page_checksums(self.decode_phase.pages, ids))[: len(pages)]
 
     def warmup(self, progress: bool = True, *, background: bool = False) -> threading.Thread | None:
-        """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages,
-        hand-off sizes; `EngineConfig.program_count`), smallest shapes first, with a progress bar. Afterwards no
-        greedy request compiles anything (a sampling mode compiles its program on first use).
+        """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages, hand-off
+        sizes, verify rows x pages when speculative; `EngineConfig.program_count`), smallest shapes first, with a
+        progress bar. Afterwards no greedy request compiles anything (a sampling mode compiles its program on first
+        use).
 
         Nothing runs: each program is lowered and compiled against the pools' shapes, so the pools are never
         touched and warm-up may run beside live traffic. `background=True` does it in a daemon thread (returned);
@@ -359,12 +382,12 @@ class Programs:
         return None
 
     def compile_first(self, extra: Sequence[Callable[[], None]] = ()) -> None:
-        """Compile the programs a first short greedy request runs (one row in the smallest prefill, hand-off and
-        decode buckets), each in its own thread: XLA compiles with the GIL released, so on a multi-core host the
-        first request waits for the slowest of them instead of their sum. Later calls with these shapes reuse them
-        (an ahead-of-time compile fills the jit cache). `compile_first_sampled` does the same shapes with sampling.
-        Also in the pool: the tag syncs of the first requests (`FIRST_TAG_SYNCS`) and `extra` (the scheduler's own
-        small jits), so that request compiles nothing at all."""
+        """Compile the programs a first short greedy request runs (one row in the smallest prefill, hand-off, decode
+        and, when speculative, verify buckets), each in its own thread: XLA compiles with the GIL released, so on a
+        multi-core host the first request waits for the slowest of them instead of their sum. Later calls with these
+        shapes reuse them (an ahead-of-time compile fills the jit cache). `compile_first_sampled` does the same shapes
+        with sampling. Also in the pool: the tag syncs of the first requests (`FIRST_TAG_SYNCS`) and `extra` (the
+        scheduler's own small jits), so that request compiles nothing at all."""
         jobs = [functools.partial(self._compile, *combo) for combo in self._first_shapes()]
         jobs += [functools.partial(compile_tag_sync, ph.pages.tags, FIRST_TAG_SYNCS) for ph in self.phases()]
         jobs += list(extra)
@@ -382,7 +405,8 @@ class Programs:
     def _first_shapes(self) -> list[tuple[str, int, int, int]]:
         c = self.cfg
         return [x for x in [("prefill", 1, c.prefill_page_buckets[0], c.chunk_buckets[0]),
-                            ("decode", 1, c.page_buckets[0], 0), (self.move_kind, 0, c.prefill_page_buckets[0], 0)]
+                            ("decode", 1, c.page_buckets[0], 0), (self.move_kind, 0, c.prefill_page_buckets[0], 0),
+                            ("verify", 1, c.page_buckets[0], 0)]
                 if x[0] in self.kinds]
 
     @property
@@ -394,7 +418,8 @@ class Programs:
     @property
     def kinds(self) -> tuple[str, ...]:
         """The program kinds this role compiles (`_compile`)."""
-        return (*self.cfg.phases, self.move_kind)
+        spec = ("verify",) if self.cfg.speculative is not None and "decode" in self.cfg.phases else ()
+        return (*self.cfg.phases, self.move_kind, *spec)
 
     def phases(self) -> list[Phase]:
         """The phases this role built."""
@@ -406,6 +431,7 @@ class Programs:
         combos = [("decode", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
         combos += [("prefill", b, m, t) for b, t in c.prefill_shapes for m in c.prefill_page_buckets]
         combos += [(self.move_kind, 0, m, 0) for m in c.prefill_page_buckets]
+        combos += [("verify", b, m, 0) for b in c.row_buckets for m in c.page_buckets]
         combos.sort(key=lambda x: (max(x[1], 1) * max(x[3], 1) * x[2], x[0]))
         return [x for x in combos if x[0] in self.kinds]
 
@@ -418,6 +444,10 @@ class Programs:
         if kind == "decode":
             batch, samp = jax.device_put(dummy_decode(b, m), self.decode_rows)
             self._decode.lower(d_ph.params, spec(d_ph.pages), batch, dataclasses.replace(samp, mode=mode)).compile()
+        elif kind == "verify":
+            batch, drafts, samp = jax.device_put(dummy_verify(b, self.cfg.speculative.k, m), self.decode_rows)
+            self._verify.lower(d_ph.params, spec(d_ph.pages), batch, drafts, dataclasses.replace(samp, mode=mode)
+                               ).compile()
         elif kind == "prefill":
             batch, samp = dummy_prefill(b, t, m)
             self._prefill.lower(p_ph.params, spec(p_ph.pages), batch, dataclasses.replace(samp, mode=mode)).compile()
@@ -444,26 +474,6 @@ class Programs:
         self._import.lower(spec(d_ph.pages), chunk, ids, tags, tags, ids).compile()
         if kind == "import":
             page_checksums.lower(spec(d_ph.pages), ids).compile()
-
-
-def weight_layout(cfg: EngineConfig, devices: list[jax.Device]) -> str:
-    """The phase's weight layout: cfg.weight_layout, with "auto" resolved to "compute" when the phase runs on CPU
-    devices without Pallas (XLA:CPU has no packed INT4/FP8 matmul: the packed path unpacks every used expert each
-    step, 2-8x a dense step on the embedded model), "packed" otherwise."""
-    if cfg.weight_layout != "auto":
-        return cfg.weight_layout
-    xla_only = not cfg.use_kernels and cfg.attention_backend.implementation == "xla"
-    return "compute" if xla_only and all(d.platform == "cpu" for d in devices) else "packed"
-
-
-def _in_format(model: CausalLM, wf: WeightFormat) -> CausalLM:
-    """`model` with its quantizable weights in wf.fmt; a weight already quantized differently is an error."""
-    out = quantize_model(model, wf)
-    for path, module in matmuls(out):
-        if module.fmt in ("fp8", "int4") and module.fmt != wf.fmt:
-            raise ConfigError(f"{path} is stored as {module.fmt}, but this phase runs {wf.fmt} weights",
-                              value=module.fmt, param="weights")
-    return out
 
 
 def _on_mesh(x: jax.Array, mesh: jax.sharding.Mesh) -> NamedSharding:

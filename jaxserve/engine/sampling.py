@@ -137,23 +137,35 @@ def sample(logits: jax.Array, s: SamplingArrays) -> Sampled:
         top_lp, top_ids = jax.lax.top_k(logprobs_all, s.top_n)
     else:
         top_lp, top_ids = jnp.zeros((logits.shape[0], 0), jnp.float32), jnp.zeros((logits.shape[0], 0), jnp.int32)
-    if s.adjust is not None:
-        logits = adjust_logits(logits, s.adjust)
-    if s.mask is not None:
-        logits = jnp.where(allowed(s.mask, logits.shape[-1]), logits, -jnp.inf)
+    logits = processed_logits(logits, s)
     tokens = first_argmax(logits)
     if s.mode != "greedy":
         scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
-        keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(s.seed, s.step)
+        keys = row_keys(s.seed, s.step)
         k = min(TOP_K_BOUND, logits.shape[-1])
         if s.mode == "top_k":
             sampled = _sample_top_k(scaled, s, keys, k)
         else:
-            sampled = jax.lax.cond(jnp.all(_fits_top_k(scaled, s, k)), lambda: _sample_top_k(scaled, s, keys, k),
+            sampled = jax.lax.cond(jnp.all(fits_top_k(scaled, s, k)), lambda: _sample_top_k(scaled, s, keys, k),
                                    lambda: _sample_sorted(scaled, s, keys))
         tokens = jnp.where(s.temperature > 0, sampled, tokens)
     chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+
+
+def processed_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """logits [B, V] f32 -> [B, V] f32 after the batch's penalties, biases and grammar mask (those that are set):
+    the greedy token is their first argmax; sampled rows scale them by 1 / temperature and filter (candidates)."""
+    if s.adjust is not None:
+        logits = adjust_logits(logits, s.adjust)
+    if s.mask is not None:
+        logits = jnp.where(allowed(s.mask, logits.shape[-1]), logits, -jnp.inf)
+    return logits
+
+
+def row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """seed [B] uint32, step [B] int32 -> [B] keys: fold_in(key(seed), step), a row's stream for one token."""
+    return jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(seed, step)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -191,7 +203,7 @@ def allowed(mask: jax.Array, vocab: int) -> jax.Array:
     return ((words >> (t % 32)) & 1).astype(jnp.bool_)
 
 
-def _fits_top_k(scaled: jax.Array, s: SamplingArrays, k: int) -> jax.Array:
+def fits_top_k(scaled: jax.Array, s: SamplingArrays, k: int) -> jax.Array:
     """[B] bool: the row's candidates lie within its top k (greedy rows trivially do)."""
     vals, _ = jax.lax.top_k(scaled, k)
     m = jnp.max(vals, axis=-1, keepdims=True)  # (see _sample_top_k)
@@ -201,7 +213,23 @@ def _fits_top_k(scaled: jax.Array, s: SamplingArrays, k: int) -> jax.Array:
 
 
 def _sample_top_k(scaled: jax.Array, s: SamplingArrays, keys: jax.Array, k: int) -> jax.Array:
-    """scaled [B, V] -> [B] int32, over the top k candidates only (valid for rows `_fits_top_k` accepts)."""
+    """scaled [B, V] -> [B] int32, over the top k candidates only (valid for rows `fits_top_k` accepts)."""
+    idx, filtered = top_k_candidates(scaled, s, k)
+    pick = pick_top_k(keys, filtered)
+    return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _sample_sorted(scaled: jax.Array, s: SamplingArrays, keys: jax.Array) -> jax.Array:
+    """scaled [B, V] -> [B] int32 by sorting the whole vocabulary (any top_k / top_p)."""
+    order, filtered = sorted_candidates(scaled, s)
+    pick = pick_sorted(keys, filtered)
+    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def top_k_candidates(scaled: jax.Array, s: SamplingArrays, k: int) -> tuple[jax.Array, jax.Array]:
+    """scaled [B, V] f32 -> (ids [B, k] int32, filtered [B, k] f32): the top k tokens, most likely first, and their
+    scaled logits with top_k / top_p's dropped candidates at -inf. softmax(filtered) is the distribution a sampled
+    row draws from (valid for rows `fits_top_k` accepts)."""
     vals, idx = jax.lax.top_k(scaled, k)  # [B, k], ties: lower index first, as the stable sort orders them
     rank = jnp.arange(k)[None, :]
     has_k = s.top_k[:, None] > 0
@@ -215,14 +243,12 @@ def _sample_top_k(scaled: jax.Array, s: SamplingArrays, keys: jax.Array, k: int)
     probs = jnp.exp(masked - top) / denom
     before = jnp.cumsum(probs, axis=-1) - probs
     keep = keep & (before < s.top_p[:, None])  # the top token always survives
-    filtered = jnp.where(keep, vals, -jnp.inf)
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, (k,), scaled.dtype))(keys)  # = ranks [0, k) of a V draw
-    pick = jnp.argmax(filtered + noise, axis=-1)
-    return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return idx, jnp.where(keep, vals, -jnp.inf)
 
 
-def _sample_sorted(scaled: jax.Array, s: SamplingArrays, keys: jax.Array) -> jax.Array:
-    """scaled [B, V] -> [B] int32 by sorting the whole vocabulary (any top_k / top_p)."""
+def sorted_candidates(scaled: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """scaled [B, V] f32 -> (order [B, V] int32, filtered [B, V] f32): the whole vocabulary sorted (stable, most
+    likely first) and the scaled logits in that order with top_k / top_p's dropped candidates at -inf."""
     V = scaled.shape[-1]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -231,6 +257,15 @@ def _sample_sorted(scaled: jax.Array, s: SamplingArrays, keys: jax.Array) -> jax
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs
     keep = keep & (before < s.top_p[:, None])  # the top token always survives
-    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
-    pick = jax.vmap(jax.random.categorical)(keys, filtered)
-    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
+
+
+def pick_top_k(keys: jax.Array, x: jax.Array) -> jax.Array:
+    """keys [B], x [B, k] f32 logits over top_k_candidates -> [B] index into them, distributed as softmax(x)."""
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, (x.shape[-1],), x.dtype))(keys)  # = ranks [0, k) of a V draw
+    return jnp.argmax(x + noise, axis=-1)
+
+
+def pick_sorted(keys: jax.Array, x: jax.Array) -> jax.Array:
+    """keys [B], x [B, V] f32 logits over sorted_candidates -> [B] index into them, distributed as softmax(x)."""
+    return jax.vmap(jax.random.categorical)(keys, x)

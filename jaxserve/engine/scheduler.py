@@ -23,6 +23,7 @@ dispatch order on the threaded pool, so N+1's write into such a page lands befor
 long before any new owner's (re-tagged) write or read. Batches with a row that needs host-side per-token state
 (`Sequence.special`: penalties, min_tokens, a grammar, top logprobs), DP attention, and steps whose next page
 cannot be had without a preemption run one step at a time (dispatch, read, then the next).
+With `EngineConfig.speculative` the decode phase of a step is `engine.speculative.Speculation.step` instead.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ from jaxserve.engine.request import Request, Status, TokenEvent
 from jaxserve.engine.sampling import Sampled, SamplingArrays
 from jaxserve.engine.scoring import prompt_result, score_targets, take_scores, wants_scores
 from jaxserve.engine.sequence import Sequence, Stats
+from jaxserve.engine.speculative import Speculation
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.errors import JaxserveError, KVIntegrityError, OutOfPagesError, PageAllocatorError
 
@@ -101,6 +103,7 @@ class Scheduler(RemoteSteps):
         self._aborts: set[str] = set()
         self._inflight: _InFlight | None = None  # the decode dispatched but not read yet (overlap)
         self._lock = threading.Lock()
+        self._speculation = Speculation(self) if cfg.speculative is not None else None  # engine.speculative
         self.eos = set(model_cfg.eos_token_ids)
         if tokenizer is not None:
             self.eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -141,7 +144,7 @@ class Scheduler(RemoteSteps):
         self._remote_events()
         self._admit()
         self._prefill_step()
-        self._decode_step()
+        (self._speculation.step if self._speculation else self._decode_step)()
         self.stats.steps += 1
 
     def _abort(self, rid: str) -> None:

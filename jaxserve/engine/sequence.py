@@ -78,3 +78,6 @@ class Stats:
     transfer_bytes: int = 0
     transfer_tokens: int = 0
     transfer_s: float = 0.0
+    verify_rows: int = 0  # speculative: rows verified (one per row per verify step)
+    draft_tokens: int = 0  # speculative: draft tokens proposed
+    accepted_tokens: int = 0  # speculative: draft tokens the target accepted

@@ -2,10 +2,10 @@
 from the persistent compilation cache.
 
   * "full": every program the serving configuration can select, so nothing compiles once it is done: decode
-    (rows x pages) and prefill ((rows, chunk) x pages) in each sampling mode ("greedy", "top_k", "full"), the
-    hand-off sizes, the decode-batch unpacking (rows x pages, and after an overlapped step rows x previous rows x
-    pages), and each pool's tag syncs (every power-of-two length up to its page count). `full_plan` lists them;
-    `EngineConfig.program_count` counts the model programs among them.
+    (rows x pages), speculative verify (rows x pages, when on) and prefill ((rows, chunk) x pages) in each sampling mode
+    ("greedy", "top_k", "full"), the hand-off sizes, the decode-batch unpacking (rows x pages, and after an overlapped
+    step rows x previous rows x pages), and each pool's tag syncs (every power-of-two length up to its page count).
+    `full_plan` lists them; `EngineConfig.program_count` counts the model programs among them.
     Not in it (each compiles on first use, once): the variants of a batch with logit adjustments (penalties,
     logit_bias, min_tokens), a grammar mask (response_format, forced tools) or top alternatives (logprobs).
   * "fast": what a first short request runs (`Programs.compile_first`, greedy), its sampled programs deferred to
@@ -102,9 +102,9 @@ def full_plan(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODE
     c = programs.cfg
     shapes = programs.program_shapes()
     jobs: list[Job] = [(kind, functools.partial(programs._compile, kind, b, m, t, mode=mode))
-                       for kind, b, m, t in shapes if kind in ("prefill", "decode") for mode in modes]
+                       for kind, b, m, t in shapes if kind in ("prefill", "decode", "verify") for mode in modes]
     jobs += [(kind, functools.partial(programs._compile, kind, b, m, t)) for kind, b, m, t in shapes
-             if kind not in ("prefill", "decode")]
+             if kind not in ("prefill", "decode", "verify")]
     rows = programs.decode_rows
     for b in c.row_buckets if programs.decode_phase is not None else ():
         for m in c.page_buckets:

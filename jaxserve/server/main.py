@@ -126,6 +126,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant outputs: greedy and seeded requests give the same tokens whatever else "
                         "runs (every program at its largest shape; see README for the throughput cost)")
+    p.add_argument("--speculative", default=None, metavar="METHOD:K[:MAX_ROWS]",
+                   help="speculative decoding: draft K tokens per step and verify them in one forward; ngram:K "
+                        "(prompt lookup; mtp:K is not wired yet); with MAX_ROWS, only while at most that many "
+                        "requests decode (default off)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on SIGTERM/SIGINT: seconds in-flight requests may finish before they are aborted")
     add_cache_arguments(p)
@@ -152,7 +156,7 @@ def engine_config(args: argparse.Namespace, layout: CpuLayout | None = None) -> 
                         prefill_weights=args.prefill_weights, integrity=args.integrity == "on",
                         devices=devices, sharding=sharding, max_model_len=args.max_model_len,
                         max_queue=admission(args)[0], deterministic=args.deterministic, role=args.role,
-                        transfer_host=args.transfer_host, transfer_port=args.transfer_port)
+                        speculative=args.speculative, transfer_host=args.transfer_host, transfer_port=args.transfer_port)
 
 
 def start_jax(args: argparse.Namespace) -> CpuLayout | None:

@@ -42,6 +42,13 @@ class EngineCollector(Collector):
                                   value=s["tag_mismatches"])
         yield CounterMetricFamily("jaxserve_preemptions", "sequences preempted (recomputed) for decode pages",
                                   value=s["preemptions"])
+        yield CounterMetricFamily("jaxserve_spec_draft_tokens", "speculative draft tokens proposed",
+                                  value=s["draft_tokens"])
+        yield CounterMetricFamily("jaxserve_spec_accepted_tokens", "speculative draft tokens the target accepted",
+                                  value=s["accepted_tokens"])
+        rows = s["verify_rows"]  # tokens a row emits per verify step: the accepted drafts + the target's own one
+        yield GaugeMetricFamily("jaxserve_spec_mean_accept_length", "tokens emitted per row per verify step (0: none)",
+                                value=(s["accepted_tokens"] + rows) / rows if rows else 0.0)
         yield CounterMetricFamily("jaxserve_engine_aborts", "requests aborted in the engine (disconnects included)",
                                   value=s["aborted"])
 

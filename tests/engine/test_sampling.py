@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampling import TOP_K_BOUND, SamplingArrays, _fits_top_k, first_argmax, sample, sampling_mode
+from jaxserve.engine.sampling import TOP_K_BOUND, SamplingArrays, fits_top_k, first_argmax, sample, sampling_mode
 
 V = 300  # > TOP_K_BOUND, so the top-k path really drops candidates
 
@@ -101,10 +101,10 @@ def test_full_mode_takes_the_top_k_branch_only_when_the_candidates_fit():
     peaked, flat = logits_for(1, 4, True), logits_for(1, 4, False)
     top_p_rows = [(1.0, 0, 0.9)] * 4
     s = arrays(top_p_rows, [0] * 4, 0)
-    assert np.asarray(_fits_top_k(peaked * 1.0, s, TOP_K_BOUND)).all()
-    assert not np.asarray(_fits_top_k(flat, s, TOP_K_BOUND)).any()  # 300 near-equal tokens: nucleus > 64
+    assert np.asarray(fits_top_k(peaked * 1.0, s, TOP_K_BOUND)).all()
+    assert not np.asarray(fits_top_k(flat, s, TOP_K_BOUND)).any()  # 300 near-equal tokens: nucleus > 64
     pure = arrays([(1.0, 0, 1.0), (0.0, 0, 1.0), (1.0, 65, 1.0), (1.0, 64, 1.0)], [0] * 4, 0)
-    np.testing.assert_array_equal(np.asarray(_fits_top_k(peaked, pure, TOP_K_BOUND)), [False, True, False, True])
+    np.testing.assert_array_equal(np.asarray(fits_top_k(peaked, pure, TOP_K_BOUND)), [False, True, False, True])
 
 
 def test_sampling_mode_is_the_cheapest_exact_program():

@@ -11,7 +11,8 @@ from flax import nnx
 
 from engine_util import engine, prompts, small_config, tiny_model
 from jaxserve.engine import SamplingParams
-from jaxserve.engine.programs import Programs, weight_layout
+from jaxserve.engine.layouts import weight_layout
+from jaxserve.engine.programs import Programs
 from jaxserve.engine.batch import dummy_decode
 from jaxserve.models import CausalLM
 from jaxserve.models.layers import Experts, Linear

@@ -1,0 +1,125 @@
+"""Speculative decoding on the embedded model: tokens/s with and without n-gram drafts, side by side in one run.
+
+Usage: python bench/speculative.py [--reps N] [--concurrency 1,16] [--k 3] [--new-tokens 128] [--quick]
+                                   [--json bench/results/speculative.json]
+
+Workload: c requests at once, each a 64-token window of held-out stdlib text (the embedded model's own domain,
+`jaxserve.eval.quality.heldout_tokens`), 128 new tokens, greedy, ignore_eos; the serving engine configuration
+(`EngineConfig()` defaults: FP8 prefill weights, INT4 decode weights, FP8 KV, bf16; no prefix cache, so a
+repeated pass prefills again and runs the shapes the untimed pass compiled). Two engines on the same
+weights, one with `speculative="ngram:K"`, each first runs the workload once untimed (its compiles), then the
+timed passes alternate between them (plain, speculative, plain, ...), so a change in the shared host's load hits
+both alike. A pass is timed from submit to the last token (prefill included): tokens/s = c * new_tokens / wall.
+Reported per (c, k): median and min..max tokens/s of each side, the speed-up of the medians, the accept length
+(tokens a row emits per verify step), the draft acceptance rate, whether the greedy outputs were identical, and
+the host's load average at the start and end (the host may be shared with other work: read the spread with it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import common  # noqa: E402
+from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
+from jaxserve.engine.config import Speculative  # noqa: E402
+
+CKPT = ROOT / "checkpoints" / "tiny-kimi"
+OUT = ROOT / "bench" / "results" / "speculative.json"
+PROMPT_LEN = 64
+
+
+def prompts_for(engine: Engine, c: int, seed: int) -> list[list[int]]:
+    """c distinct 64-token windows of held-out text."""
+    from jaxserve.eval.quality import heldout_tokens
+
+    stream = heldout_tokens(engine.tokenizer, 64 * PROMPT_LEN + 4096)
+    step = (len(stream) - PROMPT_LEN) // 64
+    return [stream[(seed * 7 + i) % 64 * step:][:PROMPT_LEN].tolist() for i in range(c)]
+
+
+def timed(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], dict]:
+    """One pass on a synchronous engine -> (wall seconds, each request's tokens, stats delta)."""
+    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    before = engine.stats()
+    t0 = time.perf_counter()
+    streams = [engine.submit(Request(p, sp)) for p in prompts]
+    while engine.scheduler.has_work():
+        engine.step()
+    wall = time.perf_counter() - t0
+    tokens = [[ev.token_id for ev in s if ev.token_id is not None] for s in streams]
+    after = engine.stats()
+    if any(len(t) != new_tokens for t in tokens):
+        raise RuntimeError("a request ended early")
+    return wall, tokens, {k: after[k] - before[k] for k in ("verify_rows", "draft_tokens", "accepted_tokens")}
+
+
+def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int) -> dict:
+    cfg = EngineConfig(prefix_cache=False)  # every pass prefills its prompt: the passes are alike
+    plain = Engine.from_checkpoint(CKPT, cfg, start=False)
+    rows = []
+    for k in ks:
+        spec = Engine.from_checkpoint(CKPT, replace(cfg, speculative=Speculative("ngram", k)), start=False)
+        for c in concurrency:
+            prompts = prompts_for(plain, c, seed=c)
+            timed(plain, prompts, new_tokens)  # untimed: compiles this workload's shapes
+            timed(spec, prompts, new_tokens)
+            load0 = os.getloadavg()
+            walls: dict[str, list[float]] = {"plain": [], "spec": []}
+            outs: dict[str, list] = {}
+            acc = {"verify_rows": 0, "draft_tokens": 0, "accepted_tokens": 0}
+            for _ in range(reps):
+                for name, e in (("plain", plain), ("spec", spec)):
+                    wall, toks, delta = timed(e, prompts, new_tokens)
+                    walls[name].append(wall)
+                    outs[name] = toks
+                    if name == "spec":
+                        acc = {key: acc[key] + delta[key] for key in acc}
+            tps = {n: [c * new_tokens / w for w in ws] for n, ws in walls.items()}
+            sp_, pl = common.spread(tps["spec"]), common.spread(tps["plain"])
+            rows.append({
+                "c": c, "k": k, "new_tokens": new_tokens, "prompt_len": PROMPT_LEN,
+                "plain_tokens_per_s": pl, "spec_tokens_per_s": sp_, "speedup": sp_["median"] / pl["median"],
+                "accept_length": (acc["accepted_tokens"] + acc["verify_rows"]) / max(acc["verify_rows"], 1),
+                "draft_acceptance": acc["accepted_tokens"] / max(acc["draft_tokens"], 1),
+                "identical_requests": sum(a == b for a, b in zip(outs["plain"], outs["spec"])), "requests": c,
+                "loadavg_start": load0, "loadavg_end": os.getloadavg()})
+    return {"bench": "speculative", "machine": common.machine(), "engine_config": repr(cfg), "reps": reps,
+            "note": "embedded model, greedy, n-gram drafts; timed passes interleaved plain/spec; the host may be "
+                    "shared with other processes (see the load averages)", "rows": rows}
+
+
+def table(result: dict) -> str:
+    lines = [f"{'c':>3} {'k':>2} {'plain tok/s (min..max)':>26} {'spec tok/s (min..max)':>26} {'x':>6} "
+             f"{'acc.len':>7} {'drafts ok':>9} {'same':>6} {'load start->end':>16}"]
+    for r in result["rows"]:
+        p, s = r["plain_tokens_per_s"], r["spec_tokens_per_s"]
+        lines.append(f"{r['c']:>3} {r['k']:>2} {p['median']:>8.1f} ({p['min']:.1f}..{p['max']:.1f})".ljust(34)
+                     + f"{s['median']:>8.1f} ({s['min']:.1f}..{s['max']:.1f})".ljust(27)
+                     + f"{r['speedup']:>6.2f} {r['accept_length']:>7.2f} {r['draft_acceptance']:>9.2f} "
+                     f"{r['identical_requests']:>3}/{r['requests']:<2} "
+                     f"{r['loadavg_start'][0]:>6.2f}->{r['loadavg_end'][0]:.2f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--k", default="3")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="2 timed passes per side")
+    ap.add_argument("--json", type=Path, default=OUT)
+    args = ap.parse_args()
+    result = run([int(x) for x in args.concurrency.split(",")], [int(x) for x in args.k.split(",")],
+                 2 if args.quick else args.reps, args.new_tokens)
+    return common.write_result(result, table(result), args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
