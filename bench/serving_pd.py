@@ -13,9 +13,9 @@ prompts <= 1.5x its ITL p99 without them (the same short workload's pass of that
 """
 from __future__ import annotations
 
+import http.client
 import os
 import re
-import statistics
 import subprocess
 import sys
 import threading
@@ -52,7 +52,8 @@ class PDSpec:
     warmup: str = "fast"
 
 
-QUICK = PDSpec(reps=2, short=replace(PDSpec.short, num_requests=32, output_len=(8, 12), max_seconds=120.0))
+QUICK = PDSpec(reps=2, long_rate=2.0,
+               short=replace(PDSpec.short, num_requests=64, output_len=(8, 12), max_seconds=120.0))
 SMOKE = PDSpec(prefill=1, decode=1, concurrencies=(2,), reps=1, long_prompt_len=48, long_rate=2.0,
                max_model_len=256, warmup="none",
                short=sv.LoadSpec(prompt_len=(8, 16), output_len=(2, 4), num_requests=4, warmup_requests=0,
@@ -112,8 +113,6 @@ def wait_ready(p: Proc) -> None:
         if p.proc.poll() is not None:
             raise RuntimeError(f"jaxserve exited with {p.proc.returncode}: {p.log.read_text()[-2000:]}")
         try:
-            import http.client
-
             conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=10)
             conn.request("GET", "/ready")
             status = conn.getresponse().status
@@ -233,14 +232,18 @@ def measure(lay: Layout, model: str, kind: str, reqs: list, longs: list, spec: P
 
 
 def warm(lay: Layout, model: str, spec: PDSpec, vocab: int, stream: np.ndarray | None) -> None:
-    """Untimed: each concurrency's shapes once, and a few long prompts beside short streams."""
-    for i, c in enumerate(spec.concurrencies):
+    """Untimed: each concurrency's shapes twice (replicas each compile what their share of a pass needs), long
+    prompts at once on every replica, then a few beside short streams."""
+    for i, c in enumerate(spec.concurrencies * 2):
         reqs = sv.workload(spec.short, max(c, spec.short.num_requests), vocab, 1000 + i, stream)
         sv.run_pass("127.0.0.1", lay.front.port, model, reqs, replace(spec.short, concurrency=c, rate=None),
                     0, f"warm {lay.name} c{c}")
+    n = 2 * (spec.prefill + spec.decode)  # at once, so every replica of the both server compiles the long prefill
+    sv.run_pass("127.0.0.1", lay.front.port, model, long_requests(spec, n, vocab, 2001, stream),
+                replace(spec.short, concurrency=n, rate=None), 0, f"warm {lay.name} long")
     c = spec.concurrencies[0]
     short = sv.workload(spec.short, max(c, spec.short.num_requests), vocab, 2000, stream)
-    interference(lay.front.port, model, short, long_requests(spec, 4, vocab, 2001, stream), spec, c, 0)
+    interference(lay.front.port, model, short, long_requests(spec, 4, vocab, 2002, stream), spec, c, 0)
 
 
 # ---------------------------------------------------------------------------------------------------- summary
