@@ -349,8 +349,10 @@ def table(r: dict) -> str:
                          + f"  {d['errors']}")
     for lay, i in r["interference"].items():
         ratio = "-" if i["ratio"] is None else f"{i['ratio']:.2f}x"
+        n = sum(p["long"]["completed"] for p in r["passes"] if p["layout"] == lay and "long" in p)
         lines.append(f"  {lay}: ITL p99 with long prompts / without = {ratio} (goal <= {GOAL_RATIO}x: "
-                     f"{'met' if i['goal_met'] else 'not met'})")
+                     f"{'met' if i['goal_met'] else 'not met'}; {n} long prompts of {r['spec']['long_prompt_len']} "
+                     f"tokens answered in {r['spec']['reps']} reps)")
     return "\n".join(lines)
 
 
