@@ -4,6 +4,7 @@ documented fields. Nothing here asserts a speed."""
 from __future__ import annotations
 
 import json
+
 import pytest
 
 from test_bench_smoke import load, positive
