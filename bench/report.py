@@ -183,6 +183,28 @@ def serving_section(r: dict) -> list[str]:
                     "contention with the client itself.", ""]
 
 
+def serving_pd_section(r: dict) -> list[str]:
+    def cell(d: dict | None) -> str:
+        return "-" if d is None else f"{d['median']:.0f} [{d['min']:.0f}..{d['max']:.0f}]"
+
+    cols = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    lines = ["## Prefill and decode servers vs one `--role both` server (`bench/serving.py --pd`)", "",
+             *[f"- {name}: {desc}" for name, desc in r["layouts"].items()],
+             f"- {r['spec']['reps']} interleaved reps, median [min..max]; load {r['loadavg_start']} -> "
+             f"{r['loadavg_end']} on {r['machine']['cores']} cores", "",
+             "| layout | pass | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |",
+             "|---|---|---|---|---|---|---|---|"]
+    for lay, kinds in r["summary"].items():
+        lines += [f"| {lay} | {kind} | " + " | ".join(cell(d[c]) for c in cols) + f" | {d['errors']} |"
+                  for kind, d in kinds.items()]
+    lines.append("")
+    for lay, i in r["interference"].items():
+        ratio = "-" if i["ratio"] is None else f"{i['ratio']:.2f}x"
+        lines.append(f"- {lay}: short streams' ITL p99 beside {r['spec']['long_prompt_len']}-token prompts / "
+                     f"without = {ratio} (goal <= {i['goal']}x: {'met' if i['goal_met'] else 'not met'})")
+    return lines + ["", r["notes"] + ".", ""]
+
+
 def peer_section(r: dict) -> list[str]:
     lines = ["## Peer: transformers generate() and llama.cpp vs jaxserve Engine (`bench/peer_transformers.py`)", "",
              f"Model: {r['model']}; prompt {r['spec']['prompt_len']}, {r['spec']['new_tokens']} new tokens, greedy.",
@@ -251,6 +273,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "integrity_overhead": ("integrity_overhead.json", integrity_section),
     "kv_capacity": ("kv_capacity.json", capacity_section),
     "serving": ("serving.json", serving_section),
+    "serving_pd": ("serving_pd.json", serving_pd_section),
     "peer_transformers": ("peer_transformers.json", peer_section),
     "roofline": ("roofline.json", roofline_section),
     "quality": ("quality.json", quality_section),

@@ -2,6 +2,7 @@
 
 Usage: python bench/serving.py [--quick | --smoke] [--url http://127.0.0.1:PORT] [--rate R | --concurrency C]
                                [--checkpoint DIR] --json OUT.json
+       python bench/serving.py --pd P:D [--quick | --smoke] [--reps N] --json OUT.json   (bench/serving_pd.py)
 
 Without --url it starts `jaxserve serve` itself on 127.0.0.1 (a free port) in a child process, so the load
 generator and the server do not share one Python interpreter, and stops it at the end. --url must be loopback.
@@ -367,8 +368,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--max-seconds", type=float, default=None)
     ap.add_argument("--source", choices=["corpus", "random"], default=None)
+    ap.add_argument("--pd", default=None, metavar="P:D",
+                    help="compare P prefill + D decode servers behind a router with one --role both server on the "
+                         "same devices (bench/serving_pd.py; takes --quick/--smoke, --reps, --checkpoint)")
+    ap.add_argument("--reps", type=int, default=None, help="--pd: interleaved repetitions")
     ap.add_argument("--json", dest="json_out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.pd is not None:
+        from bench import serving_pd
+
+        preset = "smoke" if args.smoke else "quick" if args.quick else "full"
+        return serving_pd.main(args.pd, preset, args.checkpoint, args.reps, args.json_out)
     spec = SMOKE if args.smoke else QUICK if args.quick else LoadSpec()
     if args.rate is not None:
         spec = replace(spec, rate=args.rate)
