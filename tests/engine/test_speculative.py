@@ -166,11 +166,30 @@ def embedded():
 CODE = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef"
 
 
+EMBEDDED_PROMPTS = [CODE, "import os\nimport sys\nimport os\n", "for i in range(10):\n    print(i)\nfor i in"]
+
+
 def test_embedded_model_greedy_output_is_unchanged(embedded):
     plain, spec = embedded
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
-    prompts_ = [CODE, "import os\nimport sys\nimport os\n", "for i in range(10):\n    print(i)\nfor i in"]
-    assert_same(plain.generate(prompts_, sp), spec.generate(prompts_, sp), spec)
+    assert_same(plain.generate(EMBEDDED_PROMPTS, sp), spec.generate(EMBEDDED_PROMPTS, sp), spec)
+
+
+@pytest.mark.parametrize("kv_dtype", [
+    "bf16", pytest.param("fp8", marks=pytest.mark.xfail(strict=True, reason=(
+        "known gap: with bf16 activations over an FP8 pool the verify chunk's logits differ from decode's by ~1e-2 "
+        "(first differing greedy token at 3 and 11 on two of these prompts); f32 activations over FP8 and bf16 "
+        "activations over bf16 pages are exact; the cause is not found yet")))])
+def test_embedded_model_in_bf16_with_int4_decode_weights_greedy_output_is_unchanged(kv_dtype):
+    """What `serve` runs (bf16 activations, FP8 prefill / INT4 decode weights), over a bf16 or FP8 decode pool."""
+    cfg = small_config(**{**PIN, "min_pages_bucket": 32}, max_model_len=128, dtype="bf16",
+                       **{**SERVING, "kv_dtype": kv_dtype})
+    plain = Engine.from_checkpoint(EMBEDDED, cfg, start=False)
+    spec = Engine.from_checkpoint(EMBEDDED, dataclasses.replace(cfg, speculative=Speculative("ngram", 3)), start=False)
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    ref, got = plain.generate(EMBEDDED_PROMPTS, sp), spec.generate(EMBEDDED_PROMPTS, sp)
+    assert spec.stats()["accepted_tokens"] > 0 and pool_is_full(spec)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
 def test_a_stop_string_inside_an_accepted_run(embedded):
