@@ -1,8 +1,9 @@
-"""jaxserve checkpoints: one Orbax pytree per group (embed, layer_000, ...), restored onto given shardings."""
+"""jaxserve checkpoints: one Orbax pytree per group (embed, layer_000, ..., mtp), restored onto given shardings."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -62,7 +63,14 @@ def load_config(checkpoint_dir: str | Path) -> ModelConfig:
 def _group_of(path: tuple) -> tuple[str, tuple]:
     if path[0] == "layers":
         return f"layer_{int(path[1]):03d}", path[2:]
+    if path[0] == "mtp":  # the MTP head: its norms, eh_proj and decoder layer
+        return "mtp", path[1:]
     return "embed", path
+
+
+def group_names(cfg: ModelConfig) -> list[str]:
+    """The checkpoint's groups, in order: embed, layer_000 .. layer_{L-1}, then mtp when the model has a head."""
+    return ["embed"] + [f"layer_{i:03d}" for i in range(cfg.num_layers)] + (["mtp"] if cfg.mtp_layers else [])
 
 
 def _path_str(path: tuple) -> str:
@@ -95,7 +103,7 @@ def load_formats(checkpoint_dir: str | Path) -> list[str]:
 
 def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding: ShardingFn | None = None,
          weights: str | None = None, mesh: jax.sharding.Mesh | None = None,
-         rules: ShardingRules | None = None) -> tuple[ModelConfig, CausalLM]:
+         rules: ShardingRules | None = None, mtp: bool = True) -> tuple[ModelConfig, CausalLM]:
     """Restore a converted checkpoint into a CausalLM.
 
     dtype: the model's compute/storage dtype (default: the checkpoint's). mesh (+ rules, default tensor
@@ -106,11 +114,13 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding
     weights: a format from `load_formats` (None: the checkpoint's own `params/`). A quantized format ("fp8",
     "int4") is restored into a model built in that format (`WeightPlan`) under `nnx.eval_shape`, so no BF16 copy
     of the quantized tensors is ever materialized.
+    mtp: False leaves the checkpoint's MTP head unread (the config's mtp_layers 0: no head, no MTP KV layer).
     """
     checkpoint_dir = Path(checkpoint_dir).absolute()
     weights = canonical_format(weights)  # "float8_e4m3fn" names the stored "fp8" weights
     manifest = read_manifest(checkpoint_dir)
     cfg = ModelConfig.from_dict(manifest["model"])
+    cfg = cfg if mtp else dataclasses.replace(cfg, mtp_layers=0)
     dtype = dtype or {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[manifest["dtype"]]
     par = None if mesh is None else Parallel(mesh, rules or ShardingRules.tensor_parallel())
     if par is not None:
@@ -217,7 +227,7 @@ def save(model: CausalLM, out_dir: str | Path, *, dtype: str = "float32") -> Pat
     """Write `model` (dense weights) as a jaxserve checkpoint at `out_dir` (one Orbax pytree per group)."""
     out_dir = Path(out_dir)
     trees = group_trees(model)
-    groups = ["embed"] + [f"layer_{i:03d}" for i in range(model.cfg.num_layers)]
+    groups = group_names(model.cfg)
     with partial_output(out_dir) as partial:
         for g in groups:
             save_group(partial / "params" / g, trees[g])

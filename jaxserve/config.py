@@ -1,8 +1,10 @@
 """Model configs built from Hugging Face `config.json` files (Kimi K2.x, GLM-4.5/4.6/4.7, GLM-5.x).
 
-Multi-token-prediction (MTP) layers are not served: `num_hidden_layers` counts the main layers only, and the MTP
-layers stored after them (`num_nextn_predict_layers`, GLM-5.x layer 78, DeepSeek-V3 layer 61) are skipped by the
-converter. GLM-5.2's `index_share_for_mtp_iteration` concerns those layers only, so it is not read.
+Multi-token-prediction (MTP): `num_hidden_layers` counts the main layers only; the MTP layer stored after them
+(`num_nextn_predict_layers`, GLM-5.x layer 78, DeepSeek-V3 layer 61, GLM-4.5 layer 92) is `mtp_layers` (0 or 1: one
+head is served, as every release ships one), kept by the converter when its tensors are present (else 0). The MTP
+layer is a full decoder layer: its MLP kind follows the config's layer rule at index num_hidden_layers, and on
+GLM-5.x it runs its own DSA indexer (`index_share_for_mtp_iteration` concerns chained MTP steps; not read).
 """
 from __future__ import annotations
 
@@ -87,6 +89,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_token_id: int | None = None
+    # MTP (multi-token prediction) head: 0 = none; its decoder layer is layer index num_layers
+    mtp_layers: int = 0
+    mtp_mlp_type: str = "sparse"  # "dense" | "sparse": the MTP decoder layer's MLP
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -99,13 +104,33 @@ class ModelConfig:
 
     @property
     def index_layers(self) -> tuple[int, ...]:
-        """The layers that run their own DSA indexer ("full"), in order; IndexShare ("shared") layers reuse the
+        """The main layers that run their own DSA indexer ("full"), in order; IndexShare ("shared") layers reuse the
         selection of the last full layer before them. Entry j's keys are indexer key cache layer j."""
         return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
 
+    @property
+    def index_cache_layers(self) -> int:
+        """Layers of the DSA indexer key cache: the main full indexer layers, then the MTP layer's (its own)."""
+        return len(self.index_layers) + (self.mtp_layers if self.has_indexer else 0)
+
     def index_slot(self, layer: int) -> int:
-        """The indexer key cache layer of full indexer layer `layer`."""
+        """The indexer key cache layer of full indexer layer `layer` (the MTP layer's comes after the main ones)."""
+        if layer >= self.num_layers:
+            return len(self.index_layers) + layer - self.num_layers
         return self.index_layers.index(layer)
+
+    def mlp_type(self, layer: int) -> str:
+        """"dense" or "sparse": layer `layer`'s MLP (layer num_layers is the MTP layer)."""
+        return self.mlp_layer_types[layer] if layer < self.num_layers else self.mtp_mlp_type
+
+    def full_indexer(self, layer: int) -> bool:
+        """Whether layer `layer` runs its own DSA indexer (the MTP layer does)."""
+        return self.has_indexer and (layer >= self.num_layers or self.indexer_types[layer] == "full")
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers of the paged KV pool: the main layers, then the MTP layer's (pool layer index num_layers)."""
+        return self.num_layers + self.mtp_layers
 
     @property
     def qk_head_dim(self) -> int:
@@ -267,7 +292,10 @@ def from_hf_config(raw: dict[str, Any]) -> ModelConfig:
     n_layers = int(req("num_hidden_layers"))
     max_pos = int(raw.get("max_position_embeddings", 4096))
     n_experts = int(raw.get("n_routed_experts") or raw.get("num_experts") or 0)
-    mlp_types = raw.get("mlp_layer_types") or _mlp_layer_types(raw, n_layers, n_experts)
+    # entries past num_hidden_layers (when a config lists them) are the MTP layer's
+    mlp_types = list(raw.get("mlp_layer_types") or ()) or _mlp_layer_types(raw, n_layers, n_experts)
+    mtp_mlp = mlp_types[n_layers] if len(mlp_types) > n_layers else _mlp_layer_types(raw, n_layers + 1,
+                                                                                     n_experts)[n_layers]
     common: dict[str, Any] = dict(
         model_type=family,
         vocab_size=int(req("vocab_size")),
@@ -287,7 +315,9 @@ def from_hf_config(raw: dict[str, Any]) -> ModelConfig:
         topk_group=int(raw.get("topk_group") or 1),
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        mlp_layer_types=tuple(mlp_types),
+        mlp_layer_types=tuple(mlp_types[:n_layers]),
+        mtp_layers=min(int(raw.get("num_nextn_predict_layers") or 0), 1),
+        mtp_mlp_type=mtp_mlp,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", False)),
         hidden_act=str(raw.get("hidden_act", "silu")),

@@ -7,6 +7,7 @@ each parameter's shard shape), the compiled temporaries (`compiled.memory_analys
 left, the tokens that pool holds under TP attention (the MLA latent replicated on every device) and under DP
 attention (split by request), and the collectives of one step (kind, count, bytes) read from the compiled HLO.
 Bytes per token include GLM-5.x's DSA indexer keys (FP8 + scale in an FP8 pool), which live in the same pages.
+A config with an MTP head (`num_nextn_predict_layers`) counts its weights in both phases and its KV layer.
 
 With `--target cpu` (the default) the programs compile on the XLA path (a CPU cannot compile Pallas kernels);
 their temporaries are that path's, at the stated batch and context. With `--target h200|h100|v5p|v6e` the mesh is
@@ -58,8 +59,8 @@ PRESETS: dict[str, dict] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 8000000},
         "eos_token_id": [154820, 154827, 154829], "tie_word_embeddings": False,
     },
-    "glm-4.5": {  # zai-org GLM-4.5 (355B): GQA 96 q / 8 kv heads
-        "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 5120, "intermediate_size": 12288,
+    "glm-4.5": {  # zai-org GLM-4.5 (355B): GQA 96 q / 8 kv heads, 1 MTP layer
+        "model_type": "glm4_moe", "num_nextn_predict_layers": 1, "vocab_size": 151552, "hidden_size": 5120, "intermediate_size": 12288,
         "moe_intermediate_size": 1536, "num_hidden_layers": 92, "first_k_dense_replace": 3,
         "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
         "use_qk_norm": True, "attention_bias": True, "n_routed_experts": 160, "num_experts_per_tok": 8,

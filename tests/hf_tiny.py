@@ -50,20 +50,7 @@ def build(arch: str, seed: int = 0, **config_args: int) -> transformers.PreTrain
     torch.manual_seed(seed)
     cfg = CONFIGS[arch](**config_args)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name and name.endswith("weight"):
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0.0, 0.05)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0.0, 0.1)
-        for module in model.modules():
-            if type(module).__name__.endswith("TopkRouter"):
-                module.weight.mul_(4.0)
+    _randomize(model)
     return model.eval()
 
 
@@ -75,3 +62,108 @@ def save(model: transformers.PreTrainedModel, folder: Path) -> Path:
 def logits(model: transformers.PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=tokens).logits
+
+
+class MTPReference(torch.nn.Module):
+    """DeepSeek-V3's MTP module (transformers has no MTP forward), built from transformers' own decoder layer class
+    at layer_idx = num_hidden_layers and RMSNorm class, plus a torch Linear for eh_proj; reuses the main model's
+    embedding, rotary embedding and lm_head."""
+
+    def __init__(self, model: transformers.PreTrainedModel, seed: int = 1) -> None:
+        super().__init__()
+        cfg, main = model.config, model.model
+        H, n = cfg.hidden_size, cfg.num_hidden_layers
+        norm_cls, layer_cls = type(main.norm), type(main.layers[0])
+        torch.manual_seed(seed)
+        self.enorm, self.hnorm = norm_cls(H, eps=cfg.rms_norm_eps), norm_cls(H, eps=cfg.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * H, H, bias=False)
+        self.layer = layer_cls(_with_mtp_layer(cfg), layer_idx=n)
+        self.shared_norm = norm_cls(H, eps=cfg.rms_norm_eps)
+        _randomize(self)
+        self.model = [model]  # a list: not a submodule (its weights are the main model's)
+        self.prefix = f"model.layers.{n}"
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of the MTP layer (names as GLM / DeepSeek checkpoints store them), with the
+        embed_tokens / shared_head.head copies some checkpoints carry (random here: a reader must ignore them)."""
+        p = self.prefix
+        out = {f"{p}.{k}": v for k, v in self.layer.state_dict().items()}
+        out.update({f"{p}.enorm.weight": self.enorm.weight, f"{p}.hnorm.weight": self.hnorm.weight,
+                    f"{p}.eh_proj.weight": self.eh_proj.weight, f"{p}.shared_head.norm.weight": self.shared_norm.weight})
+        main = self.model[0]
+        out[f"{p}.embed_tokens.weight"] = torch.randn_like(main.model.embed_tokens.weight)
+        out[f"{p}.shared_head.head.weight"] = torch.randn_like(main.lm_head.weight)
+        return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The main model's last decoder layer output (before the final norm) [B, T, H]."""
+        seen: list[torch.Tensor] = []
+        main = self.model[0]
+        handle = main.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+        try:
+            with torch.no_grad():
+                main(input_ids=tokens)
+        finally:
+            handle.remove()
+        return seen[0]
+
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, T, H] (positions 0..T-1), next_tokens [B, T] -> (logits [B, T, V], MTP layer output)."""
+        main = self.model[0]
+        B, T = next_tokens.shape
+        with torch.no_grad():
+            x = self.eh_proj(torch.cat([self.enorm(main.model.embed_tokens(next_tokens)), self.hnorm(hidden)], -1))
+            pos = torch.arange(T)[None].expand(B, T)
+            mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None].expand(B, 1, T, T)
+            h = self.layer(x, attention_mask=mask, position_ids=pos,
+                           position_embeddings=main.model.rotary_emb(x, pos))
+            h = h[0] if isinstance(h, tuple) else h  # GLM-5's layer also returns its top-k selection
+            return main.lm_head(self.shared_norm(h)), h
+
+
+def _with_mtp_layer(cfg: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """cfg with per-layer lists (GLM-5's mlp_layer_types, indexer_types) one entry longer: the MTP layer is a MoE
+    layer with its own indexer."""
+    import copy
+
+    out = copy.deepcopy(cfg)
+    if getattr(cfg, "indexer_types", None):
+        out.indexer_types = list(cfg.indexer_types) + ["full"]
+    if getattr(cfg, "mlp_layer_types", None):
+        out.mlp_layer_types = list(cfg.mlp_layer_types) + ["sparse"]
+    return out
+
+
+def _randomize(module: torch.nn.Module) -> None:
+    """The same random scheme as `build`."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name and name.endswith("weight"):
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.05)
+        for name, buf in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.1)
+        for m in module.modules():
+            if type(m).__name__.endswith("TopkRouter"):
+                m.weight.mul_(4.0)
+
+
+def save_with_mtp(model: transformers.PreTrainedModel, folder: Path, seed: int = 1) -> MTPReference:
+    """Save `model` plus a random MTP layer (tensors in their own shard, config.json's num_nextn_predict_layers = 1)
+    -> the MTP layer's torch reference."""
+    import json
+
+    from safetensors.torch import save_file
+
+    save(model, folder)
+    mtp = MTPReference(model, seed).eval()
+    save_file(mtp.state(), str(folder / "model-mtp.safetensors"))
+    cfg_path = folder / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    raw["num_nextn_predict_layers"] = 1
+    cfg_path.write_text(json.dumps(raw))
+    return mtp

@@ -33,6 +33,7 @@ PARAM_AXES: tuple[tuple[str, tuple], ...] = (
     (r"mlp\.experts\.(gate|up)(_scale)?$", ("experts", "embed", "expert_ffn")),
     (r"mlp\.experts\.down(_scale)?$", ("experts", "expert_ffn", "embed")),
     (r"attn\.(q_a|kv_a)\.(weight|scale)$", (None, None)),
+    (r"^mtp\.eh_proj\.(weight|scale)$", (None, None)),
     (r"attn\.(q_a|kv_a)\.bias$", (None,)),
     (r"(norm|q_a_norm|kv_a_norm|q_norm|k_norm)\.(weight|bias)$", (None,)),
     (r"mlp\.router$", (None, None)),
@@ -50,7 +51,11 @@ def _table(path: str) -> tuple:
 CONFIGS = {"kimi": lambda: hf_tiny.kimi_config().to_dict(),
            "kimi_no_q_lora": lambda: dict(hf_tiny.kimi_config().to_dict(), q_lora_rank=None, attention_bias=True),
            "glm5": lambda: hf_tiny.glm5_config().to_dict(),
-           "glm4": lambda: hf_tiny.glm4_config().to_dict()}
+           "glm4": lambda: hf_tiny.glm4_config().to_dict(),
+           # with the MTP head (layer num_hidden_layers: its own decoder layer, eh_proj and norms)
+           "kimi_mtp": lambda: dict(hf_tiny.kimi_config().to_dict(), num_nextn_predict_layers=1),
+           "glm5_mtp": lambda: dict(hf_tiny.glm5_config().to_dict(), num_nextn_predict_layers=1),
+           "glm4_mtp": lambda: dict(hf_tiny.glm4_config().to_dict(), num_nextn_predict_layers=1)}
 FORMATS = [WeightFormat(), WeightFormat("fp8", attention=True), WeightFormat("int4", 16, True, int4_scope="mlps")]
 
 
@@ -67,6 +72,9 @@ def test_every_parameter_declares_the_tables_axes(name, wf):
         assert len(axes) == var.get_value().ndim, name_
         seen.add(name_)
     assert wf.fmt == "bf16" or any(n.endswith("scale") for n in seen)
+    # the MTP decoder layer is quantized like the others (its routed experts in every quantized format)
+    assert (cfg.mtp_layers == 1) == any(n.startswith("mtp.layer.mlp.experts.") for n in seen)
+    assert wf.fmt == "bf16" or not cfg.mtp_layers or "mtp.layer.mlp.experts.gate_scale" in seen
 
 
 def test_a_parameter_without_axes_is_an_error():

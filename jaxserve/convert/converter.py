@@ -15,6 +15,8 @@ Output layout (one Orbax pytree per group, so conversion and restore hold one la
   OUT_DIR/config.json, tokenizer files copied from HF_DIR
   OUT_DIR/params/embed        {"embed", "norm", "lm_head"}
   OUT_DIR/params/layer_000 .. layer_{L-1}
+  OUT_DIR/params/mtp          the MTP head (layer num_hidden_layers: enorm, hnorm, eh_proj, its decoder layer,
+                              shared_head.norm) when the checkpoint has its tensors; else the config's mtp_layers is 0
 The output is built in OUT_DIR.partial and renamed at the end; on any error the partial folder is removed.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -312,7 +314,7 @@ def _mla_params(cfg: ModelConfig, t: _Linears, A: str, i: int) -> dict:
     attn["kv_a_norm"] = t.norm(f"{A}.kv_a_layernorm", r_)
     attn["kv_b"] = t.lin(f"{A}.kv_b_proj", N * (dn + dv), r_)
     attn["o"] = t.lin(f"{A}.o_proj", H, N * dv, bias=bias)
-    if cfg.has_indexer and cfg.indexer_types[i] == "full":
+    if cfg.full_indexer(i):
         nh, hd = cfg.index_n_heads, cfg.index_head_dim
         irows = _rope_rows(nh, hd, 0, dr) if cfg.indexer_rope_interleave else None
         krows = _rope_rows(1, hd, 0, dr) if cfg.indexer_rope_interleave else None
@@ -372,8 +374,23 @@ def _layer_params(cfg: ModelConfig, r: HFReader, i: int) -> dict:
         "input_norm": t.norm(f"{L}.input_layernorm", cfg.hidden_size),
         "post_norm": t.norm(f"{L}.post_attention_layernorm", cfg.hidden_size),
         "attn": _mla_params(cfg, t, A, i) if cfg.is_mla else _gqa_params(cfg, t, A),
-        "mlp": t.mlp(M, cfg.intermediate_size) if cfg.mlp_layer_types[i] == "dense" else _moe_params(cfg, t, M),
+        "mlp": t.mlp(M, cfg.intermediate_size) if cfg.mlp_type(i) == "dense" else _moe_params(cfg, t, M),
     }
+
+
+def _mtp_params(cfg: ModelConfig, r: HFReader) -> dict:
+    """The MTP head (layer num_hidden_layers): enorm, hnorm, eh_proj [2H, H], its decoder layer, shared_head.norm.
+    Its embed_tokens / shared_head.head copies, where a checkpoint has them, are not read (the main ones are used)."""
+    t, N, H = _Linears(r, cfg.hidden_size), cfg.num_layers, cfg.hidden_size
+    L = f"model.layers.{N}"
+    return {"enorm": t.norm(f"{L}.enorm", H), "hnorm": t.norm(f"{L}.hnorm", H),
+            "eh_proj": t.lin(f"{L}.eh_proj", H, 2 * H), "layer": _layer_params(cfg, r, N),
+            "norm": t.norm(f"{L}.shared_head.norm", H)}
+
+
+def has_mtp(cfg: ModelConfig, r: HFReader) -> bool:
+    """Whether the checkpoint holds the MTP head its config declares (many conversions drop it)."""
+    return bool(cfg.mtp_layers) and r.has(f"model.layers.{cfg.num_layers}.eh_proj.weight")
 
 
 def _top_params(cfg: ModelConfig, r: HFReader) -> dict:
@@ -400,7 +417,7 @@ def _keep_f32(path: str) -> bool:
 
 def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16", progress: bool = True) -> Path:
     """Convert an HF folder to a jaxserve checkpoint; returns OUT_DIR. Raises CheckpointError / ConfigError."""
-    from jaxserve.checkpoint import partial_output, save_group  # the Orbax layout lives with the loader
+    from jaxserve.checkpoint import group_names, partial_output, save_group  # the Orbax layout lives with the loader
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     dtype = DTYPE_ALIASES.get(dtype, dtype)
@@ -414,12 +431,15 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
         raise CheckpointError(f"no config.json in {hf_dir}", value=str(hf_dir), param="config.json")
     cfg = from_hf_config(raw)
     reader = HFReader(SafetensorsFolder(hf_dir), quant_scheme(raw))
+    if not has_mtp(cfg, reader):
+        cfg = replace(cfg, mtp_layers=0)
     np_dtype = np.dtype(DTYPE_NAMES[dtype])
     with partial_output(out_dir) as partial:
         (partial / "params").mkdir()
-        groups = ["embed"] + [f"layer_{i:03d}" for i in range(cfg.num_layers)]
+        groups = group_names(cfg)
         for g in tqdm(groups, desc=f"convert {hf_dir.name}", unit="group", disable=not progress):
-            tree = _top_params(cfg, reader) if g == "embed" else _layer_params(cfg, reader, int(g[6:]))
+            tree = (_top_params(cfg, reader) if g == "embed" else _mtp_params(cfg, reader) if g == "mtp"
+                    else _layer_params(cfg, reader, int(g[6:])))
             save_group(partial / "params" / g, _cast(tree, np_dtype, _keep_f32))
         for name in TOKENIZER_FILES:
             if (hf_dir / name).exists():

@@ -15,13 +15,14 @@ from jaxserve.format_names import KVDtype
 
 
 def kv_layout(cfg: ModelConfig, page_size: int, dtype: str, index_dtype: str | None = None) -> KVLayout:
-    """The page pool of `cfg`: MLA latent rows (+ DSA indexer keys of its full indexer layers) or GQA K/V.
+    """The page pool of `cfg`: MLA latent rows (+ DSA indexer keys of its full indexer layers) or GQA K/V, for the
+    main layers and then the MTP layer when the model has one (`cfg.kv_layers`).
     index_dtype: the indexer keys' dtype when it differs from `dtype` (only "bf16" in an FP8 pool is useful)."""
     if cfg.is_mla:
-        return KVLayout.mla(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size=page_size, dtype=dtype,
-                            index_layers=len(cfg.index_layers), index_head_dim=cfg.index_head_dim if cfg.has_indexer
+        return KVLayout.mla(cfg.kv_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size=page_size, dtype=dtype,
+                            index_layers=cfg.index_cache_layers, index_head_dim=cfg.index_head_dim if cfg.has_indexer
                             else 0, index_dtype=None if index_dtype in (None, dtype) else index_dtype)
-    return KVLayout.gqa(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size=page_size, dtype=dtype)
+    return KVLayout.gqa(cfg.kv_layers, cfg.num_kv_heads, cfg.head_dim, page_size=page_size, dtype=dtype)
 
 
 def prefill_kv_dtype(kv_dtype: KVDtype) -> KVDtype:

@@ -115,9 +115,8 @@ class MLAttention(nnx.Module):
         self.kv_a_norm = RMSNorm(r, LATENT_NORM_EPS, dtype=dtype)
         self.kv_b = linear("kv_b", r, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), (None, "heads"))
         self.o = linear("o", N * cfg.v_head_dim, H, ("heads", "embed"), bias)
-        full_indexer = cfg.has_indexer and cfg.indexer_types[layer_idx] == "full"
         self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs, path=f"{path}.indexer", weights=weights,
-                               parallel=parallel) if full_indexer else None
+                               parallel=parallel) if cfg.full_indexer(layer_idx) else None
 
     def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """-> q_nope [B,T,N,dn], q_rope [B,T,N,dr] (roped), latent [B,T,r+dr] ([c_kv normed | k_rope roped]),

@@ -4,11 +4,13 @@ Experts block's format changed (a dense weight quantized, a quantized weight exp
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
 from jaxserve.models.layers import DENSE_FORMATS, Experts, Linear
 from jaxserve.models.transformer import CausalLM
@@ -62,10 +64,12 @@ def _converted(model: nnx.Module, target: nnx.Module, group_size: int) -> dict[s
     return out
 
 
-def rebuild(model: CausalLM, weights: WeightPlan, parallel: Parallel | None) -> CausalLM:
-    """`model` built again with `weights` and `parallel` (same config and dtype); its arrays are carried over (the
-    same arrays, where they are), converted where a matmul weight's format changes. `model` is unchanged."""
-    cfg, dtype = model.cfg, dtype_of(model)
+def rebuild(model: CausalLM, weights: WeightPlan, parallel: Parallel | None, cfg: ModelConfig | None = None
+            ) -> CausalLM:
+    """`model` built again with `weights` and `parallel` (same dtype; same config unless `cfg` gives one whose
+    parameters are a subset, e.g. without the MTP head); its arrays are carried over (the same arrays, where they
+    are), converted where a matmul weight's format changes. `model` is unchanged."""
+    cfg, dtype = cfg or model.cfg, dtype_of(model)
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), weights=weights,
                                                parallel=parallel))
     converted = _converted(model, abstract, weights.weights.group_size)
@@ -81,6 +85,13 @@ def rebuild(model: CausalLM, weights: WeightPlan, parallel: Parallel | None) -> 
                               f"{want.dtype}{list(want.shape)}", value=name, param="weights")
         var.set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def drop_mtp(model: CausalLM) -> CausalLM:
+    """`model` without its MTP head (mtp_layers 0: its KV layout has no MTP layer); `model` itself if it has none."""
+    if model.mtp is None:
+        return model
+    return rebuild(model, model.weights, model.parallel, replace(model.cfg, mtp_layers=0))
 
 
 def shard_model(model: CausalLM, par: Parallel | None) -> CausalLM:

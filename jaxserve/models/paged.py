@@ -15,6 +15,7 @@ from jaxserve.cache import (KVPages, check_tags, gather_tokens, guard_tables, ma
                            write_index_keys, write_tokens)
 from jaxserve.models import dsa
 from jaxserve.models.attention_backend import AttentionBackend
+from jaxserve.models.decoder import DecoderLayer
 from jaxserve.models.transformer import CausalLM
 
 
@@ -60,8 +61,8 @@ class DecodeBatch:
 
 
 def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits: bool = False,
-            attention: AttentionBackend = AttentionBackend(), integrity: bool = True
-            ) -> tuple[jax.Array, KVPages, jax.Array]:
+            attention: AttentionBackend = AttentionBackend(), integrity: bool = True, return_hidden: bool = False
+            ) -> tuple[jax.Array, KVPages, jax.Array] | tuple[jax.Array, KVPages, jax.Array, jax.Array]:
     """Write the chunk's KV into `pages` and attend over the row's whole context read back from the pool.
 
     Reading the context (this chunk included) from the pool makes the result independent of how a prompt is
@@ -74,12 +75,33 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
     selected latent rows.
     With `batch.expected_tags`, the tag check runs first over every page the chunk reads (prefix-cache pages
     included): a failed row reads only the null page, writes nothing and gets zero logits.
-    Without all_logits the last layer's output projection and MLP run at each row's last chunk token only.
+    Without all_logits (and return_hidden) the last layer's output projection and MLP run at each row's last chunk
+    token only.
     -> (logits at each row's last chunk token [B, V] f32, or at every chunk token [B, T, V] with all_logits;
-    pages; ok [B] bool).
+    pages; ok [B] bool), then with return_hidden the last decoder layer's output at every chunk token [B, T, H]
+    (before the final norm: the MTP head's input, `jaxserve.models.paged_mtp`).
     """
-    cfg = model.cfg
-    B, T = batch.tokens.shape
+    batch, ok, slot_tags = guard_prefill(pages, batch, integrity)
+    cos, sin = model.rope(batch.positions)
+    h = model.embed_tokens(batch.tokens)
+    selected = None  # GLM-5 DSA: the last full indexer layer's selection, reused by IndexShare layers
+    for i, layer in enumerate(model.layers):
+        o, pages, selected = prefill_attention(model, i, layer.input_norm(h), pages, batch, cos, sin, selected,
+                                               slot_tags, attention)
+        if i == len(model.layers) - 1 and not (all_logits or return_hidden):
+            # the last layer's K/V is written: its output projection and MLP only matter at the sampled token
+            h, o = _at_last(h, batch.chunk_lens), _at_last(o, batch.chunk_lens)
+        h = h + layer.attn.o(o)
+        h = h + layer.mlp(layer.post_norm(h))
+    logits = mask_outputs(ok, model.logits(h if all_logits else _at_last(h, batch.chunk_lens)[:, 0]))
+    return (logits, pages, ok, h) if return_hidden else (logits, pages, ok)
+
+
+def guard_prefill(pages: KVPages, batch: PrefillBatch, integrity: bool
+                  ) -> tuple[PrefillBatch, jax.Array, jax.Array | None]:
+    """The tag check of a prefill chunk: -> (the batch with a failed row's slots -1 and its table the null page,
+    ok [B] bool, the tags each chunk token's write stamps [B * T] uint32 or None when unchecked)."""
+    B = batch.tokens.shape[0]
     checked = integrity and batch.expected_tags is not None
     ok = (check_tags(pages.tags, batch.block_tables, batch.expected_tags, batch.num_pages) if checked
           else jnp.ones((B,), jnp.bool_))
@@ -87,39 +109,41 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
                     block_tables=guard_tables(ok, batch.block_tables))
     slot_tags = (page_tags_at(batch.expected_tags, batch.positions, pages.layout.page_size).reshape(-1) if checked
                  else None)
+    return batch, ok, slot_tags
+
+
+def decoder_layer(model: CausalLM, i: int) -> DecoderLayer:
+    """Layer i of the pool's layers: a main layer, or the MTP head's layer (i = cfg.num_layers)."""
+    return model.layers[i] if i < model.cfg.num_layers else model.mtp.layer
+
+
+def prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batch: PrefillBatch, cos: jax.Array,
+                      sin: jax.Array, selected: dsa.Selection | None, slot_tags: jax.Array | None,
+                      attention: AttentionBackend) -> tuple[jax.Array, KVPages, dsa.Selection | None]:
+    """Pool layer i's attention for a (guarded) prefill chunk: writes the chunk's KV, attends over the pool.
+    x [B, T, H] (normed) -> (o [B, T, N * dv] before the output projection, pages, DSA selection or None)."""
+    cfg = model.cfg
+    B, T = batch.tokens.shape
+    attn = decoder_layer(model, i).attn
     tables = (batch.block_tables, batch.positions, batch.ctx_lens)
-    cos, sin = model.rope(batch.positions)
     flat_slots = batch.slots.reshape(-1)
-    h = model.embed_tokens(batch.tokens)
-    selected = None  # GLM-5 DSA: the last full indexer layer's selection, reused by IndexShare layers
-    for i, layer in enumerate(model.layers):
-        x = layer.input_norm(h)
-        attn = layer.attn
-        if cfg.has_indexer:
-            o, pages, selected = _dsa_prefill_attention(model, i, x, pages, batch, cos, sin, selected, slot_tags)
-        elif cfg.is_mla:
-            q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
-            pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
-            q = attn.absorb_query(q_nope, q_rope)  # [B, T, N, r + dr] f32
-            o_lat = attention.prefill(model.parallel, q, pages, i, tables, softmax_scale=cfg.softmax_scale,
-                                      act_dtype=x.dtype)
-            o = attn.absorb_output(o_lat, x.dtype)
-        else:
-            q, k, v = attn.project(x, cos, sin)
-            pages = write_tokens(pages, i, (k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])),
-                                 flat_slots, slot_tags)
-            o = attention.prefill(model.parallel, q, pages, i, tables, softmax_scale=cfg.softmax_scale,
+    if cfg.has_indexer:
+        o, pages, selected = _dsa_prefill_attention(model, i, x, pages, batch, cos, sin, selected, slot_tags)
+    elif cfg.is_mla:
+        q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
+        pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
+        q = attn.absorb_query(q_nope, q_rope)  # [B, T, N, r + dr] f32
+        o_lat = attention.prefill(model.parallel, q, pages, i, tables, softmax_scale=cfg.softmax_scale,
                                   act_dtype=x.dtype)
-            o = o.astype(x.dtype)
-        o = o.reshape(B, T, -1)
-        if i == len(model.layers) - 1 and not all_logits:
-            # the last layer's K/V is written: its output projection and MLP only matter at the sampled token
-            h, o = _at_last(h, batch.chunk_lens), _at_last(o, batch.chunk_lens)
-        h = h + attn.o(o)
-        h = h + layer.mlp(layer.post_norm(h))
-    if all_logits:
-        return mask_outputs(ok, model.logits(h)), pages, ok
-    return mask_outputs(ok, model.logits(h[:, 0])), pages, ok
+        o = attn.absorb_output(o_lat, x.dtype)
+    else:
+        q, k, v = attn.project(x, cos, sin)
+        pages = write_tokens(pages, i, (k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])),
+                             flat_slots, slot_tags)
+        o = attention.prefill(model.parallel, q, pages, i, tables, softmax_scale=cfg.softmax_scale,
+                              act_dtype=x.dtype)
+        o = o.astype(x.dtype)
+    return o.reshape(B, T, -1), pages, selected
 
 
 def _at_last(x: jax.Array, chunk_lens: jax.Array) -> jax.Array:
@@ -128,45 +152,63 @@ def _at_last(x: jax.Array, chunk_lens: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, last[:, None, None], axis=1)
 
 
-def decode(model: CausalLM, pages: KVPages, batch: DecodeBatch, *, integrity: bool,
-           attention: AttentionBackend) -> tuple[jax.Array, KVPages, jax.Array]:
+def decode(model: CausalLM, pages: KVPages, batch: DecodeBatch, *, integrity: bool, attention: AttentionBackend,
+           return_hidden: bool = False
+           ) -> tuple[jax.Array, KVPages, jax.Array] | tuple[jax.Array, KVPages, jax.Array, jax.Array]:
     """One decode step. The tag check (against `pages.tags`, the device's witness) runs first: a failed row writes
     nothing, its block table is the null page before any gather or kernel sees it, its attention output is masked
     to zero, and it is reported. Each write stamps the row's tag of the page it writes.
-    -> (logits [B, V] f32, pages, ok [B] bool)."""
-    cfg = model.cfg
+    -> (logits [B, V] f32, pages, ok [B] bool), then with return_hidden the last decoder layer's output [B, H]
+    (before the final norm)."""
+    batch, ok, slot_tags = guard_decode(pages, batch, integrity)
+    cos, sin = model.rope(batch.positions[:, None])
+    h = model.embed_tokens(batch.tokens[:, None])  # [B, 1, H]
+    selected = None  # GLM-5 DSA: the last full indexer layer's selection, reused by IndexShare layers
+    for i, layer in enumerate(model.layers):
+        o, pages, selected = decode_attention(model, i, layer.input_norm(h), pages, batch, ok, cos, sin, selected,
+                                              slot_tags, attention)
+        h = h + layer.attn.o(o)
+        h = h + layer.mlp(layer.post_norm(h))
+    logits = model.logits(h[:, 0])
+    return (logits, pages, ok, h[:, 0]) if return_hidden else (logits, pages, ok)
+
+
+def guard_decode(pages: KVPages, batch: DecodeBatch, integrity: bool
+                 ) -> tuple[DecodeBatch, jax.Array, jax.Array | None]:
+    """The tag check of a decode step: -> (the batch with a failed row's slot -1, length 0 and table the null page,
+    ok [B] bool, the tag each row's write stamps [B] uint32 or None when unchecked)."""
     ok = check_tags(pages.tags, batch.block_tables, batch.expected_tags, batch.num_pages, enabled=integrity)
     batch = replace(batch, slots=jnp.where(ok, batch.slots, -1), lengths=jnp.where(ok, batch.lengths, 0),
                     block_tables=guard_tables(ok, batch.block_tables))
     slot_tags = page_tags_at(batch.expected_tags, batch.positions, pages.layout.page_size) if integrity else None
-    slots, lengths = batch.slots, batch.lengths
-    positions = batch.positions[:, None]
-    cos, sin = model.rope(positions)
-    h = model.embed_tokens(batch.tokens[:, None])  # [B, 1, H]
-    B = h.shape[0]
-    selected = None  # GLM-5 DSA: the last full indexer layer's selection, reused by IndexShare layers
-    for i, layer in enumerate(model.layers):
-        x = layer.input_norm(h)
-        attn = layer.attn
-        if cfg.has_indexer:
-            o, pages, selected = _dsa_decode_attention(model, i, x, pages, batch, ok, cos, sin, selected, slot_tags,
-                                                       attention)
-        elif cfg.is_mla:
-            q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
-            pages = write_tokens(pages, i, latent[:, 0], slots, slot_tags)
-            q = attn.absorb_query(q_nope, q_rope)[:, 0]  # [B, N, r + dr] f32
-            o_lat = attention.decode(model.parallel, q, pages, i, batch.block_tables, lengths,
-                                     softmax_scale=cfg.softmax_scale)
-            o = attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype)
-        else:
-            q, k, v = attn.project(x, cos, sin)
-            pages = write_tokens(pages, i, (k[:, 0], v[:, 0]), slots, slot_tags)
-            o = attention.decode(model.parallel, q[:, 0], pages, i, batch.block_tables, lengths,
+    return batch, ok, slot_tags
+
+
+def decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batch: DecodeBatch, ok: jax.Array,
+                     cos: jax.Array, sin: jax.Array, selected: dsa.Selection | None, slot_tags: jax.Array | None,
+                     attention: AttentionBackend) -> tuple[jax.Array, KVPages, dsa.Selection | None]:
+    """Pool layer i's attention for a (guarded) decode step: writes the token's KV, attends over the row's pages; a
+    failed row's output is zero. x [B, 1, H] (normed) -> (o [B, 1, N * dv], pages, DSA selection or None)."""
+    cfg = model.cfg
+    attn = decoder_layer(model, i).attn
+    B = x.shape[0]
+    if cfg.has_indexer:
+        o, pages, selected = _dsa_decode_attention(model, i, x, pages, batch, ok, cos, sin, selected, slot_tags,
+                                                   attention)
+    elif cfg.is_mla:
+        q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
+        pages = write_tokens(pages, i, latent[:, 0], batch.slots, slot_tags)
+        q = attn.absorb_query(q_nope, q_rope)[:, 0]  # [B, N, r + dr] f32
+        o_lat = attention.decode(model.parallel, q, pages, i, batch.block_tables, batch.lengths,
                                  softmax_scale=cfg.softmax_scale)
-            o = mask_outputs(ok, o)[:, None].astype(x.dtype)
-        h = h + attn.o(o.reshape(B, 1, -1))
-        h = h + layer.mlp(layer.post_norm(h))
-    return model.logits(h[:, 0]), pages, ok
+        o = attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype)
+    else:
+        q, k, v = attn.project(x, cos, sin)
+        pages = write_tokens(pages, i, (k[:, 0], v[:, 0]), batch.slots, slot_tags)
+        o = attention.decode(model.parallel, q[:, 0], pages, i, batch.block_tables, batch.lengths,
+                             softmax_scale=cfg.softmax_scale)
+        o = mask_outputs(ok, o)[:, None].astype(x.dtype)
+    return o.reshape(B, 1, -1), pages, selected
 
 
 def _dsa_prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batch: PrefillBatch,
@@ -177,7 +219,7 @@ def _dsa_prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages
     keys, stamping `slot_tags`, then attends densely when the block table spans <= index_topk tokens, else over
     each query's top-k selected rows (its own indexer's, or `prev` on IndexShare layers).
     x [B, T, H] -> (o [B, T, N, dv], pages, this layer's selection or None on the dense path)."""
-    cfg, attn = model.cfg, model.layers[i].attn
+    cfg, attn = model.cfg, decoder_layer(model, i).attn
     B, T = batch.tokens.shape
     bt, flat_slots = batch.block_tables, batch.slots.reshape(-1)
     q_nope, q_rope, latent, q_resid = attn.project(x, cos, sin)
@@ -208,7 +250,7 @@ def _dsa_decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages,
     dense paged kernel when the block table spans <= index_topk tokens, else absorbed attention over the top-k
     rows of the row's cached tokens; a failed row's output is zeroed.
     x [B, 1, H] -> (o [B, 1, N, dv], pages, selection or None)."""
-    cfg, attn = model.cfg, model.layers[i].attn
+    cfg, attn = model.cfg, decoder_layer(model, i).attn
     bt, slots, lengths = batch.block_tables, batch.slots, batch.lengths
     q_nope, q_rope, latent, q_resid = attn.project(x, cos, sin)
     pages = write_tokens(pages, i, latent[:, 0], slots, slot_tags)

@@ -1,4 +1,5 @@
-"""The causal LM for all three families: embeddings, decoder layers (attention + dense MLP or MoE), final norm, head."""
+"""The causal LM for all three families: embeddings, decoder layers (attention + dense MLP or MoE), final norm, head,
+and the MTP head where the checkpoint has one."""
 from __future__ import annotations
 
 import jax
@@ -8,31 +9,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.attention import GQAttention, MLAttention
-from jaxserve.models.layers import INIT_STD, MLP, Linear, MoE, RMSNorm
+from jaxserve.models.decoder import DecoderLayer, causal_mask
+from jaxserve.models.layers import INIT_STD, Linear, RMSNorm
+from jaxserve.models.mtp import MTPHead
 from jaxserve.models.rope import cos_sin
 from jaxserve.quant.weight_format import WeightPlan
 from jaxserve.sharding import Parallel
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)). The layer's parameters sit under
-    `layers.{layer_idx}` (its Linears' formats are looked up in `weights` by that path)."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 weights: WeightPlan = WeightPlan(), parallel: Parallel | None = None) -> None:
-        path = f"layers.{layer_idx}"
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.attn = (MLAttention(cfg, layer_idx, dtype=dtype, rngs=rngs, path=f"{path}.attn", weights=weights,
-                                 parallel=parallel) if cfg.is_mla
-                     else GQAttention(cfg, dtype=dtype, rngs=rngs, path=f"{path}.attn", weights=weights,
-                                      parallel=parallel))
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        mlp = f"{path}.mlp"
-        self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, path=mlp, weights=weights, parallel=parallel)
-                    if cfg.mlp_layer_types[layer_idx] == "sparse"
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs, path=mlp, weights=weights,
-                             parallel=parallel))
 
 
 class CausalLM(nnx.Module):
@@ -40,7 +22,7 @@ class CausalLM(nnx.Module):
 
     weights: the format of each matmul weight (default: every weight dense in `dtype`); parallel: the mesh the
     model is placed on (None: one device). Both are fixed at construction; `jaxserve.models.build` rebuilds a
-    model with others."""
+    model with others. `mtp`: the MTP head (`jaxserve.models.mtp`) when cfg.mtp_layers, else None."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs,
                  weights: WeightPlan = WeightPlan(), parallel: Parallel | None = None) -> None:
@@ -56,6 +38,8 @@ class CausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), dtype=dtype, rngs=rngs,
             fmt=weights.linear("lm_head", cfg.hidden_size), parallel=parallel)
+        self.mtp = (MTPHead(cfg, dtype=dtype, rngs=rngs, weights=weights, parallel=parallel) if cfg.mtp_layers
+                    else None)
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """positions [B, T] -> cos, sin [B, T, rope_dim // 2] f32."""
@@ -81,7 +65,10 @@ class CausalLM(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """h [..., H] (before the final norm) -> logits [..., V] f32."""
-        h = self.norm(h)
+        return self.head_logits(self.norm(h))
+
+    def head_logits(self, h: jax.Array) -> jax.Array:
+        """h [..., H] (normed) -> logits [..., V] f32 through lm_head (or the tied embedding)."""
         if self.lm_head is None and self.parallel is not None:
             return self._tied_logits(h)
         if self.lm_head is None:
@@ -106,21 +93,18 @@ class CausalLM(nnx.Module):
         tokens [B, T] int32; positions [B, T] int32 (default arange); lengths [B] int32 valid tokens per row
         (right padding; default T). absorbed: MLA in the absorbed form. -> logits [B, T, V] f32.
         """
-        B, T = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        if lengths is None:
-            lengths = jnp.full((B,), T, jnp.int32)
-        valid = jnp.arange(T)[None, :] < lengths[:, None]
-        mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]  # [B, T(query), S(key)]
+        return self.logits(self.hidden(tokens, positions, lengths, absorbed=absorbed))
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, lengths: jax.Array | None = None,
+               *, absorbed: bool = False) -> jax.Array:
+        """As __call__, but -> the last decoder layer's output [B, T, H] (before the final norm)."""
+        positions, mask = causal_mask(*tokens.shape, positions, lengths)
         cos, sin = self.rope(positions)
         h = self.embed_tokens(tokens)
         selected = None
         for layer in self.layers:
-            a, selected = layer.attn(layer.input_norm(h), cos, sin, mask, absorbed=absorbed, prev_selected=selected)
-            h = h + a
-            h = h + layer.mlp(layer.post_norm(h))
-        return self.logits(h)
+            h, selected = layer(h, cos, sin, mask, absorbed=absorbed, prev_selected=selected)
+        return h
 
 
 @nnx.jit(static_argnames=("absorbed",))

@@ -76,7 +76,7 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def test_glm52_real_config_rope_indexshare_and_mtp():
     """GLM-5.2's config.json as shipped: nested rope_parameters (theta 8e6), a misleading head_dim 192 (the rope dim
     is qk_rope_head_dim 64), IndexShare freq 4 / offset 3 (21 full indexers: 0, 1, 2, then every 4th), one MTP
-    layer that is not counted."""
+    layer that is not a main layer (its own indexer keys come after the main layers')."""
     from jaxserve.plan import PRESETS
 
     raw = dict(PRESETS["glm-5.2"])
@@ -84,6 +84,7 @@ def test_glm52_real_config_rope_indexshare_and_mtp():
     assert cfg.rope.theta == 8e6 and cfg.rope.rope_type == "default" and cfg.rope_dim == 64
     assert cfg.max_position_embeddings == 1048576 and cfg.num_layers == 78
     assert cfg.index_layers == (0, 1, 2, *range(6, 78, 4)) and len(cfg.index_layers) == 21
+    assert cfg.mtp_layers == 1 and cfg.index_cache_layers == 22 and cfg.index_slot(78) == 21
     # the explicit indexer_types list (78 entries) gives the same schedule as freq/offset
     assert from_hf_config({**raw, "indexer_types": list(cfg.indexer_types)}).index_layers == cfg.index_layers
     with pytest.raises(jaxserve.errors.ConfigError, match="indexer_types"):
@@ -93,9 +94,10 @@ def test_glm52_real_config_rope_indexshare_and_mtp():
 def test_bytes_per_token_include_the_indexer_keys():
     cfg = from_hf_config(__import__("jaxserve.plan", fromlist=["PRESETS"]).PRESETS["glm-5.2"])
     fp8, bf16 = kv_layout(cfg, 64, "fp8"), kv_layout(cfg, 64, "bf16")
-    assert fp8.bytes_per_token() == 78 * (576 + 4) + 21 * (128 + 4)
-    assert bf16.bytes_per_token() == 78 * 576 * 2 + 21 * 128 * 2
-    assert kv_layout(cfg, 64, "fp8", "bf16").bytes_per_token() == 78 * (576 + 4) + 21 * 128 * 2
+    # 78 layers + the MTP layer (its latent rows and its own indexer keys), 21 full indexers + the MTP layer's
+    assert fp8.bytes_per_token() == 79 * (576 + 4) + 22 * (128 + 4)
+    assert bf16.bytes_per_token() == 79 * 576 * 2 + 22 * 128 * 2
+    assert kv_layout(cfg, 64, "fp8", "bf16").bytes_per_token() == 79 * (576 + 4) + 22 * 128 * 2
     for lay in (fp8, bf16):  # the real pool's KV arrays hold exactly that (its per-page tags are not per token)
         shapes = dataclasses.replace(jax.eval_shape(lambda: init_pages(lay, 2)), tags=None)
         assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) == 2 * 64 * lay.bytes_per_token()
