@@ -360,6 +360,29 @@ def logits_and_loads(model: CausalLM, tokens: jax.Array) -> tuple[jax.Array, jax
 
     tokens [B, T] int32 -> (logits [B, T, V] f32, loads [n_moe_layers, E] f32 token-slot counts per expert).
     """
+    h, loads = hidden_and_loads(model, tokens)
+    return model.logits(h), loads
+
+
+def decoder_layer_train(layer: nnx.Module, kind: str, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                        mask: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """One `DecoderLayer` as CausalLM.__call__ applies it (plain MLA, block-grouped experts).
+
+    h [B, T, H] -> (h [B, T, H], expert ids [B*T, k] int32 for a "sparse" layer, else None)."""
+    a, _ = layer.attn(layer.input_norm(h), cos, sin, mask, absorbed=False, prev_selected=None)
+    h = h + a
+    x = layer.post_norm(h)
+    if kind != "sparse":
+        return h + layer.mlp(x), None
+    y, ids = moe_blocked(layer.mlp, x)
+    return h + y, ids
+
+
+def hidden_and_loads(model: CausalLM, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The training forward up to the last decoder layer's output (before the final norm).
+
+    tokens [B, T] int32 -> (h [B, T, H], loads [n_moe_layers, E] f32 token-slot counts per expert).
+    """
     cfg = model.cfg
     B, T = tokens.shape
     mask, positions = _mask_and_positions(B, T)
@@ -367,16 +390,10 @@ def logits_and_loads(model: CausalLM, tokens: jax.Array) -> tuple[jax.Array, jax
     h = model.embed_tokens(tokens)
     loads = []
     for layer, kind in zip(model.layers, cfg.mlp_layer_types):
-        a, _ = layer.attn(layer.input_norm(h), cos, sin, mask, absorbed=False, prev_selected=None)
-        h = h + a
-        x = layer.post_norm(h)
-        if kind == "sparse":
-            y, ids = moe_blocked(layer.mlp, x)
+        h, ids = decoder_layer_train(layer, kind, h, cos, sin, mask)
+        if ids is not None:
             loads.append(jnp.bincount(ids.reshape(-1), length=cfg.n_routed_experts).astype(jnp.float32))
-        else:
-            y = layer.mlp(x)
-        h = h + y
-    return model.logits(h), jnp.stack(loads)
+    return h, jnp.stack(loads)
 
 
 def _is_router_bias(path: tuple) -> bool:
@@ -537,39 +554,60 @@ def _half_split_to_interleaved(w_out_in: np.ndarray, rows: np.ndarray) -> np.nda
     return hf
 
 
+def hf_layer_tensors(cfg: ModelConfig, p: dict[str, np.ndarray], J: str, L: str, kind: str) -> dict[str, np.ndarray]:
+    """One decoder layer's weights under HF DeepSeek-V3 names: jaxserve flat params `p` under prefix `J` (e.g.
+    "layers.3") -> {f"{L}.self_attn...": [out, in] array} with `L` the HF prefix (e.g. "model.layers.3"); kind
+    "dense" | "sparse". The half-split RoPE rows go back to HF's interleaved order."""
+    N, qk, dn, dr, r = cfg.num_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    q_rows = _rope_rows(N, qk, dn, dr)
+    kv_rows = _rope_rows(1, r + dr, r, dr)
+    out = {f"{L}.input_layernorm.weight": p[f"{J}.input_norm.weight"],
+           f"{L}.post_attention_layernorm.weight": p[f"{J}.post_norm.weight"]}
+    A, a = f"{L}.self_attn", f"{J}.attn"
+    out[f"{A}.q_a_proj.weight"] = p[f"{a}.q_a.weight"].T
+    out[f"{A}.q_a_layernorm.weight"] = p[f"{a}.q_a_norm.weight"]
+    out[f"{A}.q_b_proj.weight"] = _half_split_to_interleaved(p[f"{a}.q_b.weight"].T, q_rows)
+    out[f"{A}.kv_a_proj_with_mqa.weight"] = _half_split_to_interleaved(p[f"{a}.kv_a.weight"].T, kv_rows)
+    out[f"{A}.kv_a_layernorm.weight"] = p[f"{a}.kv_a_norm.weight"]
+    out[f"{A}.kv_b_proj.weight"] = p[f"{a}.kv_b.weight"].T
+    out[f"{A}.o_proj.weight"] = p[f"{a}.o.weight"].T
+    M, m = f"{L}.mlp", f"{J}.mlp"
+    if kind == "dense":
+        for name in ("gate", "up", "down"):
+            out[f"{M}.{name}_proj.weight"] = p[f"{m}.{name}.weight"].T
+        return out
+    out[f"{M}.gate.weight"] = p[f"{m}.router"].T
+    out[f"{M}.gate.e_score_correction_bias"] = p[f"{m}.router_bias"]
+    for e in range(cfg.n_routed_experts):
+        for name in ("gate", "up", "down"):
+            out[f"{M}.experts.{e}.{name}_proj.weight"] = p[f"{m}.experts.{name}"][e].T
+    for name in ("gate", "up", "down"):
+        out[f"{M}.shared_experts.{name}_proj.weight"] = p[f"{m}.shared.{name}.weight"].T
+    return out
+
+
 def hf_tensors(model: CausalLM) -> dict[str, np.ndarray]:
     """The model's weights under real HF DeepSeek-V3 names, [out, in] linears, f32 contiguous arrays."""
     cfg = model.cfg
     p = model_params(model)
-    N, qk, dn, dr, r = cfg.num_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    q_rows = _rope_rows(N, qk, dn, dr)
-    kv_rows = _rope_rows(1, r + dr, r, dr)
     out = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["norm.weight"],
            "lm_head.weight": p["lm_head.weight"].T}
     for i, kind in enumerate(cfg.mlp_layer_types):
-        L, J = f"model.layers.{i}", f"layers.{i}"
-        out[f"{L}.input_layernorm.weight"] = p[f"{J}.input_norm.weight"]
-        out[f"{L}.post_attention_layernorm.weight"] = p[f"{J}.post_norm.weight"]
-        A, a = f"{L}.self_attn", f"{J}.attn"
-        out[f"{A}.q_a_proj.weight"] = p[f"{a}.q_a.weight"].T
-        out[f"{A}.q_a_layernorm.weight"] = p[f"{a}.q_a_norm.weight"]
-        out[f"{A}.q_b_proj.weight"] = _half_split_to_interleaved(p[f"{a}.q_b.weight"].T, q_rows)
-        out[f"{A}.kv_a_proj_with_mqa.weight"] = _half_split_to_interleaved(p[f"{a}.kv_a.weight"].T, kv_rows)
-        out[f"{A}.kv_a_layernorm.weight"] = p[f"{a}.kv_a_norm.weight"]
-        out[f"{A}.kv_b_proj.weight"] = p[f"{a}.kv_b.weight"].T
-        out[f"{A}.o_proj.weight"] = p[f"{a}.o.weight"].T
-        M, m = f"{L}.mlp", f"{J}.mlp"
-        if kind == "dense":
-            for name in ("gate", "up", "down"):
-                out[f"{M}.{name}_proj.weight"] = p[f"{m}.{name}.weight"].T
-            continue
-        out[f"{M}.gate.weight"] = p[f"{m}.router"].T
-        out[f"{M}.gate.e_score_correction_bias"] = p[f"{m}.router_bias"]
-        for e in range(cfg.n_routed_experts):
-            for name in ("gate", "up", "down"):
-                out[f"{M}.experts.{e}.{name}_proj.weight"] = p[f"{m}.experts.{name}"][e].T
-        for name in ("gate", "up", "down"):
-            out[f"{M}.shared_experts.{name}_proj.weight"] = p[f"{m}.shared.{name}.weight"].T
+        out.update(hf_layer_tensors(cfg, p, f"layers.{i}", f"model.layers.{i}", kind))
+    if model.mtp is not None:
+        out.update(hf_mtp_tensors(model))
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
+
+
+def hf_mtp_tensors(model: CausalLM) -> dict[str, np.ndarray]:
+    """The MTP head (`model.mtp`) as DeepSeek-V3's layer N = num_hidden_layers: eh_proj [H, 2H], enorm, hnorm,
+    shared_head.norm and its decoder layer named as `hf_layer_tensors` names layer N; f32 contiguous arrays."""
+    cfg = model.cfg
+    p = model_params(model.mtp)
+    L = f"model.layers.{cfg.num_layers}"
+    out = {f"{L}.eh_proj.weight": p["eh_proj.weight"].T, f"{L}.enorm.weight": p["enorm.weight"],
+           f"{L}.hnorm.weight": p["hnorm.weight"], f"{L}.shared_head.norm.weight": p["norm.weight"]}
+    out.update(hf_layer_tensors(cfg, p, "layer", L, cfg.mtp_mlp_type))
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
