@@ -19,6 +19,8 @@ class Speculative:
 
     method: str
     k: int
+    # speculation turns itself off in a decode step with more rows than this (None: never); see bench/speculative.py
+    max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

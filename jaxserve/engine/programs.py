@@ -30,6 +30,7 @@ from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, i
 from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.layouts import PhaseLayouts
+from jaxserve.engine.mtp_programs import MTPPrograms
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.engine.scoring import PromptScores, prompt_scores
 from jaxserve.engine.verify import Verified, dummy_verify, verify_step
@@ -199,6 +200,9 @@ class Programs:
         self._verify = jax.jit(self._verify_fn, donate_argnums=(1,),
                                in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d,
                                              rows_d), out_shardings=(rows_d, rows_d, dh.pages_sharding))
+        # "mtp:K": the prefill and verify programs with the MTP head (engine.mtp_programs)
+        spec = cfg.speculative
+        self.mtp = MTPPrograms(cfg, ph, dh, rows_p, rows_d, self.compiles) if spec and spec.method == "mtp" else None
         self._export = jax.jit(self._export_fn)
         self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=dh.pages_sharding)
 
@@ -382,6 +386,8 @@ class Programs:
     def _compile(self, kind: str, b: int, m: int, t: int, mode: SamplingMode = "greedy") -> None:
         """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched);
         mode: the sampling mode of the prefill / decode program (`sampling.sampling_mode`)."""
+        if self.mtp is not None and kind in ("prefill", "verify"):
+            return self.mtp.compile(kind, b, m, t, mode)
         spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the live pools may be donated meanwhile
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         p_ph, d_ph = self.prefill_phase, self.decode_phase
