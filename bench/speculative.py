@@ -6,7 +6,8 @@ Usage: python bench/speculative.py [--method ngram|mtp] [--reps N] [--concurrenc
 
 Workload: c requests at once, each a 64-token window of held-out stdlib text (the embedded model's own domain,
 `jaxserve.eval.quality.heldout_tokens`), 128 new tokens, greedy, ignore_eos; the serving engine configuration
-(`EngineConfig()` defaults: FP8 prefill weights, INT4 decode weights, FP8 KV, bf16). Two engines on the same
+(`EngineConfig()` defaults: FP8 prefill weights, INT4 decode weights, FP8 KV, bf16; no prefix cache, so a
+repeated pass prefills again and runs the shapes the untimed pass compiled). Two engines on the same
 weights, one with `speculative="METHOD:K"`, each first runs the workload once untimed (its compiles), then the
 timed passes alternate between them (plain, speculative, plain, ...), so a change in the shared host's load hits
 both alike. A pass is timed from submit to the last token (prefill included): tokens/s = c * new_tokens / wall.
@@ -60,7 +61,7 @@ def timed(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[fl
 
 
 def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int, method: str = "ngram") -> dict:
-    cfg = EngineConfig()
+    cfg = EngineConfig(prefix_cache=False)  # every pass prefills its prompt: the passes are alike
     plain = Engine.from_checkpoint(CKPT, cfg, start=False)
     rows = []
     for k in ks:

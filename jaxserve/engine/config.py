@@ -15,11 +15,11 @@ SPECULATIVE_METHODS = ("ngram", "mtp")
 class Speculative:
     """Speculative decoding: each decode step drafts k tokens per row and verifies them in one target forward over
     k + 1 positions (engine.speculative). method: "ngram" (prompt lookup on the host, `engine.ngram`) or "mtp" (the
-    model's MTP head, on the device)."""
+    model's MTP head, on the device). max_rows: speculate only while at most this many rows decode, plain decode
+    (overlapped) above (None: always); bench/speculative.py measures where drafts stop paying."""
 
     method: str
     k: int
-    # speculation turns itself off in a decode step with more rows than this (None: never); see bench/speculative.py
     max_rows: int | None = None
 
     def __post_init__(self) -> None:
@@ -29,15 +29,19 @@ class Speculative:
         if not isinstance(self.k, int) or not 1 <= self.k <= 16:
             raise ConfigError("speculative draft count k must be an integer in [1, 16]", value=self.k,
                               param="speculative")
+        if self.max_rows is not None and (not isinstance(self.max_rows, int) or self.max_rows < 1):
+            raise ConfigError("speculative max_rows must be None or an integer >= 1", value=self.max_rows,
+                              param="speculative")
 
     @classmethod
     def parse(cls, text: str) -> Speculative:
-        """"ngram:3" / "mtp:3" -> Speculative; anything else is a ConfigError naming it."""
-        method, _, k = text.partition(":")
-        if not k.isdigit():
-            raise ConfigError("speculative must be METHOD:K, e.g. ngram:3 or mtp:3", value=text,
-                              param="speculative")
-        return cls(method, int(k))
+        """"ngram:3" / "mtp:3" (METHOD:K), or METHOD:K:MAX_ROWS -> Speculative; anything else is a ConfigError
+        naming it."""
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[1:]):
+            raise ConfigError("speculative must be METHOD:K or METHOD:K:MAX_ROWS, e.g. ngram:3 or ngram:3:8",
+                              value=text, param="speculative")
+        return cls(parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ its accepted tokens need: a rollback across a page boundary returns the page. Re
 Greedy and sampled rows speculate (`acceptance.verify_tokens`: n-gram drafts are deterministic, so the rule is
 exact for sampled rows too), top logprobs included. Rows whose logits depend on host state per token (penalties,
 logit_bias, min_tokens, a grammar, an open thinking budget) take the plain decode program in the same step
-(dispatched and read at once: no overlap while speculating), as does the whole batch when no row has a draft.
+(dispatched and read at once: no overlap while speculating), as does the whole batch when no row has a draft, or
+when more rows decode than `Speculative.max_rows`.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class SchedulerParts(Protocol):
     _inflight: object
 
     def _collect(self, flight: object) -> None: ...
+    def _decode_step(self) -> None: ...
     def _dispatch(self, ready: list[Sequence]) -> object: ...
     def _grow(self, seq: Sequence) -> bool: ...
     def _guarded(self, seq: Sequence, fn: object, *args: object) -> object | None: ...
@@ -75,7 +77,6 @@ class Speculation:
         spec = sched.cfg.speculative
         self.s = sched
         self.k = spec.k
-        self.max_rows = spec.max_rows
         # "mtp:K": drafts come out of the device programs (engine.mtp_draft); "ngram:K": from the host
         self.mtp = MTPDrafts(sched.programs.mtp, spec.k) if spec.method == "mtp" else None
 
@@ -90,6 +91,10 @@ class Speculation:
         """Grow pages (may preempt), draft, then run the plain decode for rows that cannot speculate and one verify
         for the rest; every token read is accepted before this returns."""
         s, ps = self.s, self.s.cfg.page_size
+        limit = s.cfg.speculative.max_rows
+        if limit is not None and sum(x.status is Status.DECODING for x in s.running) > limit:
+            s._decode_step()  # too many rows for drafts to pay: the plain (overlapped) decode
+            return
         if s._inflight is not None:  # a plain decode left in flight by an overlapped step: read it first
             prev, s._inflight = s._inflight, None
             s._collect(prev)
@@ -99,9 +104,7 @@ class Speculation:
         ready = [x for x in s.running if x.status is Status.DECODING]
         if self.mtp is not None:
             self.mtp.prune(s.running)
-        # above max_rows rows a verify costs more than its accepted drafts save: the whole step decodes plainly
-        on = self.max_rows is None or len(ready) <= self.max_rows
-        drafts = {id(x): self._drafts(x) for x in ready if on and speculates(x)}
+        drafts = {id(x): self._drafts(x) for x in ready if speculates(x)}
         # rows without a draft ride along in the verify (as a plain decode); with no draft at all, no verify (but
         # MTP rows always verify: that program makes their next drafts)
         spec = [x for x in ready if id(x) in drafts] if any(drafts.values()) or self.mtp else []

@@ -108,16 +108,25 @@ def test_greedy_follows_the_processed_logits():
 
 
 def test_no_drafts_is_sample():
-    """K = 0: the bonus token is `sample`'s draw for the same seed and step, in every sampling program."""
+    """K = 0: the bonus token is `sample`'s draw for the same seed and step, in every sampling program, with and
+    without penalties, biases and a grammar mask."""
     V = 300  # > TOP_K_BOUND: the top-k path really drops candidates
     rows = [(0.0, 0, 1.0), (1.0, 50, 1.0), (0.7, 5, 0.9), (1.0, 0, 0.9), (0.8, 0, 1.0), (1.3, 64, 0.5)]
+    B = len(rows)
+    rng = np.random.default_rng(0)
+    history = np.where(np.arange(8) < 5, rng.integers(0, V, (B, 8)), -1).astype(np.int32)
+    adjust = LogitAdjust(jnp.asarray(history), jnp.full(B, 2, jnp.int32), jnp.full(B, 1.3, jnp.float32),
+                         jnp.full(B, 0.4, jnp.float32), jnp.full(B, 0.6, jnp.float32),
+                         jnp.asarray(rng.integers(0, V, (B, 3)), jnp.int32), jnp.full((B, 3), 2.0, jnp.float32))
+    mask = rng.integers(-2**31, 2**31 - 1, (B, (V + 31) // 32)).astype(np.int32) | 1  # token 0 always allowed
     for trial in range(6):
-        x = jax.random.normal(jax.random.key(trial), (len(rows), V)) * (6.0 if trial % 2 else 1.0)
+        x = jax.random.normal(jax.random.key(trial), (B, V)) * (6.0 if trial % 2 else 1.0)
         for mode in {sampling_mode(rows), "full"} | ({"top_k"} if trial < 3 else set()):
             r = rows if mode != "top_k" else [(t, k if k else 64, p) for t, k, p in rows]
-            s = arrays(r, [trial, 1, 2, 3, 4, 5], trial, mode=mode, top_n=3)
+            extra = {} if trial % 2 else dict(adjust=adjust, mask=jnp.asarray(mask))
+            s = arrays(r, [trial, 1, 2, 3, 4, 5], trial, mode=mode, top_n=3, **extra)
             want = SAMPLE(x, s)
-            got = VERIFY(x[:, None, :], jnp.zeros((len(rows), 0), jnp.int32), None, s)
+            got = VERIFY(x[:, None, :], jnp.zeros((B, 0), jnp.int32), None, s)
             np.testing.assert_array_equal(np.asarray(got.count), 1)
             np.testing.assert_array_equal(np.asarray(got.tokens[:, 0]), np.asarray(want.tokens))
             np.testing.assert_array_equal(np.asarray(got.logprobs[:, 0]), np.asarray(want.logprobs))
@@ -260,3 +269,47 @@ def test_two_sampled_tokens_follow_the_target_distribution(kind, mode):
         assert rate[-1] == 1.0  # q = p: every draft is accepted (min(1, p / q) = 1)
     else:
         assert rate[0] > 0.5  # the drafts are bad: most first drafts are rejected
+
+
+def test_out_of_vocabulary_drafts_are_never_accepted():
+    """Padding drafts outside [0, V) are rejected by every rule (greedy, one-hot q, dense q), even at p ~ 1."""
+    B, K, V = 6, 2, 16
+    logits = np.zeros((B, K + 1, V), np.float32)
+    logits[..., 3] = 50.0  # token 3 is certain
+    drafts = np.array([[-1, 3], [V, 3], [3, -1], [3, V], [-1, -1], [3, 3]], np.int32)
+    rows = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 0.9)]
+    probs = jnp.full((B, K, V), 1.0 / V, jnp.float32)
+    for t, k, p in rows:
+        s = arrays([(t, k, p)] * B, np.arange(B), 0, mode="full")
+        for q in (None, probs):
+            got = VERIFY(jnp.asarray(logits), jnp.asarray(drafts), q, s)
+            np.testing.assert_array_equal(np.asarray(got.count), [1, 1, 2, 2, 1, 3])
+            np.testing.assert_array_equal(np.asarray(got.tokens), 3)
+
+
+def test_a_rows_tokens_follow_its_seed_not_its_batch():
+    """The same rows permuted give the same tokens per row; a salt key changes them and is itself reproducible."""
+    B, K, V = 16, 3, 40
+    logits = jax.random.normal(jax.random.key(5), (B, K + 1, V))
+    drafts = jax.random.randint(jax.random.key(6), (B, K), 0, V, jnp.int32)
+    rows = [(1.0, 20, 0.95), (0.8, 0, 1.0), (0.0, 0, 1.0), (1.2, 0, 0.9)] * (B // 4)
+    s = arrays(rows, np.arange(B) * 7, 3, mode="full")
+    got = VERIFY(logits, drafts, None, s)
+    perm = np.random.default_rng(0).permutation(B)
+    s_perm = arrays([rows[i] for i in perm], (np.arange(B) * 7)[perm], 3, mode="full")
+    again = VERIFY(logits[perm], drafts[perm], None, s_perm)
+    for a, b in ((got.tokens, again.tokens), (got.count, again.count)):
+        np.testing.assert_array_equal(np.asarray(a)[perm], np.asarray(b))
+    salted = [VERIFY(logits, drafts, None, s, jax.random.key(11)) for _ in range(2)]
+    np.testing.assert_array_equal(np.asarray(salted[0].tokens), np.asarray(salted[1].tokens))
+    emitted = [[tuple(np.asarray(v.tokens[b, :int(v.count[b])])) for b in range(B)] for v in (got, salted[0])]
+    assert emitted[0] != emitted[1]
+
+
+def test_greedy_verify_has_no_sort_and_no_random_numbers():
+    B, K, V = 4, 3, 300
+    args = (jnp.zeros((B, K + 1, V)), jnp.zeros((B, K), jnp.int32), None)
+    text = {m: VERIFY.lower(*args, arrays([(0.0 if m == "greedy" else 1.0, 0, 1.0)] * B, np.arange(B), 0, mode=m)
+                            ).compile().as_text() for m in ("greedy", "full")}
+    assert " sort(" in text["full"] and "threefry" in text["full"]  # negative control
+    assert " sort(" not in text["greedy"] and "threefry" not in text["greedy"]

@@ -243,9 +243,20 @@ def test_sampled_rows_speculate_and_a_seed_reproduces_them(model):
     assert len(seeds) > 1 and pool_is_full(spec)
 
 
+def test_above_max_rows_the_plain_overlapped_decode_runs(model):
+    """ngram:3:2: while more than 2 rows decode the plain decode runs (overlapped), then the last rows speculate;
+    the tokens are the engine's without speculation."""
+    plain, capped = engine(model, **PIN), engine(model, **PIN, speculative="ngram:3:2")
+    ps = looping(4, seed=10)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 10, 24, 24)]
+    assert_same(plain.generate(ps, params), capped.generate(ps, params), capped)
+    assert capped.stats()["verify_rows"] > 0 and capped.scheduler.stats.overlapped > 0
+
+
 def test_speculative_config_is_parsed_and_checked():
     assert EngineConfig(speculative="ngram:3").speculative == Speculative("ngram", 3)
-    for bad in ("ngram", "ngram:x", "eagle:3", "ngram:0", "ngram:99"):
+    assert EngineConfig(speculative="ngram:2:8").speculative == Speculative("ngram", 2, max_rows=8)
+    for bad in ("ngram", "ngram:x", "eagle:3", "ngram:0", "ngram:99", "ngram:3:0", "ngram:3:x", "ngram:3:4:5"):
         with pytest.raises(ConfigError) as err:
             EngineConfig(speculative=bad)
         assert err.value.param == "speculative"

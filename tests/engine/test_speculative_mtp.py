@@ -100,9 +100,6 @@ def test_speculation_turns_itself_off_above_max_rows():
     # 3 rows decode together; the last 8 steps have one row left
     reqs = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 8, 16)]
     ref = engine(model, **pin).generate(ps, reqs)
-    off = engine(model, **pin, speculative=Speculative("mtp", 2, max_rows=0))
-    same_outputs(ref, off.generate(ps, reqs))
-    assert off.stats()["verify_rows"] == 0 and pool_is_full(off)
     one = engine(model, **pin, speculative=Speculative("mtp", 2, max_rows=1))
     same_outputs(ref, one.generate(ps, reqs))
     s = one.stats()
