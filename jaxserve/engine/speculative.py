@@ -1,6 +1,7 @@
 """Speculative decoding's host side: the decode phase of a scheduler step when `EngineConfig.speculative` is set.
 
-Each decoding row gets up to k draft tokens (n-gram prompt lookup over its prompt + output, `engine.ngram`), and
+Each decoding row gets up to k draft tokens (n-gram prompt lookup over its prompt + output, `engine.ngram`; for
+"mtp:K" the drafts the row's last MTP prefill / verify program made, `engine.mtp_draft`), and
 one verify program (`engine.verify`) runs the target over the last token + the drafts; each row emits 1..k+1
 tokens through the scheduler's own output path (`Scheduler._accept`: stop ids, stop strings, max_tokens, the
 context window, logprobs), stopping at the first that ends it.
