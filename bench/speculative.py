@@ -1,13 +1,14 @@
-"""Speculative decoding on the embedded model: tokens/s with and without n-gram drafts, side by side in one run.
+"""Speculative decoding on the embedded model: tokens/s with and without drafts (n-gram or its MTP head), side by side
+in one run.
 
-Usage: python bench/speculative.py [--reps N] [--concurrency 1,16] [--k 3] [--new-tokens 128] [--quick]
+Usage: python bench/speculative.py [--method ngram|mtp] [--reps N] [--concurrency 1,16] [--k 3] [--new-tokens 128] [--quick]
                                    [--json bench/results/speculative.json]
 
 Workload: c requests at once, each a 64-token window of held-out stdlib text (the embedded model's own domain,
 `jaxserve.eval.quality.heldout_tokens`), 128 new tokens, greedy, ignore_eos; the serving engine configuration
 (`EngineConfig()` defaults: FP8 prefill weights, INT4 decode weights, FP8 KV, bf16; no prefix cache, so a
 repeated pass prefills again and runs the shapes the untimed pass compiled). Two engines on the same
-weights, one with `speculative="ngram:K"`, each first runs the workload once untimed (its compiles), then the
+weights, one with `speculative="METHOD:K"`, each first runs the workload once untimed (its compiles), then the
 timed passes alternate between them (plain, speculative, plain, ...), so a change in the shared host's load hits
 both alike. A pass is timed from submit to the last token (prefill included): tokens/s = c * new_tokens / wall.
 Reported per (c, k): median and min..max tokens/s of each side, the speed-up of the medians, the accept length
@@ -59,12 +60,12 @@ def timed(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[fl
     return wall, tokens, {k: after[k] - before[k] for k in ("verify_rows", "draft_tokens", "accepted_tokens")}
 
 
-def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int) -> dict:
+def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int, method: str = "ngram") -> dict:
     cfg = EngineConfig(prefix_cache=False)  # every pass prefills its prompt: the passes are alike
     plain = Engine.from_checkpoint(CKPT, cfg, start=False)
     rows = []
     for k in ks:
-        spec = Engine.from_checkpoint(CKPT, replace(cfg, speculative=Speculative("ngram", k)), start=False)
+        spec = Engine.from_checkpoint(CKPT, replace(cfg, speculative=Speculative(method, k)), start=False)
         for c in concurrency:
             prompts = prompts_for(plain, c, seed=c)
             timed(plain, prompts, new_tokens)  # untimed: compiles this workload's shapes
@@ -83,14 +84,14 @@ def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int) -> di
             tps = {n: [c * new_tokens / w for w in ws] for n, ws in walls.items()}
             sp_, pl = common.spread(tps["spec"]), common.spread(tps["plain"])
             rows.append({
-                "c": c, "k": k, "new_tokens": new_tokens, "prompt_len": PROMPT_LEN,
+                "method": method, "c": c, "k": k, "new_tokens": new_tokens, "prompt_len": PROMPT_LEN,
                 "plain_tokens_per_s": pl, "spec_tokens_per_s": sp_, "speedup": sp_["median"] / pl["median"],
                 "accept_length": (acc["accepted_tokens"] + acc["verify_rows"]) / max(acc["verify_rows"], 1),
                 "draft_acceptance": acc["accepted_tokens"] / max(acc["draft_tokens"], 1),
                 "identical_requests": sum(a == b for a, b in zip(outs["plain"], outs["spec"])), "requests": c,
                 "loadavg_start": load0, "loadavg_end": os.getloadavg()})
     return {"bench": "speculative", "machine": common.machine(), "engine_config": repr(cfg), "reps": reps,
-            "note": "embedded model, greedy, n-gram drafts; timed passes interleaved plain/spec; the host may be "
+            "note": f"embedded model, greedy, {method} drafts; timed passes interleaved plain/spec; the host may be "
                     "shared with other processes (see the load averages)", "rows": rows}
 
 
@@ -110,6 +111,7 @@ def table(result: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--method", default="ngram", choices=("ngram", "mtp"))
     ap.add_argument("--k", default="3")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -117,7 +119,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args()
     result = run([int(x) for x in args.concurrency.split(",")], [int(x) for x in args.k.split(",")],
-                 2 if args.quick else args.reps, args.new_tokens)
+                 2 if args.quick else args.reps, args.new_tokens, args.method)
     return common.write_result(result, table(result), args.json)
 
 

@@ -153,6 +153,8 @@ class EngineConfig:
             bad("dtype", "must be 'bfloat16' or 'float32'")
         if isinstance(self.speculative, str):
             object.__setattr__(self, "speculative", Speculative.parse(self.speculative))
+        if self.speculative is not None and self.speculative.method == "mtp" and self.role != "both":
+            bad("speculative", "mtp drafts need the prefill program's MTP pass: --role both only (ngram works)")
         if self.page_bucket_steps not in (1, 2):
             bad("page_bucket_steps", "must be 1 (powers of two) or 2 (half octaves)")
         for p in ("min_rows_bucket", "min_pages_bucket", "min_chunk_bucket"):

@@ -17,6 +17,7 @@ from jaxserve.checkpoint import load
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_transfer import Puller, TransferStore
+from jaxserve.engine.mtp_draft import serving_models, uses_mtp
 from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
 from jaxserve.engine.scheduler import Scheduler
@@ -37,6 +38,7 @@ class Engine:
         request runs, in parallel (`Programs.compile_first`), and its sampled programs later, in a background thread
         once the engine is idle (`compile_deferred`), False nothing (programs compile on first use)."""
         self.cfg = cfg
+        model, decode_model = serving_models(model, decode_model, cfg)  # the MTP head only for mtp speculation
         self.model_cfg = model.cfg  # no reference to `model` is kept: each phase holds its own formatted weights
         self.tokenizer = tokenizer
         self.programs = Programs(model, cfg, decode_model)
@@ -97,6 +99,8 @@ class Engine:
         prefill_model = model_for(cfg.prefill_weights, p_dev) if "prefill" in cfg.phases else None
         decode_model = model_for(cfg.decode_weights, d_dev) if "decode" in cfg.phases else None
         del loaded
+        if uses_mtp(cfg):  # a checkpoint without an MTP head: the error names it
+            serving_models(prefill_model, decode_model, cfg, name=str(path))
         has_tok = any((Path(path) / f).exists() for f in ("tokenizer.json", "tiktoken.model"))
         return cls(prefill_model or decode_model, cfg, Tokenizer(path) if has_tok else None, start=start,
                    warmup=warmup, decode_model=decode_model)

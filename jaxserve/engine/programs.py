@@ -34,6 +34,7 @@ from jaxserve.cache.checksum import page_checksums
 from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.layouts import PhaseLayouts, in_format, weight_layout
+from jaxserve.engine.mtp_programs import MTPPrograms
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.engine.scoring import PromptScores, prompt_scores
 from jaxserve.engine.verify import Verified, dummy_verify, verify_step
@@ -189,6 +190,10 @@ class Programs:
             self._jit_prefill()
         if self.decode_phase is not None:
             self._jit_decode()
+        # "mtp:K": the prefill and verify programs with the MTP head (engine.mtp_programs); role both only
+        spec = cfg.speculative
+        self.mtp = (MTPPrograms(cfg, self.prefill_phase, self.decode_phase, self.prefill_parallel.sharding(("batch",)),
+                                self.decode_rows, self.compiles) if spec and spec.method == "mtp" else None)
 
     def _jit_prefill(self) -> None:
         """The prefill phase's programs (and the export of its pages in the decode format)."""
@@ -438,6 +443,8 @@ class Programs:
     def _compile(self, kind: str, b: int, m: int, t: int, mode: SamplingMode = "greedy") -> None:
         """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched);
         mode: the sampling mode of the prefill / decode program (`sampling.sampling_mode`)."""
+        if self.mtp is not None and kind in ("prefill", "verify"):
+            return self.mtp.compile(kind, b, m, t, mode)
         spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the live pools may be donated meanwhile
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         p_ph, d_ph = self.prefill_phase, self.decode_phase

@@ -237,8 +237,11 @@ class Scheduler(RemoteSteps):
             for i, (seq, _, _) in zip(place, rows):
                 by_row[i] = seq
             self.programs.sync_tags(self.prefill_alloc, self.decode_alloc)
-            out, ok, scores = self.programs.run_prefill(batch, sampling_arrays(by_row, self._extras(by_row)),
-                                                        *score_targets(rows, place, B, T))
+            samp, targets = sampling_arrays(by_row, self._extras(by_row)), score_targets(rows, place, B, T)
+            if self._speculation is not None and targets[0] is None:  # "mtp:K": the prefill drafts too
+                out, ok, scores = *self._speculation.prefill(rows, place, batch, samp), None
+            else:
+                out, ok, scores = self.programs.run_prefill(batch, samp, *targets)
             for i, (seq, start, n) in zip(place, rows):
                 if not ok[i]:  # its context (prefix-cache pages included) no longer holds its tags: it read nothing
                     self._fail(seq, self._integrity_error(seq, "prefill"))

@@ -1,6 +1,7 @@
 """Speculative decoding's host side: the decode phase of a scheduler step when `EngineConfig.speculative` is set.
 
-Each decoding row gets up to k draft tokens (n-gram prompt lookup over its prompt + output, `engine.ngram`), and
+Each decoding row gets up to k draft tokens (n-gram prompt lookup over its prompt + output, `engine.ngram`; for
+"mtp:K" the drafts the row's last MTP prefill / verify program made, `engine.mtp_draft`), and
 one verify program (`engine.verify`) runs the target over the last token + the drafts; each row emits 1..k+1
 tokens through the scheduler's own output path (`Scheduler._accept`: stop ids, stop strings, max_tokens, the
 context window, logprobs), stopping at the first that ends it.
@@ -26,12 +27,15 @@ import numpy as np
 from jaxserve.cache import PageAllocator
 from jaxserve.engine.batch import DecodeRows, SamplingExtras, rank_rows, sampling_arrays
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.mtp_draft import MTPDrafts
 from jaxserve.engine.ngram import ngram_drafts
 from jaxserve.engine.programs import Programs
 from jaxserve.engine.request import Status
+from jaxserve.engine.sampling import Sampled, SamplingArrays
 from jaxserve.engine.sequence import Sequence, Stats
 from jaxserve.engine.verify import verify_batch
-from jaxserve.errors import ConfigError, KVIntegrityError
+from jaxserve.errors import KVIntegrityError
+from jaxserve.models.paged import PrefillBatch
 
 
 class SchedulerParts(Protocol):
@@ -72,11 +76,17 @@ class Speculation:
 
     def __init__(self, sched: SchedulerParts) -> None:
         spec = sched.cfg.speculative
-        if spec.method != "ngram":  # the MTP drafter is not wired into the verify program yet
-            raise ConfigError(f"speculative method {spec.method!r} is not available yet: use ngram:K",
-                              value=spec.method, param="speculative")
         self.s = sched
         self.k = spec.k
+        # "mtp:K": drafts come out of the device programs (engine.mtp_draft); "ngram:K": from the host
+        self.mtp = MTPDrafts(sched.programs.mtp, spec.k) if spec.method == "mtp" else None
+
+    def prefill(self, rows: list[tuple[Sequence, int, int]], place: list[int], batch: PrefillBatch,
+                samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:
+        """The prefill program (the MTP one, which drafts too, for "mtp:K"): -> (Sampled, ok [B] bool)."""
+        if self.mtp is not None:
+            return self.mtp.prefill(rows, place, batch, samp)
+        return self.s.programs.run_prefill(batch, samp)[:2]
 
     def step(self) -> None:
         """Grow pages (may preempt), draft, then run the plain decode for rows that cannot speculate and one verify
@@ -93,9 +103,12 @@ class Speculation:
             if seq.status is Status.DECODING and seq.decode_len == len(seq.decode_pages) * ps:
                 s._guarded(seq, s._grow, seq)  # may preempt the youngest rows, this one included
         ready = [x for x in s.running if x.status is Status.DECODING]
+        if self.mtp is not None:
+            self.mtp.prune(s.running)
         drafts = {id(x): self._drafts(x) for x in ready if speculates(x)}
-        # rows without a draft ride along in the verify (as a plain decode); with no draft at all, no verify
-        spec = [x for x in ready if id(x) in drafts] if any(drafts.values()) else []
+        # rows without a draft ride along in the verify (as a plain decode); with no draft at all, no verify (but
+        # MTP rows always verify: that program makes their next drafts)
+        spec = [x for x in ready if id(x) in drafts] if any(drafts.values()) or self.mtp else []
         plain = [x for x in ready if id(x) not in drafts or not spec]
         if s.ranks > 1:
             plain.sort(key=lambda x: x.rank)
@@ -109,6 +122,8 @@ class Speculation:
         """Up to k drafts, no more than the row may still emit (max_tokens, the context window) less one."""
         p, cfg = seq.req.params, self.s.cfg
         limit = min(self.k, p.max_tokens - len(seq.generated) - 1, cfg.max_model_len - 2 - seq.decode_len)
+        if self.mtp is not None:
+            return self.mtp.take(seq, limit)
         return ngram_drafts(seq.tokens, limit)[:limit] if limit > 0 else []
 
     def _room(self, seq: Sequence, drafts: list[int]) -> list[int]:
@@ -136,7 +151,11 @@ class Speculation:
         batch, draft_arr = verify_batch(s.rows, idx, place, drafts, B, self.k, M)
         s.programs.sync_tags(s.prefill_alloc, s.decode_alloc)
         extras = s._extras(by_row) if any(x.special for x in seqs) else SamplingExtras()  # top logprobs
-        out, ok = s.programs.run_verify(batch, draft_arr, sampling_arrays(by_row, extras))
+        if self.mtp is not None:
+            out, ok, nxt = s.programs.mtp.run_verify(batch, draft_arr, sampling_arrays(by_row, extras))
+            self.mtp.verified(seqs, place, nxt, ok)
+        else:
+            out, ok = s.programs.run_verify(batch, draft_arr, sampling_arrays(by_row, extras))
         for i, seq, d in zip(place, seqs, drafts):
             if not ok[i]:  # its pages no longer hold its tags: it wrote and read nothing
                 s._fail(seq, s._integrity_error(seq, "verify"))
