@@ -129,10 +129,12 @@ def scaled(a: PhaseCompile, la: int, b: PhaseCompile, lb: int, layers: int) -> P
     """The compile at `layers` layers, extrapolated linearly from compiles at la < lb layers: every memory field and
     every collective / move count is f(lb) + (layers - lb) * (f(lb) - f(la)) / (lb - la) (each MoE layer is the
     same program; the per-layer slope of the temporaries is what layers add). A move of a whole pool (its shape
-    holds the layer count) is reported as compiled at lb layers; its bytes grow with the layers."""
+    holds the layer count) is reported as compiled at lb layers; its bytes grow with the layers. A memory field
+    smaller at lb than at la (temporaries that do not grow with the layers: buffer reuse) stays at its lb value
+    rather than extrapolating downwards."""
     k = (layers - lb) / (lb - la)
     ext = lambda fa, fb: max(int(round(fb + k * (fb - fa))), 0)  # noqa: E731
-    memory = {f: ext(a.memory[f], b.memory[f]) for f in MEMORY_FIELDS}
+    memory = {f: ext(min(a.memory[f], b.memory[f]), b.memory[f]) for f in MEMORY_FIELDS}
 
     def rows(ra: list[dict], rb: list[dict], key: tuple[str, ...]) -> list[dict]:
         ca = {tuple(str(r[k_]) for k_ in key): r["count"] for r in ra}

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.errors import ConfigError
@@ -223,3 +224,16 @@ def pool_sharding(parallel: Parallel, field: str, shape: Sequence[int]) -> Named
     axes = POOL_AXES[field]
     parallel.check(f"pages.{field}", shape, axes)
     return parallel.sharding(axes)
+
+
+def pool_format(parallel: Parallel, field: str, shape: Sequence[int]) -> NamedSharding | Format:
+    """`pool_sharding`, and on a TPU mesh the array pinned row-major (XLA picks the tiling): the layout the Mosaic
+    decode kernel DMAs pages from. XLA:TPU's default entry layout puts the page axis minor (no padding of the
+    576-wide latent rows), so the compiled decode copied the pool to and from it on every call (2 x the pool).
+    Row-major pads a row to a multiple of 128 elements (576 -> 640: 11% more bytes). A tiling cannot be pinned:
+    on a multi-device mesh XLA:TPU overrides (8, 128) with (32, 128) for 8-bit pools (hence the row writes of
+    `cache.pool._store_rows`: the scatter wants (8, 128))."""
+    sharding = pool_sharding(parallel, field, shape)
+    if len(shape) < 2 or parallel.mesh.devices.flat[0].platform != "tpu":
+        return sharding
+    return Format(Layout(major_to_minor=tuple(range(len(shape)))), sharding)

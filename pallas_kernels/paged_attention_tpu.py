@@ -37,7 +37,10 @@ Kimi K2.6 / GLM-5.2 MLA TP 8 and DP 64 heads, GLM-4.5 GQA TP 12/1 and DP 96/8 he
 16 and 64, up to 1,048,576 tokens): all compile; scoped VMEM as the compiler reports it is ~0.8 MiB (MLA, page
 64) to a few MiB, and Mosaic refuses a 1024-page compute block (VMEM OOM). With XLA:TPU's default layout a
 [P, ps, 576] pool is page-minor and the compiled program copies the whole pool to the row-major layout this
-kernel's call requires: the caller must hold the pool row-major (tests/compile/test_compile_controls.py).
+kernel's call requires: the caller must hold the pool row-major (tests/compile/test_compile_controls.py). The
+engine does (`sharding.pool_format`), passes the whole pool + layer (no per-layer slice) and writes new rows with
+dynamic_update_slices (`cache.pool._store_rows`): its Kimi K2.6 decode on v5p copies no pool
+(tests/compile/test_plan_targets.py).
 What was NOT checked: running on any TPU, DMA overlap and speed. No TPU was available.
 """
 from __future__ import annotations
@@ -121,7 +124,7 @@ def _last_chunk(b, lens_ref, page_size: int, pages_per_chunk: int) -> jax.Array:
     return jnp.maximum(pl.cdiv(lens_ref[b], page_size * pages_per_chunk) - 1, 0)
 
 
-def _chunk_index_map(b, h, c, lens_ref, *, page_size: int, pages_per_chunk: int, chunks: int):
+def _chunk_index_map(b, h, c, lens_ref, layer_ref, *, page_size: int, pages_per_chunk: int, chunks: int):
     """Block of the flattened table for grid step (b, h, c); past the last used chunk repeat it, so nothing is
     re-copied."""
     return (b * chunks + jnp.minimum(c, _last_chunk(b, lens_ref, page_size, pages_per_chunk)),)
@@ -145,12 +148,24 @@ def _scale_row(s: jax.Array, page_size: int) -> jax.Array:
     return jnp.where(own, tiled, 0.0).sum(axis=0, keepdims=True)
 
 
-def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
+# A pool stored as bit patterns (jaxserve.cache.pool: uint8 FP8, uint16 BF16) is DMA'd as is and viewed as values in
+# VMEM: a bitcast of the HBM pool outside the kernel is a whole-pool XLA:TPU op (the 8-bit tilings differ).
+BITS_TO_VALUES = {jnp.dtype(jnp.uint8): jnp.float8_e4m3fn, jnp.dtype(jnp.uint16): jnp.bfloat16}
+
+
+def _values(x: jax.Array) -> jax.Array:
+    """A VMEM page block as values: bits (uint8 / uint16) bitcast to float8_e4m3fn / bfloat16, values as is."""
+    to = BITS_TO_VALUES.get(jnp.dtype(x.dtype))
+    return x if to is None else lax.bitcast_convert_type(x, to)
+
+
+def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
                    kv_heads: int, pages_per_compute_block: int, softmax_scale: float, compute_dtype):
     """One (sequence b, head block h, block-table chunk c) step.
 
-    lens_ref [B] int32 (SMEM, scalar prefetch); bt_ref [chunk] int32 (SMEM); q_ref [rows, Dk].
-    MLA HBM refs: latent pages [P, ps, Dl], (scales [P, ps] f32). GQA (all kv heads in one program, rows = all q
+    lens_ref [B] int32, layer_ref [1] int32 (SMEM, scalar prefetch); bt_ref [chunk] int32 (SMEM); q_ref [rows, Dk].
+    HBM refs carry a leading layer axis (the whole pool, or one layer as [1, ...]): page p of layer_ref[0] is read.
+    MLA HBM refs: latent pages [L, P, ps, Dl], (scales [L, P, ps] f32). GQA (all kv heads in one program, rows = all q
     heads, query head r reads kv head r // (rows / Hkv)): k, v pages [P, ps * Hkv, D] (row = slot * Hkv + head),
     (k, v scales [P, ps * Hkv] f32). o_ref [rows, Dv] f32. Scratch: one [2, ppcb, ps * Hkv, width] page buffer
     per K/V part, (one [2, ppcb, ps * Hkv] f32 scale buffer per part), DMA semaphores [2], m, l [rows, 1] f32,
@@ -177,13 +192,13 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
         out = []
         for j in range(ppcb):
             p = blk * ppcb + j
-            page = bt_ref[p]
+            page, layer = bt_ref[p], layer_ref[0]
             for part in range(n_parts):
-                out.append((p < n_pages, pltpu.make_async_copy(hbm[part].at[page], bufs[part].at[slot, j],
+                out.append((p < n_pages, pltpu.make_async_copy(hbm[part].at[layer, page], bufs[part].at[slot, j],
                                                                sems.at[slot])))
                 if fp8:
-                    out.append((p < n_pages, pltpu.make_async_copy(s_hbm[part].at[page], s_bufs[part].at[slot, j],
-                                                                   sems.at[slot])))
+                    out.append((p < n_pages, pltpu.make_async_copy(s_hbm[part].at[layer, page],
+                                                                   s_bufs[part].at[slot, j], sems.at[slot])))
         return out
 
     def start(blk, slot):
@@ -202,8 +217,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
 
     def compute(blk, slot):
         q = q_ref[...].astype(compute_dtype)
-        k = bufs[0][slot].astype(compute_dtype).reshape(bk, bufs[0].shape[-1])
-        v = k[:, :value_dim] if mla else bufs[1][slot].astype(compute_dtype).reshape(bk, value_dim)
+        k = _values(bufs[0][slot]).astype(compute_dtype).reshape(bk, bufs[0].shape[-1])
+        v = k[:, :value_dim] if mla else _values(bufs[1][slot]).astype(compute_dtype).reshape(bk, value_dim)
         tok0 = (c * pages_per_chunk + blk * ppcb) * page_size
         col = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         valid = tok0 + token_of_row(col, kv_heads) < length  # [1, bk]
@@ -260,7 +275,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bool, value_d
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_h", "pages_per_compute_block",
                                              "pages_per_chunk", "compute_dtype", "interpret", "out_dtype"))
 def paged_mla_decode_tpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, lengths: jax.Array,
-                         scales: jax.Array | None = None, *, kv_lora_rank: int, softmax_scale: float,
+                         scales: jax.Array | None = None, *, layer: int | jax.Array | None = None,
+                         kv_lora_rank: int, softmax_scale: float,
                          block_h: int | None = None, pages_per_compute_block: int | None = None,
                          pages_per_chunk: int | None = None, compute_dtype: jnp.dtype | None = None,
                          interpret: bool | pltpu.InterpretParams = False,
@@ -268,20 +284,28 @@ def paged_mla_decode_tpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array
     """Absorbed MLA decode attention over paged latents (TPU: HBM pool, multi-page double-buffered DMAs).
 
     q: [batch, heads, latent_dim] bf16|f32 (absorbed nope part then rope part); pages: [num_pages, page_size,
-    latent_dim] bf16|float8_e4m3fn (one layer); block_tables: [batch, max_pages] int32 (ids < num_pages for every
-    page below the length); lengths: [batch] int32 (0 allowed; clipped to max_pages * page_size); scales:
+    latent_dim] bf16|float8_e4m3fn (one layer), or the whole pool [layers, num_pages, page_size, latent_dim] with
+    `layer` (int or int32 scalar: which layer to read; scales then [layers, num_pages, page_size]): the kernel DMAs
+    from the pool itself, so no layer slice is materialized (XLA:TPU copied each slice to the Mosaic call's
+    layout, 302 MB per layer at Kimi K2.6's 64 x 8k pool). Pages may also be the pool's bit patterns (uint8 for
+    float8_e4m3fn, uint16 for bf16: viewed as values in VMEM). block_tables: [batch, max_pages] int32 (ids <
+    num_pages for every page below the length); lengths: [batch] int32 (0 allowed; clipped to max_pages * page_size); scales:
     [num_pages, page_size] f32 for fp8 pages, else None. logits = (q . latent) * softmax_scale; value =
     latent[:kv_lora_rank]. compute_dtype: MXU operand dtype (default q.dtype). Tiling overrides: see
     choose_tpu_blocks. interpret: False (Mosaic), True or `pltpu.InterpretParams()` to run on CPU.
     Returns [batch, heads, kv_lora_rank] in out_dtype (default f32).
     """
     b, h, dl = q.shape
-    num_pages, page_size, dl_p = pages.shape
+    if (layer is None) != (pages.ndim == 3):
+        raise ValueError(f"pages {pages.shape}: pass one layer [P, ps, Dl], or the pool [L, P, ps, Dl] and `layer`")
+    if layer is None:  # one layer: a leading unit layer axis is free (no data moves)
+        pages, scales, layer = pages[None], None if scales is None else scales[None], 0
+    _, num_pages, page_size, dl_p = pages.shape
     if dl != dl_p or not 0 < kv_lora_rank < dl:
         raise ValueError(f"q latent dim {dl}, pages latent dim {dl_p}, kv_lora_rank {kv_lora_rank}")
     fp8 = scales is not None
-    if fp8 and scales.shape != (num_pages, page_size):
-        raise ValueError(f"scales {scales.shape} != {(num_pages, page_size)}")
+    if fp8 and scales.shape != pages.shape[:3]:
+        raise ValueError(f"scales {scales.shape} != {pages.shape[:3]}")
     blocks = choose_tpu_blocks(page_size, block_tables.shape[1], h, block_h=block_h,
                                pages_per_compute_block=pages_per_compute_block, pages_per_chunk=pages_per_chunk)
     bt, lens = _prepare_tables(block_tables, lengths, page_size, blocks)
@@ -290,11 +314,11 @@ def paged_mla_decode_tpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array
     s_hbm = [scales.astype(jnp.float32)] if fp8 else []
     scratch = [pltpu.VMEM((2, ppcb, page_size, dl), pages.dtype)]
     scratch += [pltpu.VMEM((2, ppcb, page_size), jnp.float32)] if fp8 else []
-    row_map = lambda b_, h_, c_, lens_: (b_, h_, 0)  # noqa: E731
+    row_map = lambda b_, h_, c_, *_: (b_, h_, 0)  # noqa: E731
     kernel = functools.partial(_decode_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
                                kv_heads=1, pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
                                compute_dtype=jnp.dtype(compute_dtype or q.dtype))
-    return _pallas(kernel, blocks, page_size, lens, bt, q, hbm + s_hbm, scratch, grid_h=h // bh,
+    return _pallas(kernel, blocks, page_size, lens, layer, bt, q, hbm + s_hbm, scratch, grid_h=h // bh,
                    q_block=(None, bh, dl), q_map=row_map, out_block=(None, bh, kv_lora_rank), out_map=row_map,
                    out_shape=(b, h, kv_lora_rank), out_dtype=out_dtype, name="paged_mla_decode_tpu",
                    interpret=interpret)
@@ -333,15 +357,15 @@ def paged_gqa_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, b
                                pages_per_compute_block=pages_per_compute_block, pages_per_chunk=pages_per_chunk)
     bt, lens = _prepare_tables(block_tables, lengths, page_size, blocks)
     ppcb, rows = blocks.pages_per_compute_block, page_size * hkv
-    hbm = [k_pages.reshape(num_pages, rows, d), v_pages.reshape(num_pages, rows, d)]
-    s_hbm = [s.astype(jnp.float32).reshape(num_pages, rows) for s in (k_scales, v_scales)] if fp8 else []
+    hbm = [k_pages.reshape(1, num_pages, rows, d), v_pages.reshape(1, num_pages, rows, d)]
+    s_hbm = [s.astype(jnp.float32).reshape(1, num_pages, rows) for s in (k_scales, v_scales)] if fp8 else []
     scratch = [pltpu.VMEM((2, ppcb, rows, d), k_pages.dtype)] * 2
     scratch += [pltpu.VMEM((2, ppcb, rows), jnp.float32)] * 2 if fp8 else []
-    row_map = lambda b_, h_, c_, lens_: (b_, 0, 0)  # noqa: E731
+    row_map = lambda b_, h_, c_, *_: (b_, 0, 0)  # noqa: E731
     kernel = functools.partial(_decode_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size,
                                kv_heads=hkv, pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
                                compute_dtype=jnp.dtype(compute_dtype or q.dtype))
-    return _pallas(kernel, blocks, page_size, lens, bt, q, hbm + s_hbm, scratch, grid_h=1, q_block=(None, hq, d),
+    return _pallas(kernel, blocks, page_size, lens, 0, bt, q, hbm + s_hbm, scratch, grid_h=1, q_block=(None, hq, d),
                    q_map=row_map, out_block=(None, hq, d), out_map=row_map, out_shape=(b, hq, d),
                    out_dtype=out_dtype or q.dtype, name="paged_gqa_decode_tpu", interpret=interpret)
 
@@ -356,17 +380,18 @@ def _prepare_tables(block_tables: jax.Array, lengths: jax.Array, page_size: int,
     return bt.reshape(-1), jnp.clip(lengths.astype(jnp.int32), 0, m * page_size)
 
 
-def _pallas(kernel, blocks: TpuDecodeBlocks, page_size: int, lens: jax.Array, bt: jax.Array, q: jax.Array,
-            hbm: list[jax.Array], scratch: list, *, grid_h: int, q_block: tuple, q_map, out_block: tuple, out_map,
-            out_shape: tuple[int, ...], out_dtype, name: str, interpret) -> jax.Array:
-    """pallas_call over grid (batch, grid_h, block-table chunks): lengths scalar-prefetched, the block-table
-    chunk in SMEM, q / out pipelined VMEM blocks, `hbm` arrays left in HBM for the kernel's own DMAs."""
+def _pallas(kernel, blocks: TpuDecodeBlocks, page_size: int, lens: jax.Array, layer: int | jax.Array, bt: jax.Array,
+            q: jax.Array, hbm: list[jax.Array], scratch: list, *, grid_h: int, q_block: tuple, q_map,
+            out_block: tuple, out_map, out_shape: tuple[int, ...], out_dtype, name: str, interpret) -> jax.Array:
+    """pallas_call over grid (batch, grid_h, block-table chunks): lengths and the layer scalar-prefetched, the
+    block-table chunk in SMEM, q / out pipelined VMEM blocks, `hbm` arrays left in HBM for the kernel's own DMAs."""
     batch, chunks = q.shape[0], bt.shape[0] // (q.shape[0] * blocks.pages_per_chunk)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     chunk_map = functools.partial(_chunk_index_map, page_size=page_size, pages_per_chunk=blocks.pages_per_chunk,
                                   chunks=chunks)
     rows = q_block[-2]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
+        num_scalar_prefetch=2,
         grid=(batch, grid_h, chunks),
         in_specs=[pl.BlockSpec((blocks.pages_per_chunk,), chunk_map, memory_space=pltpu.SMEM),
                   pl.BlockSpec(q_block, q_map)] + [pl.BlockSpec(memory_space=pl.ANY)] * len(hbm),
@@ -382,4 +407,4 @@ def _pallas(kernel, blocks: TpuDecodeBlocks, page_size: int, lens: jax.Array, bt
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name=name,
-    )(lens, bt, q, *hbm)
+    )(lens, layer, bt, q, *hbm)

@@ -179,23 +179,42 @@ def _slot_indices(slot_mapping: jax.Array, num_pages: int, page_size: int) -> tu
 
 
 def _store(pool: jax.Array, layer: jax.Array, page: jax.Array, off: jax.Array, vals: jax.Array,
-           layout: KVLayout | None = None) -> jax.Array:
+           layout: KVLayout | None = None, rowwise: bool = False) -> jax.Array:
     """Scatter vals [N, ...] at (layer, page[N], off[N]); with `layout`, vals are values turned into the pool's bits
-    first (only the N new rows are converted, never the pool)."""
+    first (only the N new rows are converted, never the pool). rowwise: `_store_rows` instead of a scatter."""
     vals = to_bits(vals, layout) if layout is not None else vals.astype(pool.dtype)
+    if rowwise:
+        return _store_rows(pool, layer, page, off, vals)
     return pool.at[layer, page, off].set(vals, mode="drop")
 
 
-@jax.jit
+def _store_rows(pool: jax.Array, layer: jax.Array, page: jax.Array, off: jax.Array, vals: jax.Array) -> jax.Array:
+    """`_store` as a loop of one-row dynamic_update_slices, a row at page >= the pool's pages skipped. It updates
+    the pool in place in any tiling: XLA:TPU's scatter takes an 8-bit pool only in (8, 128) tiles while a
+    multi-device program's entry keeps it in (32, 128), so the scatter copied the whole pool in and out on every
+    call (Kimi K2.6 decode on v5p). The pool is never read here: a fused read of it was relaid out the same way."""
+    n_pages, at_rest = pool.shape[1], (0,) * (pool.ndim - 3)
+    page, off, layer = page.astype(jnp.int32), off.astype(jnp.int32), jnp.asarray(layer, jnp.int32)
+
+    def body(i: jax.Array, p: jax.Array) -> jax.Array:
+        row = vals[i].reshape((1, 1, 1, *pool.shape[3:]))
+        write = lambda p: jax.lax.dynamic_update_slice(p, row, (layer, page[i], off[i], *at_rest))  # noqa: E731
+        return jax.lax.cond(page[i] < n_pages, write, lambda p: p, p)
+
+    return jax.lax.fori_loop(0, vals.shape[0], body, pool)
+
+
+@functools.partial(jax.jit, static_argnames=("rowwise",))
 def write_tokens(pages: KVPages, layer: int | jax.Array, rows: jax.Array | tuple[jax.Array, jax.Array],
-                 slot_mapping: jax.Array, slot_tags: jax.Array | None = None) -> KVPages:
+                 slot_mapping: jax.Array, slot_tags: jax.Array | None = None, *, rowwise: bool = False) -> KVPages:
     """Scatter N new tokens of one layer into the pool, quantizing if the pool is FP8.
 
     rows: MLA [N, latent_dim] float; GQA (k [N, kv_heads, head_dim], v [N, kv_heads, head_dim]) float.
     slot_mapping: [N] int32, `page * page_size + offset`; -1 (any negative) is padding and writes nothing.
     Slots past the pool are dropped too. Two rows with the same slot: one of them wins (unspecified).
     slot_tags: [N] uint32, the writer's tag for each slot's page, stamped into `pages.tags` by the same scatter
-    (None: tags unchanged).
+    (None: tags unchanged). rowwise (MLA): one dynamic_update_slice per row (`_store_rows`; the TPU decode), not
+    a scatter.
     """
     lay = pages.layout
     page, off = _slot_indices(slot_mapping, pages.num_pages, lay.page_size)
@@ -204,9 +223,9 @@ def write_tokens(pages: KVPages, layer: int | jax.Array, rows: jax.Array | tuple
     if lay.kind == "mla":
         if fp8:  # replace(): the pool's other fields (DSA indexer keys) pass through
             q, s = quantize_fp8(rows)
-            return replace(pages, latent=_store(pages.latent, layer, page, off, q, lay),
-                           latent_scale=_store(pages.latent_scale, layer, page, off, s), tags=tags)
-        return replace(pages, latent=_store(pages.latent, layer, page, off, rows, lay), tags=tags)
+            return replace(pages, latent=_store(pages.latent, layer, page, off, q, lay, rowwise),
+                           latent_scale=_store(pages.latent_scale, layer, page, off, s, None, rowwise), tags=tags)
+        return replace(pages, latent=_store(pages.latent, layer, page, off, rows, lay, rowwise), tags=tags)
     k_rows, v_rows = rows
     if fp8:
         kq, ks = quantize_fp8(k_rows)

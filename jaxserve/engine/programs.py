@@ -43,7 +43,7 @@ from jaxserve.models import CausalLM
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
 from jaxserve.models.build import dtype_of, shard_model
-from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_sharding, state_shardings
+from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_format, state_shardings
 from jaxserve.quant.apply import compute_layout
 from jaxserve.quant.weight_format import WeightFormat
 
@@ -104,8 +104,9 @@ def phase_parallel(cfg: EngineConfig, devices: list[jax.Device]) -> Parallel:
 
 
 def _pool_shardings(shape: KVPages, par: Parallel) -> KVPages:
-    """A KVPages-shaped tree of NamedShardings, field by field from the pool table."""
-    fields = {f: pool_sharding(par, f, getattr(shape, f).shape) for f in POOL_FIELDS if getattr(shape, f) is not None}
+    """A KVPages-shaped tree of NamedShardings (Formats with a pinned layout on TPU: `pool_format`), field by
+    field from the pool table."""
+    fields = {f: pool_format(par, f, getattr(shape, f).shape) for f in POOL_FIELDS if getattr(shape, f) is not None}
     return KVPages(shape.layout, **fields)
 
 

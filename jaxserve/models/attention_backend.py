@@ -6,7 +6,9 @@ Names: "xla" (the length-bounded page-block loops, `paged_attention_xla` and `pr
 "pallas" (the GPU-shaped Triton kernels), "pallas_tpu" (the TPU-shaped Mosaic kernels), and either Pallas name
 + "_interpret" (the same kernels run on CPU).
 
-"xla" reads the whole pool's bit patterns (all layers, the layer picked inside its gathers); the kernels read the
+"xla" and the TPU MLA decode kernel read the whole pool's bit patterns (all layers; the layer picked inside the
+gathers, or scalar-prefetched by the kernel, which views the bits as values in VMEM): a per-layer slice handed to
+a Mosaic call is materialized by XLA:TPU (302 MB per layer at Kimi K2.6's pool). The other kernels read the
 layer's value views (`KVPages.layer`). On a mesh each runs per shard (`sharded.attention`): heads split under TP
 attention, rows and pages under DP attention.
 """
@@ -65,7 +67,9 @@ class AttentionBackend:
         def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
             return self._decode_kernel(q, pools, tables, lay, layer, softmax_scale)
 
-        return self._per_shard(par, kernel, q, pages, layer, (block_tables, lengths), ("batch", "heads", None))
+        whole = self.implementation == "pallas_tpu" and lay.kind == "mla"
+        return self._per_shard(par, kernel, q, pages, layer, (block_tables, lengths), ("batch", "heads", None),
+                               whole=whole)
 
     def prefill(self, par: Parallel | None, q: jax.Array, pages: KVPages, layer: int, tables: tuple, *,
                 softmax_scale: float, act_dtype: jnp.dtype) -> jax.Array:
@@ -82,11 +86,11 @@ class AttentionBackend:
         return self._per_shard(par, kernel, q, pages, layer, tables, ("batch", None, "heads", None))
 
     def _per_shard(self, par: Parallel | None, kernel: Callable, q: jax.Array, pages: KVPages, layer: int,
-                   tables: tuple, q_axes: tuple) -> jax.Array:
-        """kernel(q, pools, tables) on this backend's pools: the whole pool's bits ("xla") or the layer's value
-        views; per shard on a mesh."""
+                   tables: tuple, q_axes: tuple, whole: bool = False) -> jax.Array:
+        """kernel(q, pools, tables) on this backend's pools: the whole pool's bits ("xla", or `whole`) or the
+        layer's value views; per shard on a mesh."""
         fields = _POOL_FIELDS[pages.layout.kind]
-        xla = self.implementation == "xla"
+        xla = self.implementation == "xla" or whole
         pools = tuple(getattr(pages, f) for f in fields) if xla else pages.layer(layer)
         if par is None:
             return kernel(q, pools, tables)
@@ -102,8 +106,8 @@ class AttentionBackend:
             if self.implementation == "xla":
                 return paged_attention_xla.mla_decode(q, lat, scale, bt, lengths, layer=layer, layout=lay,
                                                       kv_lora_rank=rank, softmax_scale=softmax_scale)
-            if self.implementation == "pallas_tpu":
-                return paged_mla_decode_tpu(q, lat, bt, lengths, scale, kv_lora_rank=rank,
+            if self.implementation == "pallas_tpu":  # the whole pool's bits (see the module docstring)
+                return paged_mla_decode_tpu(q, lat, bt, lengths, scale, layer=layer, kv_lora_rank=rank,
                                             softmax_scale=softmax_scale, interpret=self.interpret)
             return paged_mla_decode(q, lat, bt, lengths, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
                                     interpret=self.interpret, out_dtype=jnp.float32)

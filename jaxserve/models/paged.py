@@ -197,7 +197,8 @@ def decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batc
                                                    attention)
     elif cfg.is_mla:
         q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
-        pages = write_tokens(pages, i, latent[:, 0], batch.slots, slot_tags)
+        # the TPU kernel's pool: row writes, in place in its tiling (see cache.pool._store_rows)
+        pages = write_tokens(pages, i, latent[:, 0], batch.slots, slot_tags, rowwise=attention.tiling == "tpu")
         q = attn.absorb_query(q_nope, q_rope)[:, 0]  # [B, N, r + dr] f32
         o_lat = attention.decode(model.parallel, q, pages, i, batch.block_tables, batch.lengths,
                                  softmax_scale=cfg.softmax_scale)

@@ -175,6 +175,22 @@ def test_slot_minus_one_writes_nothing():
     np.testing.assert_array_equal(np.asarray(out.latent_scale), np.asarray(pages.latent_scale))
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_rowwise_write_equals_the_scatter(dtype):
+    """The TPU decode's row-by-row writes (`rowwise=True`) leave the same pool as the scatter: padding (-1) and slots
+    past the pool write nothing, every other row lands at its (layer, page, offset)."""
+    lay = KVLayout.mla(3, 8, 8, page_size=4, dtype=dtype)
+    pages = write_tokens(init_pages(lay, 5), 1, jnp.ones((20, 16)), jnp.arange(20, dtype=jnp.int32))
+    rows = jax.random.normal(jax.random.key(9), (6, 16)) * 5
+    slots = jnp.asarray([3, -1, 17, 19, 20, 0], jnp.int32)  # 20: page 5, past the pool
+    tags = jnp.arange(1, 7, dtype=jnp.uint32)
+    for layer in (0, 1):
+        want = write_tokens(pages, layer, rows, slots, tags)
+        got = write_tokens(pages, layer, rows, slots, tags, rowwise=True)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("kind", ["mla", "gqa"])
 def test_bf16_to_fp8_handoff(kind):
     ps = 4

@@ -99,6 +99,28 @@ def test_tail_tokens_holding_nan_do_not_leak():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("value_dtype,bits_dtype", [(jnp.float8_e4m3fn, jnp.uint8), (jnp.bfloat16, jnp.uint16)])
+def test_mla_whole_pool_bits_with_layer_equals_the_layer_slice(value_dtype, bits_dtype):
+    """The engine's TPU decode hands the kernel the whole pool's bit patterns [L, P, ps, Dl] and the layer (no slice
+    materialized): the output is exactly the kernel's on that layer's value view, scales [L, P, ps] likewise."""
+    page_size, lengths, layers = 8, [0, 5, 19, 32], 3
+    ks = jax.random.split(jax.random.key(5), 4)
+    q = jax.random.normal(ks[0], (len(lengths), H, DV + DR)).astype(jnp.bfloat16)
+    vals = jax.random.normal(ks[1], (layers, NUM_PAGES, page_size, DV + DR)).astype(value_dtype)
+    scales = jax.random.uniform(ks[2], (layers, NUM_PAGES, page_size), minval=0.5, maxval=2.0)
+    bt = jax.random.permutation(ks[3], NUM_PAGES)[: 4 * len(lengths)].reshape(len(lengths), 4).astype(jnp.int32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    fp8 = value_dtype == jnp.float8_e4m3fn
+    kw = dict(kv_lora_rank=DV, softmax_scale=0.1, pages_per_compute_block=2, interpret=INTERPRET)
+    bits = jax.lax.bitcast_convert_type(vals, bits_dtype)
+    for layer in (0, 2):
+        got = paged_mla_decode_tpu(q, bits, bt, lens, scales if fp8 else None, layer=jnp.int32(layer), **kw)
+        want = paged_mla_decode_tpu(q, vals[layer], bt, lens, scales[layer] if fp8 else None, **kw)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="layer"):
+        paged_mla_decode_tpu(q, bits, bt, lens, scales if fp8 else None, **kw)
+
+
 def test_choose_tpu_blocks():
     assert choose_block_h(128) == 128 and choose_block_h(16, 8) == 8
     with pytest.raises(ValueError):
