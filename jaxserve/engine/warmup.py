@@ -148,10 +148,14 @@ def default_max_maps() -> int | None:
         return None
 
 
+def _cache_holds_everything() -> bool:
+    """The persistent compile cache is on and stores every program (a minimum compile time would skip some)."""
+    return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_persistent_cache_min_compile_time_secs <= 0
+
+
 def _evict(report: WarmupReport, maps: int) -> None:
     """Drop every compiled program from memory (they are in the persistent cache), or refuse when there is none."""
-    # a program is only stored when it compiled for longer than the minimum: the others would compile again
-    if not jax.config.jax_compilation_cache_dir or jax.config.jax_persistent_cache_min_compile_time_secs > 0:
+    if not _cache_holds_everything():
         raise ConfigError(f"warm-up {report.level}: its compiled programs hold {maps} memory mappings, over "
                           f"{report.max_maps} (half of vm.max_map_count); enable the persistent compile cache with "
                           "no minimum compile time (`compile_cache.enable_compile_cache`: they are then dropped and "

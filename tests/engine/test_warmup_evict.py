@@ -1,7 +1,7 @@
 """`--warmup full` under a memory-mapping budget (engine/warmup.py `run_jobs`): past `max_maps` the compiled
 programs are dropped to the persistent compile cache, and afterwards every covered shape, and a mixed workload
-through the engine, loads its programs from that cache: XLA cache hits only, no XLA compile. Without the cache a
-grid over the budget is refused. The cached run is its own process: the compile cache is process-global config."""
+through the engine, loads its programs from that cache: XLA cache hits only, no XLA compile. Without the cache a grid over the budget is refused. The cached run is its own process: the compile cache is
+process-global config."""
 from __future__ import annotations
 
 import json
@@ -36,7 +36,6 @@ for kind, job in plan:  # each covered shape again, as a request would select it
     with counting(again):
         job()
     shapes.append([kind, again.backend_compiles, again.cache_hits])
-engine_thread = WarmupReport("engine thread")
 hits = {"n": 0, "compiles": 0}
 
 def on_event(event, **_):
@@ -50,14 +49,17 @@ def on_duration(event, seconds, **_):
 
 jax.monitoring.register_event_listener(on_event)
 jax.monitoring.register_event_duration_secs_listener(on_duration)
-kinds = [dict(), dict(temperature=1.0, seed=7), dict(temperature=0.8, top_k=5, seed=3), dict(temperature=0.9, top_p=0.7)]
+kinds = [dict(), dict(temperature=1.0, seed=7), dict(temperature=0.8, top_k=5, seed=3),
+         dict(temperature=0.9, top_p=0.7)]
 params = [SamplingParams(max_tokens=4 + 3 * (i % 4), ignore_eos=True, **kinds[i % 4]) for i in range(12)]
+jax.clear_caches()  # as the warm-up's last eviction would: the workload then loads every program it runs
 outs = e.generate(prompts(12, seed=5, lengths=(3, 9, 20, 27, 5, 14)), params)
 e.close()
 print(json.dumps({"jobs": len(plan), "evictions": report.evictions, "warmup_compiled":
                   report.backend_compiles - report.cache_hits, "shapes": shapes,
                   "engine_backend": hits["compiles"], "engine_hits": hits["n"],
-                  "finish": [o.finish_reason for o in outs], "preemptions": e.stats()["preemptions"]}))
+                  "finish": [o.finish_reason for o in outs],
+                  "preemptions": e.stats()["preemptions"]}))
 """
 
 
@@ -71,7 +73,8 @@ def test_full_warmup_over_the_budget_evicts_and_every_shape_then_loads_without_c
     assert len(out["shapes"]) == out["jobs"]
     for kind, backend, hits in out["shapes"]:
         assert backend == hits, (kind, backend, hits)  # every XLA program a shape needs came from the cache
-    assert out["engine_backend"] == out["engine_hits"]  # the engine thread loaded, it compiled nothing
+    assert out["engine_hits"] > 0  # the engine thread loaded programs from the cache ...
+    assert out["engine_backend"] == out["engine_hits"]  # ... and compiled none
     assert out["finish"] == ["length"] * 12 and out["preemptions"] > 0
 
 
