@@ -16,6 +16,9 @@ from the persistent compilation cache.
     memory (`jax.clear_caches`), which the persistent compile cache (`compile_cache.py`) has already stored. Such a
     program is then traced again and loaded from the cache on its first use after ready: an XLA cache hit, never
     an XLA compile. Without the persistent cache a grid over the limit is refused (ConfigError) instead.
+    `jax.clear_caches` is process-wide: a program another thread is loading at that moment may miss the persistent
+    cache and compile (seen in a test), so the warm-up clears only with its own jobs settled; a request served
+    before ready can still race it. After ready nothing bounds what traffic loads back.
   * "fast": what a first short request runs (`Programs.compile_first`, greedy), its sampled programs deferred to
     the first idle second (`Engine.compile_deferred`).
   * "none": nothing; each program compiles on first use, inside the engine loop.
