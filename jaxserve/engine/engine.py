@@ -298,13 +298,14 @@ class Engine:
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler._finish(seq, "error", err)
 
-    def warm_up(self, level: WarmupLevel, progress: bool = False) -> WarmupReport:
+    def warm_up(self, level: WarmupLevel, progress: bool = False, max_maps: int | None = None) -> WarmupReport:
         """Compile ahead of traffic what `level` promises (engine.warmup: "full" every program a plain request
         can select, "fast" a first short request's, its sampled ones deferred to the first idle second, "none"
         nothing); safe beside live traffic (nothing runs, no pool is touched). Returns what it compiled and what
-        the persistent cache answered."""
+        the persistent cache answered. max_maps: the memory mappings "full" may hold before it drops its compiled
+        programs to the persistent cache (default half of vm.max_map_count; `warmup.run_jobs`)."""
         if level == "full":
-            return run_jobs(level, full_plan(self.programs), progress)
+            return run_jobs(level, full_plan(self.programs), progress, max_maps=max_maps)
         report = WarmupReport(level)
         if level == "fast":
             extra = [functools.partial(compile_unpack, self.programs.decode_rows, self.cfg.row_buckets[0],

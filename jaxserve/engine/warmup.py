@@ -8,6 +8,17 @@ from the persistent compilation cache.
     `full_plan` lists them; `EngineConfig.program_count` counts the model programs among them.
     Not in it (each compiles on first use, once): the variants of a batch with logit adjustments (penalties,
     logit_bias, min_tokens), a grammar mask (response_format, forced tools) or top alternatives (logprobs).
+    Memory: each XLA:CPU program holds ~3 memory mappings per compiled kernel (its JIT code, constants and data:
+    ~500 for one decode program of the embedded model), so the default grid's 871 programs would need ~450k
+    mappings, 7x the kernel's per-process limit (`vm.max_map_count`, 65,530 by default): the mmap that passes it
+    fails, and LLVM reports "Cannot allocate memory". `run_jobs` therefore keeps the process under `max_maps`
+    (default half that limit): past it, it waits for the jobs in flight and drops every compiled program from
+    memory (`jax.clear_caches`), which the persistent compile cache (`compile_cache.py`) has already stored. Such a
+    program is then traced again and loaded from the cache on its first use after ready: an XLA cache hit, never
+    an XLA compile. Without the persistent cache a grid over the limit is refused (ConfigError) instead.
+    `jax.clear_caches` is process-wide: a program another thread is loading at that moment may miss the persistent
+    cache and compile (seen in a test), so the warm-up clears only with its own jobs settled; a request served
+    before ready can still race it. After ready nothing bounds what traffic loads back.
   * "fast": what a first short request runs (`Programs.compile_first`, greedy), its sampled programs deferred to
     the first idle second (`Engine.compile_deferred`).
   * "none": nothing; each program compiles on first use, inside the engine loop.
@@ -23,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import jax
@@ -31,6 +43,7 @@ from tqdm import tqdm
 from jaxserve.cache.pool import compile_tag_sync
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.sampling import SamplingMode
+from jaxserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from jaxserve.engine.programs import Programs
@@ -55,11 +68,15 @@ class WarmupReport:
     backend_compiles: int = 0
     cache_hits: int = 0
     seconds: float = 0.0
+    evictions: int = 0
+    max_maps: int | None = None
 
     def line(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in self.jobs.items()) or "nothing"
         return (f"warm-up {self.level}: {kinds} in {self.seconds:.1f} s; {self.backend_compiles} XLA programs, "
-                f"{self.cache_hits} loaded from the compile cache, {self.backend_compiles - self.cache_hits} compiled")
+                f"{self.cache_hits} loaded from the compile cache, {self.backend_compiles - self.cache_hits} compiled"
+                + (f"; dropped from memory {self.evictions} times to stay under {self.max_maps} memory mappings (they "
+                   "load from the compile cache on first use)" if self.evictions else ""))
 
 
 @contextmanager
@@ -115,15 +132,69 @@ def full_plan(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODE
     return jobs
 
 
-def run_jobs(level: str, jobs: list[Job], progress: bool, threads: int | None = None) -> WarmupReport:
-    """Run the compile jobs in a thread pool (XLA compiles with the GIL released), with a progress bar."""
-    report = WarmupReport(level)
+def map_count() -> int | None:
+    """Memory mappings this process holds (lines of /proc/self/maps); None where there is no procfs."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def default_max_maps() -> int | None:
+    """Half the kernel's per-process mapping limit (vm.max_map_count): the other half is for the programs traffic
+    loads after ready and the rest of the process. None where the limit is unknown (nothing is evicted)."""
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text()) // 2
+    except (OSError, ValueError):
+        return None
+
+
+def _cache_holds_everything() -> bool:
+    """The persistent compile cache is on and stores every program (a minimum compile time would skip some)."""
+    return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_persistent_cache_min_compile_time_secs <= 0
+
+
+def _evict(report: WarmupReport, maps: int) -> None:
+    """Drop every compiled program from memory (they are in the persistent cache), or refuse when there is none."""
+    if not _cache_holds_everything():
+        raise ConfigError(f"warm-up {report.level}: its compiled programs hold {maps} memory mappings, over "
+                          f"{report.max_maps} (half of vm.max_map_count); enable the persistent compile cache with "
+                          "no minimum compile time (`compile_cache.enable_compile_cache`: they are then dropped and "
+                          "load from it on first use), shrink the grid, or raise vm.max_map_count",
+                          value=maps, param="max_maps")
+    jax.clear_caches()
+    report.evictions += 1
+    log.info("warm-up %s: %d memory mappings, over %d: compiled programs dropped (in the compile cache)",
+             report.level, maps, report.max_maps)
+
+
+def run_jobs(level: str, jobs: list[Job], progress: bool, threads: int | None = None,
+             max_maps: int | None = None) -> WarmupReport:
+    """Run the compile jobs in a thread pool (XLA compiles with the GIL released), with a progress bar, keeping
+    the process under max_maps memory mappings (default `default_max_maps()`; see the module docstring)."""
+    report = WarmupReport(level, max_maps=max_maps if max_maps is not None else default_max_maps())
     for kind, _ in jobs:
         report.jobs[kind] = report.jobs.get(kind, 0) + 1
     threads = threads or min(8, os.cpu_count() or 1)
     with counting(report), tqdm(total=len(jobs), desc=f"warm-up {level}", disable=not progress) as bar, \
             concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxserve-warmup") as pool:
-        for f in concurrent.futures.as_completed([pool.submit(job) for _, job in jobs]):
-            f.result()
-            bar.update()
+        pending: set[concurrent.futures.Future[None]] = set()
+
+        def settle(when: str) -> None:
+            nonlocal pending
+            done, pending = concurrent.futures.wait(pending, return_when=when)
+            for f in done:
+                f.result()
+                bar.update()
+
+        for _, job in jobs:
+            if len(pending) >= threads:
+                settle(concurrent.futures.FIRST_COMPLETED)
+            maps = map_count() if report.max_maps is not None else None
+            if maps is not None and maps > report.max_maps:
+                settle(concurrent.futures.ALL_COMPLETED)
+                _evict(report, maps)
+            pending.add(pool.submit(job))
+        settle(concurrent.futures.ALL_COMPLETED)
     return report

@@ -121,7 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="context window (prompt + completion)")
     p.add_argument("--warmup", choices=WARMUP_LEVELS, default="fast",
                    help="what compiles before /ready: full = every program a request without penalties, grammar or "
-                        "logprobs can select (nothing compiles after ready), fast = a first short request's "
+                        "logprobs can select (nothing compiles after ready; past half of vm.max_map_count memory "
+                        "mappings they are dropped to the compile cache and load from it on first use), fast = a "
+                        "first short request's "
                         "(its sampled programs once idle), none = nothing (default fast)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant outputs: greedy and seeded requests give the same tokens whatever else "
