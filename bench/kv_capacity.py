@@ -1,7 +1,7 @@
 """KV capacity: tokens per GiB of page pool, BF16 vs FP8 (e4m3 + one f32 scale per token, or per token and head).
 
-GLM-5.2's pool also holds the DSA indexer keys (128 per token in each of its 21 full-indexer layers; IndexShare
-layers store none), FP8 + one f32 scale in an FP8 pool (or BF16 with the `index_kv_dtype="bf16"` option); its
+GLM-5.2's pool also holds the DSA indexer keys (128 per token in each of its 21 full-indexer layers and its MTP
+layer; IndexShare layers store none), FP8 + one f32 scale in an FP8 pool (or BF16 with the `index_kv_dtype="bf16"` option); its
 layout comes from its config.json through the engine's own `kv_layout`.
 
 Usage: python bench/kv_capacity.py [--quick] --json OUT.json
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": kimi["ratio"],
         "note": "FP8 includes one float32 scale per token (MLA) or per token and kv head (GQA); "
                 "Kimi MLA ratio = 1152 / (576 + 4) bytes per token per layer; GLM-5.2 adds its DSA indexer keys "
-                "(21 layers x (128 + 4) B in FP8, x 256 B in BF16)",
+                "(22 layers (21 + the MTP layer) x (128 + 4) B in FP8, x 256 B in BF16)",
         "models": rows,
     }
     print(f"{'model':<16} {'kind':<4} {'B/tok bf16':>11} {'B/tok fp8':>10} {'(index fp8)':>11} {'tok/GiB bf16':>13} "
