@@ -8,11 +8,12 @@
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$DEST/gpu.txt" 2>&1 || true
 "$PY" -c "import jax; print(jax.devices())" >> "$DEST/gpu.txt" 2>&1
 run kernels 100 --backend gpu
-run kv_capacity 20 --quick
+run kv_capacity 15 --quick
 run roofline 50 --quick
 run kv_dtype_concurrency 90 --quick
 run weight_formats 90 --quick
 run integrity_overhead 50 --quick
 run peer_transformers 60 --quick
 run serving 80 --quick
+run speculative 50 --quick
 finish

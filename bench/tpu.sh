@@ -7,11 +7,12 @@
 . "$(dirname "$0")/device_common.sh" tpu
 "$PY" -c "import jax; d = jax.devices(); print(d, d[0].device_kind)" > "$DEST/tpu.txt" 2>&1
 run kernels 100 --backend tpu
-run kv_capacity 20 --quick
+run kv_capacity 15 --quick
 run roofline 50 --quick
 run kv_dtype_concurrency 90 --quick
 run weight_formats 90 --quick
 run integrity_overhead 50 --quick
 run peer_transformers 60 --quick
 run serving 80 --quick
+run speculative 50 --quick
 finish
