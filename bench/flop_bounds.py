@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "tiny-kimi")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "flop_bounds.json")
     args = ap.parse_args(argv)
-    cfg, model = jaxserve.load(args.checkpoint)
+    cfg, model = jaxserve.load(args.checkpoint, mtp=False)  # a plain decode step: the MTP head runs only to draft
     flops = matmul_flops(model)
     forms = ("absorbed", "plain") if cfg.is_mla else ("gqa",)
     m = measured(ROOT / "bench" / "results" / "peer_transformers.json")

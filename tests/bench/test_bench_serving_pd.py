@@ -9,6 +9,9 @@ import pytest
 
 from test_bench_smoke import load, positive
 
+# four server processes and a router for a minute: `make test-slow` (CI's budget goes to the PD checks in tests/server)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
