@@ -151,7 +151,8 @@ def test_a_hung_decode_server_is_cut_and_its_request_decoded_elsewhere(pd):
 
 
 def long_stream(base: str, session: str, out: dict, started: threading.Event) -> None:
-    body = {"model": MODEL, "prompt": f"{session}: def main():", "max_tokens": 300, "ignore_eos": True,
+    # near the 512-token window: no stream ends before the kill, which comes once all four have started
+    body = {"model": MODEL, "prompt": f"{session}: def main():", "max_tokens": 480, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={"x-session-affinity": session},
                       timeout=TIMEOUT) as r:
