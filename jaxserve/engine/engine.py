@@ -92,7 +92,8 @@ class Engine:
             cache_key = (key, tuple(d.id for d in devices))
             if cache_key not in loaded:
                 par = phase_parallel(cfg, devices)
-                loaded[cache_key] = load(path, dtype=dtype, weights=key, mesh=par.mesh, rules=par.rules)[1]
+                loaded[cache_key] = load(path, dtype=dtype, weights=key, mesh=par.mesh, rules=par.rules,
+                                         mtp=uses_mtp(cfg))[1]  # an unused head is not read
             return loaded[cache_key]
 
         # each role loads only its own phase's weights
