@@ -180,7 +180,7 @@ def test_embedded_model_greedy_output_is_unchanged(embedded):
     "position (first differing greedy token at 2-14 on these prompts, over an FP8 or a bf16 pool): the chunk runs "
     "another computation than decode (prefill attention kernel, the MoE's algorithm for 32 tokens instead of 8, "
     "XLA:CPU kernels shaped by [B, k + 1] rows); f32 keeps the gap at ~1e-6 (exact greedy); decode bodies per "
-    "position are bit-exact at ~2x the verify's cost (test_verify_numerics.py)"))
+    "position are bit-exact at ~2.5x the verify's cost (test_verify_numerics.py)"))
 def test_embedded_model_in_bf16_serving_formats_greedy_output_is_unchanged():
     """What `serve` runs: bf16 activations, FP8 KV, FP8 prefill / INT4 decode weights."""
     cfg = small_config(**{**PIN, "min_pages_bucket": 32}, max_model_len=128, dtype="bf16", **SERVING)

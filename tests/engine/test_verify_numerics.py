@@ -7,10 +7,12 @@ The verify (`engine.verify`) runs position p of a row inside a [B, k + 1] chunk;
 - the MoE picks its algorithm by token count (`MoE.routed`): 8 decode rows take `dense_all` (every token through
   every expert, routing weights folded into the down projection in bf16), 8 x 4 verify tokens the grouped tiles;
 - XLA:CPU's own kernels follow the shape: the final RMSNorm over [B, H] vs [B, T, H] and the f32 absorbed-query
-  einsum over B vs B * T rows round differently in their last bits.
+  einsum over B vs B * T rows round differently in their last bits; a matmul of 1 or 2 rows (decode at batch 1)
+  takes other kernels than one of 4 (YNNPACK and Eigen alike), so at c = 1 no batched verify can match decode.
 In f32 these are ~1e-6 apart on the logits (greedy never flips on these prompts); bf16 rounding turns them into an ulp
 of bf16 (0.03-0.125 on logits of ~10), which flips a greedy token within 2-14 tokens. Running each position through
-the decode body itself (k + 1 decode-shaped steps in one program) is bit-exact, at ~1.6-2x the verify's time.
+the decode body itself (k + 1 decode-shaped steps in one program) is bit-exact, at ~2.5x the verify's time (8 rows,
+k = 3: 12.3 vs 5.0 ms min, 55.8 vs 22.9 ms median of 80 interleaved reps at load 16-20), ~2.8x a decode step.
 """
 from __future__ import annotations
 
@@ -134,3 +136,17 @@ def test_the_moe_takes_another_algorithm_for_the_verify_token_count():
     alone, among = out[jnp.bfloat16]
     assert (alone != among).any()
     np.testing.assert_allclose(*out[jnp.float32], atol=1e-6)  # the same sum: f32 keeps them within rounding
+
+
+def test_xla_cpu_rounds_the_same_row_differently_by_shape():
+    """The shape-following kernels, alone (XLA:CPU of jaxlib 0.10; should one of these start to agree, XLA became
+    shape-invariant there): an f32 sum of squares over 256 (RMSNorm's) of rows of [8, 256] vs the same rows of
+    [8, 4, 256]; and a bf16 matmul of one row (decode at batch 1: the matrix-vector kernel) vs that row among 4 (its
+    verify chunk at k = 3)."""
+    x = jax.random.normal(jax.random.key(0), (B, K + 1, 256), jnp.float32)
+    sum_sq = jax.jit(lambda v: jnp.mean(v * v, axis=-1))
+    assert (np.asarray(sum_sq(x[:, 0])) != np.asarray(sum_sq(x))[:, 0]).any()
+    w = jax.random.normal(jax.random.key(1), (256, 768), jnp.bfloat16)
+    mm = jax.jit(lambda v: jnp.matmul(v, w, preferred_element_type=jnp.float32))
+    rows = x[0].astype(jnp.bfloat16)  # [k + 1, 256]
+    assert (np.asarray(mm(rows[:1]))[0] != np.asarray(mm(rows))[0]).any()
