@@ -1,0 +1,90 @@
+"""Speculative decoding with an EAGLE-3 draft (`EngineConfig(speculative="eagle3:PATH:K")`, engine.eagle3_programs):
+greedy output is token-for-token the same engine's output without speculation (a tiny random draft on the tests'
+tiny model, f32 and FP8 KV + INT4 decode weights with f32 activations; its acceptance is low, exactness must hold),
+every page returns, the draft's K/V take their extra pool layers, a stale page under a draft run fails only its
+request, and the `eagle3:PATH:K[:MAX_ROWS]` text parses.
+
+Shapes are pinned as in test_speculative.py (one row bucket, one block-table width, one chunk).
+"""
+from __future__ import annotations
+
+import pytest
+
+from eagle3_tiny import write_draft
+from engine_util import engine, pool_is_full, prompts, tiny_model
+from jaxserve.engine import EngineConfig, Request, SamplingParams
+from jaxserve.engine.config import Speculative
+from jaxserve.errors import ConfigError, KVIntegrityError
+from jaxserve.models.eagle3 import read_config
+from jaxserve.models.paged_eagle3 import pool_layers
+
+PIN = dict(min_rows_bucket=8, min_pages_bucket=32, min_chunk_bucket=16)
+SERVING = dict(kv_dtype="fp8", prefill_weights="fp8", decode_weights="int4")
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("eagle3")
+    write_draft(folder, tiny_model("deepseek_v3").cfg)
+    return folder
+
+
+@pytest.fixture(scope="module", params=[{}, SERVING], ids=["f32", "fp8kv-int4"])
+def engines(request, draft_dir):
+    """The tiny model without speculation and with eagle3:DRAFT:3, in one format."""
+    model = tiny_model("deepseek_v3")
+    spec = Speculative("eagle3", 3, path=str(draft_dir))
+    return engine(model, **PIN, **request.param), engine(model, **PIN, **request.param, speculative=spec)
+
+
+def test_greedy_output_is_unchanged(engines, draft_dir):
+    plain, spec = engines
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    ps = prompts(6, seed=3)
+    ref, got = plain.generate(ps, sp), spec.generate(ps, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    s = spec.stats()
+    assert s["verify_rows"] > 0 and s["draft_tokens"] > 0 and s["accepted_tokens"] <= s["draft_tokens"]
+    # the draft's K/V: packed pool layers after the target's; one program each, no recompiles
+    layout = plain.programs.layouts.decode
+    extra = pool_layers(read_config(draft_dir, spec.model_cfg), layout)
+    assert spec.programs.layouts.decode.num_layers == layout.num_layers + extra > layout.num_layers
+    assert spec.programs.compiles["verify"] == 1 and spec.programs.compiles["prefill_eagle3"] == 1
+    assert pool_is_full(spec)
+
+
+def test_a_stale_page_under_a_draft_run_fails_only_its_request(engines):
+    _, spec = engines
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    ps = prompts(3, seed=5)
+    clean = [o.token_ids for o in spec.generate(ps, sp)]
+    spec.scheduler.prefix_cache.clear()
+    reqs = [Request(p, sp) for p in ps]
+    streams = [spec.submit(r) for r in reqs]
+    sched = spec.scheduler
+    while sched.stats.verify_rows == 0 or sum(s.status.value == "decoding" for s in sched.running) < 3:
+        spec.step()
+    victim = next(s for s in sched.running if s.req.request_id == reqs[1].request_id)
+    page, tag = victim.decode_pages[-1]  # the page its drafts (and the draft's K/V) are written into
+    sched.decode_alloc.free(page, tag)  # a stale mapping: the page is handed to someone else
+    [(new_page, new_tag)] = sched.decode_alloc.allocate(1)
+    assert new_page == page and new_tag != tag
+    ends = [list(st) for st in streams]
+    assert ends[1][-1].finish_reason == "error" and isinstance(ends[1][-1].error, KVIntegrityError)
+    for i in (0, 2):
+        assert [ev.token_id for ev in ends[i] if ev.token_id is not None] == clean[i]
+    sched.decode_alloc.free(new_page, new_tag)
+    assert pool_is_full(spec)
+
+
+def test_eagle3_text_parses():
+    assert Speculative.parse("eagle3:/d/draft:3") == Speculative("eagle3", 3, path="/d/draft")
+    assert Speculative.parse("eagle3:/d/a:b:4:8") == Speculative("eagle3", 4, 8, path="/d/a:b")
+    for bad in ("eagle3:3", "mtp:3:/d", "eagle3:/d:x"):
+        with pytest.raises(ConfigError):
+            Speculative.parse(bad)
+    with pytest.raises(ConfigError):
+        Speculative("ngram", 3, path="/d")
+    assert EngineConfig(speculative="eagle3:/d:2:4").speculative == Speculative("eagle3", 2, 4, path="/d")
+    with pytest.raises(ConfigError, match="role both"):
+        EngineConfig(speculative="eagle3:/d:3", role="decode")
