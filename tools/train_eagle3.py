@@ -164,7 +164,8 @@ def export(draft: Eagle3Draft, folder: Path, vocab: int) -> None:
         for part in attr.split("."):
             var = getattr(var, part)
         arr = np.asarray(var[...])
-        out[name] = (arr.T if transposed else arr).astype(np.int64 if name == "d2t" else np.float32)
+        # contiguous: safetensors writes an array's buffer as is, so a transposed view would keep [in, out] order
+        out[name] = np.ascontiguousarray(arr.T if transposed else arr, np.int64 if name == "d2t" else np.float32)
     ids = np.arange(len(out["d2t"])) + out["d2t"]
     t2d = np.zeros(vocab, bool)
     t2d[ids] = True

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from eagle3_tiny import write_draft
-from engine_util import engine, pool_is_full, prompts, tiny_model
-from jaxserve.engine import EngineConfig, Request, SamplingParams
+from engine_util import engine, pool_is_full, prompts, stale_page_fails_only_its_request, tiny_model
+from jaxserve.engine import EngineConfig, SamplingParams
 from jaxserve.engine.config import Speculative
-from jaxserve.errors import ConfigError, KVIntegrityError
+from jaxserve.errors import ConfigError
 from jaxserve.models.eagle3 import read_config
 from jaxserve.models.paged_eagle3 import pool_layers
 
@@ -54,27 +54,7 @@ def test_greedy_output_is_unchanged(engines, draft_dir):
 
 
 def test_a_stale_page_under_a_draft_run_fails_only_its_request(engines):
-    _, spec = engines
-    sp = SamplingParams(max_tokens=16, ignore_eos=True)
-    ps = prompts(3, seed=5)
-    clean = [o.token_ids for o in spec.generate(ps, sp)]
-    spec.scheduler.prefix_cache.clear()
-    reqs = [Request(p, sp) for p in ps]
-    streams = [spec.submit(r) for r in reqs]
-    sched = spec.scheduler
-    while sched.stats.verify_rows == 0 or sum(s.status.value == "decoding" for s in sched.running) < 3:
-        spec.step()
-    victim = next(s for s in sched.running if s.req.request_id == reqs[1].request_id)
-    page, tag = victim.decode_pages[-1]  # the page its drafts (and the draft's K/V) are written into
-    sched.decode_alloc.free(page, tag)  # a stale mapping: the page is handed to someone else
-    [(new_page, new_tag)] = sched.decode_alloc.allocate(1)
-    assert new_page == page and new_tag != tag
-    ends = [list(st) for st in streams]
-    assert ends[1][-1].finish_reason == "error" and isinstance(ends[1][-1].error, KVIntegrityError)
-    for i in (0, 2):
-        assert [ev.token_id for ev in ends[i] if ev.token_id is not None] == clean[i]
-    sched.decode_alloc.free(new_page, new_tag)
-    assert pool_is_full(spec)
+    stale_page_fails_only_its_request(engines[1], prompts(3, seed=5), SamplingParams(max_tokens=16, ignore_eos=True))
 
 
 def test_eagle3_text_parses():
