@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from jaxserve.errors import CheckpointError, ConfigError
 from jaxserve.models.decoder import causal_mask
 from jaxserve.models.eagle3 import eagle3_forward, load_eagle3, read_config
 from jaxserve.models.paged import PrefillBatch, prefill
-from jaxserve.models.paged_eagle3 import pool_layers, read_draft_kv, write_draft_kv
+from jaxserve.models.paged_eagle3 import eagle3_extend, pool_layers, read_draft_kv, write_draft_kv
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,15 @@ def test_draft_logits_match_a_torch_reference(tmp_path, target, embed):
     np.testing.assert_allclose(np.asarray(logits2), want2.numpy(), atol=1e-4, rtol=1e-4)
 
 
+def chunk(tokens: jax.Array, tables: jax.Array, start: int, n: int, ps: int) -> PrefillBatch:
+    """Positions start .. start + n of every row (a full prompt chunk, no padding)."""
+    B = tokens.shape[0]
+    pos = jnp.broadcast_to(jnp.arange(start, start + n, dtype=jnp.int32), (B, n))
+    slots = jnp.take_along_axis(tables, pos // ps, 1) * ps + pos % ps
+    return PrefillBatch(tokens[:, start:start + n], pos, slots, tables, jnp.full((B,), start + n, jnp.int32),
+                        jnp.full((B,), n, jnp.int32))
+
+
 def test_prefill_returns_the_target_layers_inputs_as_aux_states(target):
     cfg = target.cfg
     rng = np.random.default_rng(0)
@@ -58,11 +68,8 @@ def test_prefill_returns_the_target_layers_inputs_as_aux_states(target):
     layout = KVLayout.mla(cfg.kv_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size=ps, dtype="f32")
     pages = init_pages(layout, 1 + B * M)
     tables = jnp.asarray(1 + np.arange(B * M).reshape(B, M), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    slots = jnp.take_along_axis(tables, pos // ps, 1) * ps + pos % ps
-    batch = PrefillBatch(tokens, pos, slots, tables, jnp.full((B,), T, jnp.int32), jnp.full((B,), T, jnp.int32))
     aux_layers = (0, 2, cfg.num_layers)
-    *_, aux = prefill(target, pages, batch, all_logits=True, aux_layers=aux_layers)
+    *_, aux = prefill(target, pages, chunk(tokens, tables, 0, T, ps), all_logits=True, aux_layers=aux_layers)
     # dense: the residual stream at each layer's input (the embeddings at 0; the last layer's output at N)
     positions, mask = causal_mask(B, T, None, None)
     cos, sin = target.rope(positions)
@@ -74,6 +81,30 @@ def test_prefill_returns_the_target_layers_inputs_as_aux_states(target):
     want = np.concatenate([np.asarray(states[i]) for i in aux_layers], -1)
     assert aux.shape == (B, T, 3 * cfg.hidden_size)
     np.testing.assert_allclose(np.asarray(aux), want, atol=2e-5, rtol=1e-4)
+
+
+def test_paged_draft_rows_over_two_chunks_equal_the_dense_draft(tmp_path, target):
+    """The draft rows of a prompt prefilled in two chunks (the second attends to the first's rows through the pool)
+    equal the dense draft over the whole prompt, fed the same aux states and next tokens."""
+    cfg = target.cfg
+    write_draft(tmp_path, cfg)
+    draft = load_eagle3(tmp_path, cfg, jnp.float32)
+    rng = np.random.default_rng(2)
+    B, T, ps, M = 2, 8, 4, 4
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
+    base = KVLayout.mla(cfg.kv_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size=ps, dtype="f32")
+    pages = init_pages(dataclasses.replace(base, num_layers=base.num_layers + pool_layers(draft.cfg, base)),
+                       1 + B * M)
+    tables = jnp.asarray(1 + np.arange(B * M).reshape(B, M), jnp.int32)
+    hs, auxs = [], []
+    for start in (0, T // 2):
+        batch = chunk(tokens, tables, start, T // 2, ps)
+        *_, pages, _, aux = prefill(target, pages, batch, all_logits=True, aux_layers=draft.cfg.aux_layers)
+        h, pages = eagle3_extend(target, draft, pages, batch, aux, tokens[:, start + 1:start + 1 + T // 2])
+        hs.append(h)
+        auxs.append(aux)
+    _, want = eagle3_forward(draft, target.embed_tokens(tokens[:, 1:]), jnp.concatenate(auxs, 1))
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(hs, 1)), np.asarray(want), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("layout", [KVLayout.mla(3, 16, 8, page_size=4, dtype="f32"),
