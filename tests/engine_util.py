@@ -7,7 +7,8 @@ from flax import nnx
 
 import hf_tiny
 from jaxserve.config import from_hf_config
-from jaxserve.engine import Engine, EngineConfig
+from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams
+from jaxserve.errors import KVIntegrityError
 from jaxserve.models import CausalLM, forward
 
 
@@ -50,3 +51,27 @@ def greedy_reference(model: CausalLM, prompt: list[int], n: int) -> list[int]:
 def pool_is_full(e: Engine) -> bool:
     s = e.stats()
     return s["decode_pages_used"] == 0 and s["prefill_pages_used"] == s["prefix_cache_pages"]
+
+
+def stale_page_fails_only_its_request(spec: Engine, ps: list[list[int]], sp: SamplingParams) -> None:
+    """Three prompts decode speculatively; the second's last page (where its drafts go) is handed to someone else
+    mid-run: only its request fails (KVIntegrityError), the others' tokens are those of a clean run, every page
+    returns."""
+    clean = [o.token_ids for o in spec.generate(ps, sp)]
+    spec.scheduler.prefix_cache.clear()
+    reqs = [Request(p, sp) for p in ps]
+    streams = [spec.submit(r) for r in reqs]
+    sched = spec.scheduler
+    while sched.stats.verify_rows == 0 or sum(s.status.value == "decoding" for s in sched.running) < 3:
+        spec.step()
+    victim = next(s for s in sched.running if s.req.request_id == reqs[1].request_id)
+    page, tag = victim.decode_pages[-1]  # the page its drafts are written into
+    sched.decode_alloc.free(page, tag)  # a stale mapping: the page is handed to someone else
+    [(new_page, new_tag)] = sched.decode_alloc.allocate(1)
+    assert new_page == page and new_tag != tag
+    ends = [list(st) for st in streams]
+    assert ends[1][-1].finish_reason == "error" and isinstance(ends[1][-1].error, KVIntegrityError)
+    for i in (0, 2):
+        assert [ev.token_id for ev in ends[i] if ev.token_id is not None] == clean[i]
+    sched.decode_alloc.free(new_page, new_tag)
+    assert pool_is_full(spec)

@@ -8,19 +8,21 @@ from jaxserve.errors import ConfigError
 from jaxserve.format_names import FORMATS, KV_DTYPES, KVDtype, canonical_format
 from jaxserve.models.attention_backend import ATTENTION_NAMES, AttentionBackend
 
-SPECULATIVE_METHODS = ("ngram", "mtp")
+SPECULATIVE_METHODS = ("ngram", "mtp", "eagle3")
 
 
 @dataclass(frozen=True)
 class Speculative:
     """Speculative decoding: each decode step drafts k tokens per row and verifies them in one target forward over
-    k + 1 positions (engine.speculative). method: "ngram" (prompt lookup on the host, `engine.ngram`) or "mtp" (the
-    model's MTP head, on the device). max_rows: speculate only while at most this many rows decode, plain decode
+    k + 1 positions (engine.speculative). method: "ngram" (prompt lookup on the host, `engine.ngram`), "mtp" (the
+    model's MTP head, on the device) or "eagle3" (an EAGLE-3 draft checkpoint at `path`, on the device,
+    `engine.eagle3_programs`). max_rows: speculate only while at most this many rows decode, plain decode
     (overlapped) above (None: always); bench/speculative.py measures where drafts stop paying."""
 
     method: str
     k: int
     max_rows: int | None = None
+    path: str | None = None  # the draft checkpoint folder (eagle3 only)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -32,14 +34,23 @@ class Speculative:
         if self.max_rows is not None and (not isinstance(self.max_rows, int) or self.max_rows < 1):
             raise ConfigError("speculative max_rows must be None or an integer >= 1", value=self.max_rows,
                               param="speculative")
+        if (self.method == "eagle3") != bool(self.path):
+            raise ConfigError("speculative eagle3 needs a draft checkpoint path (eagle3:PATH:K), and only eagle3 takes "
+                              "one", value=self.path, param="speculative")
 
     @classmethod
     def parse(cls, text: str) -> Speculative:
-        """"ngram:3" / "mtp:3" (METHOD:K), or METHOD:K:MAX_ROWS -> Speculative; anything else is a ConfigError
-        naming it."""
+        """"ngram:3" / "mtp:3" (METHOD:K), or METHOD:K:MAX_ROWS, or "eagle3:PATH:K[:MAX_ROWS]" -> Speculative;
+        anything else is a ConfigError naming it."""
         parts = text.split(":")
+        if parts[0] == "eagle3" and len(parts) >= 3:  # the path may hold ':'; K and MAX_ROWS are the numeric tail
+            tail = 2 if len(parts) >= 4 and parts[-1].isdigit() and parts[-2].isdigit() else 1
+            path, nums = ":".join(parts[1:-tail]), parts[-tail:]
+            if nums[0].isdigit():
+                return cls("eagle3", int(nums[0]), int(nums[1]) if tail == 2 else None, path=path)
         if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[1:]):
-            raise ConfigError("speculative must be METHOD:K or METHOD:K:MAX_ROWS, e.g. ngram:3 or ngram:3:8",
+            raise ConfigError("speculative must be METHOD:K or METHOD:K:MAX_ROWS (eagle3:PATH:K[:MAX_ROWS]), "
+                              "e.g. ngram:3 or ngram:3:8",
                               value=text, param="speculative")
         return cls(parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None)
 
@@ -153,8 +164,9 @@ class EngineConfig:
             bad("dtype", "must be 'bfloat16' or 'float32'")
         if isinstance(self.speculative, str):
             object.__setattr__(self, "speculative", Speculative.parse(self.speculative))
-        if self.speculative is not None and self.speculative.method == "mtp" and self.role != "both":
-            bad("speculative", "mtp drafts need the prefill program's MTP pass: --role both only (ngram works)")
+        if self.speculative is not None and self.speculative.method in ("mtp", "eagle3") and self.role != "both":
+            bad("speculative", f"{self.speculative.method} drafts need the prefill program's draft pass: --role both "
+                "only (ngram works)")
         if self.page_bucket_steps not in (1, 2):
             bad("page_bucket_steps", "must be 1 (powers of two) or 2 (half octaves)")
         for p in ("min_rows_bucket", "min_pages_bucket", "min_chunk_bucket"):

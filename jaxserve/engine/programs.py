@@ -34,6 +34,7 @@ from jaxserve.cache.checksum import page_checksums
 from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.layouts import PhaseLayouts, in_format, weight_layout
+from jaxserve.engine.eagle3_programs import Eagle3Programs, draft_layouts, load_draft
 from jaxserve.engine.mtp_programs import MTPPrograms
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.engine.scoring import PromptScores, prompt_scores
@@ -170,7 +171,8 @@ class Programs:
             return WeightFormat(name, cfg.int4_group_size, cfg.quantize_attention, cfg.use_kernels, interpret,
                                 backend, cfg.int4_scope)
 
-        self.layouts = PhaseLayouts.of(model.cfg, cfg)  # the prefix-cache salt reads the prefill pool's dtype here
+        draft = load_draft(cfg.speculative, model)  # "eagle3:PATH:K": its K/V take extra pool layers
+        self.layouts = draft_layouts(PhaseLayouts.of(model.cfg, cfg), draft)  # the prefix-cache salt reads its dtype
         self.weight_layout = {"prefill": weight_layout(cfg, p_dev), "decode": weight_layout(cfg, d_dev)}
 
         def phase_model(m: CausalLM, name: str, weights: str) -> CausalLM:
@@ -191,10 +193,14 @@ class Programs:
             self._jit_prefill()
         if self.decode_phase is not None:
             self._jit_decode()
-        # "mtp:K": the prefill and verify programs with the MTP head (engine.mtp_programs); role both only
-        spec = cfg.speculative
-        self.mtp = (MTPPrograms(cfg, self.prefill_phase, self.decode_phase, self.prefill_parallel.sharding(("batch",)),
-                                self.decode_rows, self.compiles) if spec and spec.method == "mtp" else None)
+        # "mtp:K" / "eagle3:PATH:K": the prefill and verify programs with the drafter (engine.mtp_programs,
+        # engine.eagle3_programs); role both only
+        spec, rows_p = cfg.speculative, self.prefill_parallel.sharding(("batch",))
+        self.mtp = (MTPPrograms(cfg, self.prefill_phase, self.decode_phase, rows_p, self.decode_rows, self.compiles)
+                    if spec and spec.method == "mtp" else None)
+        if draft is not None:
+            self.mtp = Eagle3Programs(cfg, self.prefill_phase, self.decode_phase, rows_p, self.decode_rows,
+                                      self.compiles, draft)
 
     def _jit_prefill(self) -> None:
         """The prefill phase's programs (and the export of its pages in the decode format)."""

@@ -1,7 +1,8 @@
 """Speculative decoding's host side: the decode phase of a scheduler step when `EngineConfig.speculative` is set.
 
 Each decoding row gets up to k draft tokens (n-gram prompt lookup over its prompt + output, `engine.ngram`; for
-"mtp:K" the drafts the row's last MTP prefill / verify program made, `engine.mtp_draft`), and
+"mtp:K" / "eagle3:PATH:K" the drafts the row's last MTP / EAGLE-3 prefill / verify program made,
+`engine.mtp_draft`), and
 one verify program (`engine.verify`) runs the target over the last token + the drafts; each row emits 1..k+1
 tokens through the scheduler's own output path (`Scheduler._accept`: stop ids, stop strings, max_tokens, the
 context window, logprobs), stopping at the first that ends it.
@@ -78,8 +79,8 @@ class Speculation:
         spec = sched.cfg.speculative
         self.s = sched
         self.k = spec.k
-        # "mtp:K": drafts come out of the device programs (engine.mtp_draft); "ngram:K": from the host
-        self.mtp = MTPDrafts(sched.programs.mtp, spec.k) if spec.method == "mtp" else None
+        # "mtp:K" / "eagle3:PATH:K": drafts come out of the device programs (engine.mtp_draft); "ngram:K": the host
+        self.mtp = MTPDrafts(sched.programs.mtp, spec.k) if spec.method in ("mtp", "eagle3") else None
 
     def prefill(self, rows: list[tuple[Sequence, int, int]], place: list[int], batch: PrefillBatch,
                 samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:

@@ -61,7 +61,8 @@ class DecodeBatch:
 
 
 def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits: bool = False,
-            attention: AttentionBackend = AttentionBackend(), integrity: bool = True, return_hidden: bool = False
+            attention: AttentionBackend = AttentionBackend(), integrity: bool = True, return_hidden: bool = False,
+            aux_layers: tuple[int, ...] = ()
             ) -> tuple[jax.Array, KVPages, jax.Array] | tuple[jax.Array, KVPages, jax.Array, jax.Array]:
     """Write the chunk's KV into `pages` and attend over the row's whole context read back from the pool.
 
@@ -79,21 +80,29 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
     token only.
     -> (logits at each row's last chunk token [B, V] f32, or at every chunk token [B, T, V] with all_logits;
     pages; ok [B] bool), then with return_hidden the last decoder layer's output at every chunk token [B, T, H]
-    (before the final norm: the MTP head's input, `jaxserve.models.paged_mtp`).
+    (before the final norm: the MTP head's input, `jaxserve.models.paged_mtp`). With aux_layers (ascending layer
+    indices; num_layers: the last layer's output) that 4th output is instead the residual stream at the input of
+    each, concatenated [B, T, len(aux_layers) * H] (an EAGLE-3 draft's input, `jaxserve.models.paged_eagle3`).
     """
     batch, ok, slot_tags = guard_prefill(pages, batch, integrity)
     cos, sin = model.rope(batch.positions)
     h = model.embed_tokens(batch.tokens)
     selected = None  # GLM-5 DSA: the last full indexer layer's selection, reused by IndexShare layers
+    aux = []
+    full = all_logits or return_hidden or len(model.layers) in aux_layers
     for i, layer in enumerate(model.layers):
+        if i in aux_layers:
+            aux.append(h)
         o, pages, selected = prefill_attention(model, i, layer.input_norm(h), pages, batch, cos, sin, selected,
                                                slot_tags, attention)
-        if i == len(model.layers) - 1 and not (all_logits or return_hidden):
+        if i == len(model.layers) - 1 and not full:
             # the last layer's K/V is written: its output projection and MLP only matter at the sampled token
             h, o = _at_last(h, batch.chunk_lens), _at_last(o, batch.chunk_lens)
         h = h + layer.attn.o(o)
         h = h + layer.mlp(layer.post_norm(h))
     logits = mask_outputs(ok, model.logits(h if all_logits else _at_last(h, batch.chunk_lens)[:, 0]))
+    if aux_layers:
+        return logits, pages, ok, jnp.concatenate(aux + [h] * (len(model.layers) in aux_layers), axis=-1)
     return (logits, pages, ok, h) if return_hidden else (logits, pages, ok)
 
 

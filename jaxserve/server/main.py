@@ -130,8 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "runs (every program at its largest shape; see README for the throughput cost)")
     p.add_argument("--speculative", default=None, metavar="METHOD:K[:MAX_ROWS]",
                    help="speculative decoding: draft K tokens per step and verify them in one forward; ngram:K "
-                        "(prompt lookup) or mtp:K (the checkpoint's MTP head); with MAX_ROWS, only while at most that "
-                        "many requests decode (default off)")
+                        "(prompt lookup), mtp:K (the checkpoint's MTP head) or eagle3:PATH:K (an EAGLE-3 draft "
+                        "checkpoint folder); with MAX_ROWS, only while at most that many requests decode (default off)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on SIGTERM/SIGINT: seconds in-flight requests may finish before they are aborted")
     add_cache_arguments(p)

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_util import engine, pool_is_full, prompts, small_config, tiny_model
+from engine_util import engine, pool_is_full, prompts, small_config, stale_page_fails_only_its_request, tiny_model
 from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams
 from jaxserve.engine.config import Speculative
-from jaxserve.errors import ConfigError, KVIntegrityError
+from jaxserve.errors import ConfigError
 from jaxserve.server.metrics import ServerMetrics
 from test_engine_sharded import eight_head_model
 
@@ -123,25 +123,7 @@ def test_rollbacks_across_page_boundaries_return_their_pages(model):
 
 def test_a_stale_page_under_a_draft_run_fails_only_its_request(model):
     _, spec = pair(model, kv_dtype="fp8")
-    ps = looping(3, seed=5)
-    clean = [o.token_ids for o in spec.generate(ps, SP)]
-    spec.scheduler.prefix_cache.clear()
-    reqs = [Request(p, SP) for p in ps]
-    streams = [spec.submit(r) for r in reqs]
-    sched = spec.scheduler
-    while sched.stats.verify_rows == 0 or sum(s.status.value == "decoding" for s in sched.running) < 3:
-        spec.step()
-    victim = next(s for s in sched.running if s.req.request_id == reqs[1].request_id)
-    page, tag = victim.decode_pages[-1]  # the page its drafts are written into
-    sched.decode_alloc.free(page, tag)  # a stale mapping: the page is handed to someone else
-    [(new_page, new_tag)] = sched.decode_alloc.allocate(1)
-    assert new_page == page and new_tag != tag
-    ends = [list(st) for st in streams]
-    assert ends[1][-1].finish_reason == "error" and isinstance(ends[1][-1].error, KVIntegrityError)
-    for i in (0, 2):
-        assert [ev.token_id for ev in ends[i] if ev.token_id is not None] == clean[i]
-    sched.decode_alloc.free(new_page, new_tag)
-    assert pool_is_full(spec)
+    stale_page_fails_only_its_request(spec, looping(3, seed=5), SP)
 
 
 @pytest.mark.parametrize("sharding", ["tp", "dp_attention"])
