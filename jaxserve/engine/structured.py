@@ -17,11 +17,12 @@ maintained (guidance-ai; used by vLLM, SGLang and llama.cpp as a backend).
 Where the work runs: a request's matcher is built by `GrammarCompiler.matcher` in `Engine.submit`, on the caller's
 thread (the HTTP handler), never in the engine step; only the per-token mask and consume_token run in the loop.
 The build does not stall the loop through the GIL either: llguidance's `LLMatcher` constructor drops the GIL while
-it compiles (its documented behaviour, measured by bench/host_work.py: a thread waking every 1 ms beside the compile
-of a 150-property JSON schema (~9.7k tokens of the tiny tokenizer, 30-36 ms) or of a 100-tool forced-call grammar
-(100-185 ms) saw gaps of 5-23 ms, as it does idle on the same loaded 2-core host (4-17 ms, load average ~17): no
-hold near the compile's length). So no worker process is needed; `grammar_from_json_schema` (Python side, ~1 ms)
-and the mask (`compute_bitmask`, GIL dropped, < 2 ms for a fresh matcher) are short.
+it compiles (documented, and measured by bench/host_work.py on a 2-core host at load average ~20: beside the compile
+of a 150-property JSON schema (~9.7k tokens of the tiny tokenizer; 28-160 ms) or of a 100-tool forced-call grammar
+(76-381 ms), a thread waking every 1 ms saw largest gaps of 8-48 ms, as it does idle (15-37 ms); a call that holds
+the GIL shows gap = work: json.loads of a 3.8 MB body, 49-59 ms of work, 49-59 ms gaps). So no worker process is
+needed; `grammar_from_json_schema` (Python, ~1 ms) and the mask (`compute_bitmask`, GIL dropped, < 2 ms for a
+fresh matcher) are short.
 """
 from __future__ import annotations
 
