@@ -1,7 +1,6 @@
 """Continuous batching: FCFS admission by free pages, chunked prefill interleaved with decode, hand-off of finished
-prefills to the decode pool, preemption by recompute when decode pages run out, aborts, ends (`engine.output` says
-when a token ends a sequence). It streams token ids: their text and stop strings are made by the consumer
-(`engine.text_stream`), which ends a request on a stop string. The batches it uploads are built in `engine.batch`.
+prefills to the decode pool, preemption by recompute, aborts, ends (`engine.output`: why a token ends a sequence; its
+text and stop strings are the consumer's, `engine.text_stream`). The batches it uploads are built in `engine.batch`.
 
 Prefill and decode as separate servers (`EngineConfig.role`): `remote_steps` (a mixin) exports instead of handing off
 (prefill role) or pulls instead of prefilling (decode role).
