@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_util import pool_is_full, small_config
+from engine_util import Progress, engine_advances, pool_is_full, record_decoder_threads, small_config
 from jaxserve.engine import Engine, Request, SamplingParams
 from jaxserve.engine.structured import StructuredOutput
-from jaxserve.tokenizer import StreamDecoder
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi"
 LOOP_THREAD = "jaxserve-engine"
@@ -38,43 +37,23 @@ def prompt(eng):
     return eng.encode("def add(a, b):\n    return a + b\n\n\ndef")
 
 
-class Counted:
-    """Consumes a stream on its own thread, counting its token events; `wait_more(n)` waits for n more."""
+class Counted(Progress):
+    """Consumes a stream on its own thread ("consumer-a"), counting its token events."""
 
     def __init__(self, stream: object) -> None:
-        self.tokens = 0
+        super().__init__(WAIT_S)
         self.events: list = []
-        self._cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, args=(stream,), name="consumer-a", daemon=True)
         self.thread.start()
 
     def _run(self, stream: object) -> None:
         for ev in stream:
-            with self._cond:
-                self.events.append(ev)
-                self.tokens += ev.token_id is not None
-                self._cond.notify_all()
-
-    def wait_for(self, n: int) -> bool:
-        """Wait until `n` tokens have arrived -> False if WAIT_S passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.tokens >= n, WAIT_S)
-
-    def wait_more(self, n: int) -> bool:
-        with self._cond:
-            target = self.tokens + n
-        return self.wait_for(target)
+            self.events.append(ev)
+            self.add(ev.token_id is not None)
 
 
 def test_text_is_made_on_the_consumer_thread(eng, prompt, monkeypatch):
-    names: list[str] = []
-    push = StreamDecoder.push
-
-    def recording_push(self, token_id):  # noqa: ANN001, ANN202
-        names.append(threading.current_thread().name)
-        return push(self, token_id)
-
-    monkeypatch.setattr(StreamDecoder, "push", recording_push)
+    names = record_decoder_threads(monkeypatch)
     sp = SamplingParams(max_tokens=12, ignore_eos=True, stop=("\x00never",))
     out = eng.generate([prompt], sp)[0]  # consumed on this thread
     a = Counted(eng.submit(Request(prompt, sp)))  # consumed on "consumer-a"
@@ -108,6 +87,17 @@ def test_a_stop_string_found_by_the_consumer_ends_the_request_in_the_engine(eng,
     after = eng.stats()
     assert after["aborted"] == before["aborted"] and after["finished"] == before["finished"] + 1
     assert after["generated_tokens"] - before["generated_tokens"] >= j + 1  # the engine's own count: maybe more
+    # n > 1 (one queue for the group; a batch of two may round differently from the single run, so its tokens are not
+    # compared): each member ends on its own, at its stop string or at max_tokens if none occurred
+    group = list(eng.submit_group([Request(prompt, dataclasses.replace(sp, stop=(stop,)), request_id=f"s-{i}")
+                                   for i in range(2)]))
+    assert pool_is_full(eng)
+    for i in range(2):
+        mine = [ev for k, ev in group if k == i]
+        n = len(mine) - 1
+        assert all(ev.finish_reason is None for ev in mine[:-1]) and mine[-1].completion_tokens == n
+        assert stop not in "".join(ev.text for ev in mine)
+        assert mine[-1].finish_reason == "stop" or mine[-1].finish_reason == "length" and n == sp.max_tokens
 
 
 def test_a_slow_grammar_build_does_not_delay_another_stream(eng, prompt, monkeypatch):
@@ -116,7 +106,7 @@ def test_a_slow_grammar_build_does_not_delay_another_stream(eng, prompt, monkeyp
     build, waited = eng.grammar.matcher, []
 
     def slow_build(so):  # noqa: ANN001, ANN202 - blocks until the running stream got MORE tokens
-        waited.append(a.wait_more(MORE))
+        waited.append(engine_advances(eng, MORE, WAIT_S) and a.wait_more(MORE))
         return build(so)
 
     monkeypatch.setattr(eng.grammar, "matcher", slow_build)
@@ -124,4 +114,4 @@ def test_a_slow_grammar_build_does_not_delay_another_stream(eng, prompt, monkeyp
     assert waited == [True]  # the stream went on while this request's grammar was being built
     assert out.finish_reason in ("stop", "length") and out.token_ids
     a.thread.join(WAIT_S)
-    assert a.events[-1].finish_reason == "length" and a.tokens == 100
+    assert a.events[-1].finish_reason == "length" and a.count == 100

@@ -11,6 +11,8 @@ import threading
 import httpx2 as httpx
 import pytest
 
+from engine_util import Progress, engine_advances, record_decoder_threads
+from jaxserve.engine import Engine
 from test_server import MODEL, TIMEOUT, Served, shared_server, sse_events, wait_idle
 
 MORE = 5  # chunks the running stream must receive while the other request's work is blocked
@@ -21,13 +23,12 @@ def srv() -> Served:
     return shared_server()
 
 
-class Streaming:
-    """A streamed completion read on its own thread, counting its content chunks; `wait_more(n)` waits for n more."""
+class Streaming(Progress):
+    """A streamed completion read on its own thread, counting its content chunks."""
 
     def __init__(self, srv: Served, max_tokens: int) -> None:
-        self.chunks = 0
+        super().__init__(TIMEOUT)
         self.finish: str | None = None
-        self._cond = threading.Condition()
         body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         self.thread = threading.Thread(target=self._run, args=(srv.base, body), name="client-a", daemon=True)
@@ -39,26 +40,15 @@ class Streaming:
                 if data == "[DONE]":
                     break
                 choices = json.loads(data)["choices"]
-                with self._cond:
-                    self.chunks += bool(choices)
-                    self.finish = (choices[0].get("finish_reason") if choices else None) or self.finish
-                    self._cond.notify_all()
-
-    def wait_for(self, n: int) -> bool:
-        """Wait until `n` chunks have arrived -> False if TIMEOUT passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.chunks >= n, TIMEOUT)
-
-    def wait_more(self, n: int) -> bool:
-        with self._cond:
-            target = self.chunks + n
-        return self.wait_for(target)
+                self.finish = (choices[0].get("finish_reason") if choices else None) or self.finish
+                self.add(bool(choices))
 
 
-def blocking(real, running: Streaming, waited: list[bool]):  # noqa: ANN001, ANN201
-    """`real`, delayed until the running stream has received MORE chunks (whether it did goes to `waited`)."""
+def blocking(real, engine: Engine, running: Streaming, waited: list[bool]):  # noqa: ANN001, ANN201
+    """`real`, delayed until the engine has generated MORE tokens and the running stream's client has received MORE
+    chunks (whether both happened goes to `waited`)."""
     def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        waited.append(running.wait_more(MORE))
+        waited.append(engine_advances(engine, MORE, TIMEOUT) and running.wait_more(MORE))
         return real(*args, **kwargs)
     return slow
 
@@ -69,7 +59,7 @@ def check_delays_only_itself(srv: Served, monkeypatch, owner: object, attr: str,
     a = Streaming(srv, max_tokens=150)
     assert a.wait_for(1)
     waited: list[bool] = []
-    monkeypatch.setattr(owner, attr, blocking(getattr(owner, attr), a, waited))
+    monkeypatch.setattr(owner, attr, blocking(getattr(owner, attr), srv.engine, a, waited))
     r = httpx.post(f"{srv.base}/v1/chat/completions", json=body, timeout=TIMEOUT)
     monkeypatch.undo()
     assert r.status_code == 200, r.text
@@ -94,16 +84,7 @@ def test_a_slow_grammar_build_delays_only_its_own_request(srv, monkeypatch):
 
 
 def test_text_is_made_on_the_request_thread(srv, monkeypatch):
-    from jaxserve.tokenizer import StreamDecoder
-
-    names: list[str] = []
-    push = StreamDecoder.push
-
-    def recording_push(self, token_id):  # noqa: ANN001, ANN202
-        names.append(threading.current_thread().name)
-        return push(self, token_id)
-
-    monkeypatch.setattr(StreamDecoder, "push", recording_push)
+    names = record_decoder_threads(monkeypatch)
     for stream in (False, True):
         body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6, "ignore_eos": True, "stop": ["\x00"],
                 "stream": stream, "n": 2}
