@@ -17,12 +17,13 @@ maintained (guidance-ai; used by vLLM, SGLang and llama.cpp as a backend).
 Where the work runs: a request's matcher is built by `GrammarCompiler.matcher` in `Engine.submit`, on the caller's
 thread (the HTTP handler), never in the engine step; only the per-token mask and consume_token run in the loop.
 The build does not stall the loop through the GIL either: llguidance's `LLMatcher` constructor drops the GIL while
-it compiles (documented, and measured by bench/host_work.py on a 2-core host at load average ~20: beside the compile
-of a 150-property JSON schema (~9.7k tokens of the tiny tokenizer; 28-160 ms) or of a 100-tool forced-call grammar
-(76-381 ms), a thread waking every 1 ms saw largest gaps of 8-48 ms, as it does idle (15-37 ms); a call that holds
-the GIL shows gap = work: json.loads of a 3.8 MB body, 49-59 ms of work, 49-59 ms gaps). So no worker process is
-needed; `grammar_from_json_schema` (Python, ~1 ms) and the mask (`compute_bitmask`, GIL dropped, < 2 ms for a
-fresh matcher) are short.
+it compiles (documented, and measured by bench/host_work.py on the shared 2-core host at load average ~7.5: beside
+the compile of a 150-property JSON schema (~9.7k tokens of the tiny tokenizer; 13-23 ms) or of a 100-tool
+forced-call grammar (46-72 ms), a thread waking every 1 ms saw largest gaps of 7-14 and 4-7 ms, as it does idle
+(1-22 ms); a call that holds the GIL shows gap = work (at load ~20: json.loads of a 3.8 MB body, 49-59 ms of work,
+49-59 ms gaps; the compiles then took up to 381 ms with gaps <= 48 ms). So no worker process is needed;
+`grammar_from_json_schema` (Python, ~1 ms) and the mask (`compute_bitmask`, GIL dropped, < 2 ms for a fresh
+matcher) are short.
 """
 from __future__ import annotations
 
