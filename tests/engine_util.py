@@ -1,6 +1,9 @@
 """Small engines over random tiny models, for the engine tests."""
 from __future__ import annotations
 
+import threading
+import time
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -75,3 +78,54 @@ def stale_page_fails_only_its_request(spec: Engine, ps: list[list[int]], sp: Sam
         assert [ev.token_id for ev in ends[i] if ev.token_id is not None] == clean[i]
     sched.decode_alloc.free(new_page, new_tag)
     assert pool_is_full(spec)
+
+
+class Progress:
+    """A count that one thread raises (`add`) and others wait on (`wait_for`, `wait_more`), with a bounded wait."""
+
+    def __init__(self, timeout: float) -> None:
+        self.count = 0
+        self.timeout = timeout
+        self._cond = threading.Condition()
+
+    def add(self, n: int = 1) -> None:
+        with self._cond:
+            self.count += n
+            self._cond.notify_all()
+
+    def wait_for(self, n: int) -> bool:
+        """Wait until the count reaches n -> False if `timeout` seconds passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.count >= n, self.timeout)
+
+    def wait_more(self, n: int) -> bool:
+        with self._cond:
+            target = self.count + n
+        return self.wait_for(target)
+
+
+def record_decoder_threads(monkeypatch: object) -> list[str]:
+    """Patch tokenizer.StreamDecoder.push to log the name of each thread that detokenizes -> that log."""
+    from jaxserve.tokenizer import StreamDecoder
+
+    names: list[str] = []
+    push = StreamDecoder.push
+
+    def recording_push(self: StreamDecoder, token_id: int) -> str:
+        names.append(threading.current_thread().name)
+        return push(self, token_id)
+
+    monkeypatch.setattr(StreamDecoder, "push", recording_push)
+    return names
+
+
+def engine_advances(e: Engine, n: int, timeout: float) -> bool:
+    """Wait until the engine has generated n more tokens (polled) -> False if `timeout` seconds passed first. A
+    thread that the engine loop waits on can never see this: no backlog of streamed tokens can fake it."""
+    target = e.stats()["generated_tokens"] + n
+    deadline = time.monotonic() + timeout
+    while e.stats()["generated_tokens"] < target:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

@@ -1,8 +1,13 @@
 """The library API: `Engine.from_checkpoint(path, EngineConfig(...))`, `generate`, streaming `submit`, `abort`,
 `stats`. A background thread runs the scheduler loop; `start=False` gives a synchronous engine driven by `step()`
-(tests, benchmarks)."""
+(tests, benchmarks).
+
+Per-request host work stays off the loop thread: a request's grammar is compiled in `submit` (the caller's thread;
+llguidance drops the GIL while it builds, engine.structured), and its text (detokenization, stop strings:
+engine.text_stream) is made in its event iterator, on the consumer's thread. The loop only steps the scheduler."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -22,6 +27,7 @@ from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured import GrammarCompiler
+from jaxserve.engine.text_stream import TextStream
 from jaxserve.engine.warmup import WarmupLevel, WarmupReport, counting, full_plan, run_jobs
 from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
 from jaxserve.models import CausalLM
@@ -46,7 +52,7 @@ class Engine:
         # thread that runs them once the loop has been idle for IDLE_COMPILE_S (join it to wait)
         self.deferred_compiles: list[Callable[[], None]] = []
         self.background_compile: threading.Thread | None = None
-        self._queues: dict[str, queue.Queue[TokenEvent]] = {}
+        self._queues: dict[str, tuple[queue.Queue[TokenEvent], TextStream]] = {}  # in flight: events, text
         self._qlock = threading.Lock()
         eos = tuple(dict.fromkeys(tuple(model.cfg.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", ()))))
         self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, eos) if tokenizer is not None else None
@@ -167,7 +173,9 @@ class Engine:
             raise InvalidRequestError("structured output needs the model's tokenizer", value=so.kind, param=so.param)
         return self.grammar.matcher(so)
 
-    def _register(self, rids: list[str], q: queue.Queue[TokenEvent]) -> None:
+    def _register(self, reqs: Sequence[Request], q: queue.Queue[TokenEvent]) -> dict[str, TextStream]:
+        """Route reqs' events to q -> each one's text stream (its own decoder and stop strings)."""
+        rids = [r.request_id for r in reqs]
         with self._qlock:
             if len(self._queues) + len(rids) > self.cfg.max_queue:
                 raise QueueFullError(f"{len(self._queues)} requests in flight (max_queue {self.cfg.max_queue})",
@@ -175,16 +183,21 @@ class Engine:
             for rid in rids:
                 if rid in self._queues or rids.count(rid) > 1:
                     raise InvalidRequestError("a request with this id is in flight", value=rid, param="request_id")
+            texts = {r.request_id: TextStream(self._decoder(), r.params.stop) for r in reqs}
             for rid in rids:
-                self._queues[rid] = q
+                self._queues[rid] = (q, texts[rid])
+        return texts
+
+    def _decoder(self) -> object | None:
+        """A fresh tokenizer.StreamDecoder, None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        from jaxserve.tokenizer import StreamDecoder
+
+        return StreamDecoder(self.tokenizer)
 
     def _enqueue(self, req: Request, matcher: object | None) -> None:
-        decoder = None
-        if self.tokenizer is not None:
-            from jaxserve.tokenizer import StreamDecoder
-
-            decoder = StreamDecoder(self.tokenizer)
-        self.scheduler.submit(req, decoder, matcher)
+        self.scheduler.submit(req, matcher)
         self._wake.set()
 
     def submit(self, req: Request) -> Iterator[TokenEvent]:
@@ -192,9 +205,9 @@ class Engine:
         self.validate(req)
         matcher = self._matcher(req)
         q: queue.Queue[TokenEvent] = queue.Queue()
-        self._register([req.request_id], q)
+        texts = self._register([req], q)
         self._enqueue(req, matcher)
-        return self._events(req.request_id, q)
+        return self._events(texts, q)
 
     def submit_group(self, reqs: Sequence[Request]) -> Iterator[tuple[int, TokenEvent]]:
         """Queue several requests for one prompt (OpenAI `n`): the first alone, the others once its prefill is done
@@ -205,60 +218,80 @@ class Engine:
             self.validate(r)
         matchers = [self._matcher(r) for r in reqs]
         q: queue.Queue[TokenEvent] = queue.Queue()
-        self._register([r.request_id for r in reqs], q)
+        texts = self._register(reqs, q)
         self._enqueue(reqs[0], matchers[0])
-        return self._group_events(reqs, matchers, q)
+        return self._group_events(reqs, matchers, texts, q)
 
-    def _group_events(self, reqs: Sequence[Request], matchers: list[object | None], q: queue.Queue[TokenEvent]
-                      ) -> Iterator[tuple[int, TokenEvent]]:
+    def _group_events(self, reqs: Sequence[Request], matchers: list[object | None], texts: dict[str, TextStream],
+                      q: queue.Queue[TokenEvent]) -> Iterator[tuple[int, TokenEvent]]:
         index = {r.request_id: i for i, r in enumerate(reqs)}
         waiting = list(zip(reqs[1:], matchers[1:]))
-        done: set[str] = set()
-        try:
-            while len(done) < len(reqs):
-                if self._thread is None:
-                    while q.empty():
-                        self.step()
-                ev = q.get()
+        with contextlib.closing(self._events(texts, q)) as events:  # closing this closes (aborts) them at once
+            for ev in events:
                 if waiting:
                     for r, m in waiting:
                         self._enqueue(r, m)
                     waiting = []
-                if ev.finish_reason is not None:
-                    done.add(ev.request_id)
                 yield index[ev.request_id], ev
+
+    def _events(self, texts: dict[str, TextStream], q: queue.Queue[TokenEvent]) -> Iterator[TokenEvent]:
+        """The consumer's side of the requests in `texts` (sharing q): their events in arrival order, with their
+        text, until every one has finished; closing it early aborts the unfinished ones (a client disconnect: their
+        pages return)."""
+        left = set(texts)
+        try:
+            while left:
+                if self._thread is None:
+                    while q.empty():
+                        self.step()
+                ev = q.get()
+                if self._thread is not None:  # the text is made here, on the consumer's thread
+                    ev = self._consume(ev, texts[ev.request_id])
+                    if ev is None:
+                        continue
+                if ev.finish_reason is not None:
+                    left.discard(ev.request_id)
+                yield ev
         finally:
             with self._qlock:
-                unfinished = [r.request_id for r in reqs if r.request_id in self._queues]
+                unfinished = [rid for rid in texts if rid in self._queues]
                 for rid in unfinished:
                     self._queues.pop(rid, None)
             for rid in unfinished:
                 self.abort(rid)
 
-    def _events(self, rid: str, q: queue.Queue[TokenEvent]) -> Iterator[TokenEvent]:
-        try:
-            while True:
-                if self._thread is None:
-                    while q.empty():
-                        self.step()
-                ev = q.get()
-                yield ev
-                if ev.finish_reason is not None:
-                    return
-        finally:
-            with self._qlock:
-                finished = rid not in self._queues
-                self._queues.pop(rid, None)
-            if not finished:
-                self.abort(rid)  # the consumer went away (client disconnect): free its pages
+    def _consume(self, ev: TokenEvent, text: TextStream) -> TokenEvent | None:
+        """An event from the engine -> the consumer's (None: dropped, a token after a stop string). A stop string
+        ends the request in the engine; its finish event (the engine's acknowledgement) then ends the stream."""
+        if ev.finish_reason is not None:
+            if text.stopped and ev.kv_transfer is not None and self.transfers is not None:
+                self.transfers.drop(ev.kv_transfer["transfer_id"])  # exported before the stop string was seen
+                self._wake.set()
+            return text.finish(ev)
+        if text.stopped:
+            return None
+        ev = text.token(ev)
+        if text.stopped:
+            self.scheduler.abort(ev.request_id, "stop")
+            self._wake.set()
+        return ev
 
-    def _emit(self, ev: TokenEvent) -> None:
+    def _emit(self, ev: TokenEvent) -> bool:
+        """The scheduler's output (engine thread, or a synchronous engine's `step` caller) -> True to end the
+        request now with "stop" (synchronous engine only: its text is made here, as the step's caller consumes)."""
         with self._qlock:
-            q = self._queues.get(ev.request_id)
+            entry = self._queues.get(ev.request_id)
             if ev.finish_reason is not None:
                 self._queues.pop(ev.request_id, None)
-        if q is not None:
+        if entry is None:
+            return False
+        q, text = entry
+        if self._thread is None:
+            ev = text.finish(ev) if ev.finish_reason is not None else text.token(ev)
             q.put(ev)
+            return text.stopped
+        q.put(ev)
+        return False
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -162,7 +162,9 @@ class TokenEvent:
     """One streamed step of a request: a new token (token_id set), or its end (finish_reason set).
 
     finish_reason: "stop" (eos, stop token or stop string), "length" (max_tokens or context), "abort", "error".
-    text: the newly completed text, when the engine has a tokenizer.
+    text: the newly completed text, when the engine has a tokenizer (made on the consumer's side: engine.text_stream).
+    end: on the token with which the engine ends the request (its finish event follows): "eos" (an end token or one
+    of stop_token_ids: its text is not output), "grammar" (the grammar completed), "length".
     prompt_logprobs: set on a request's first event (its first token, or its end when it generates none) when the
     request asked for them.
     """
@@ -179,6 +181,7 @@ class TokenEvent:
     completion_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
     kv_transfer: dict | None = None  # prefill role, on the finish event: the kv_transfer_params to answer with
+    end: str | None = None
 
 
 @dataclass

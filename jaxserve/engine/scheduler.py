@@ -1,6 +1,6 @@
 """Continuous batching: FCFS admission by free pages, chunked prefill interleaved with decode, hand-off of finished
-prefills to the decode pool, preemption by recompute when decode pages run out, aborts, ends (`engine.output` says
-when a token ends a sequence). The batches it uploads are built in `engine.batch`.
+prefills to the decode pool, preemption by recompute, aborts, ends (`engine.output`: why a token ends a sequence; its
+text and stop strings are the consumer's, `engine.text_stream`). The batches it uploads are built in `engine.batch`.
 
 Prefill and decode as separate servers (`EngineConfig.role`): `remote_steps` (a mixin) exports instead of handing off
 (prefill role) or pulls instead of prefilling (decode role).
@@ -14,7 +14,7 @@ request's bookkeeping ends that request with its error (`_fail`), drops prefix-c
 hold their tag on the device, and the step goes on for everyone else.
 
 Overlap (`EngineConfig.overlap`): the decode of step N+1 is dispatched before step N's tokens are read, so the host's
-work for a step (intake, prefill, hand-offs, building the next batch, stop strings) runs while the device decodes.
+work for a step (intake, prefill, hand-offs, building the next batch) runs while the device decodes.
 A row that was in N takes N's sampled token on the device (`batch.unpack_decode_after`), its position and seed step one
 ahead; a row that joined since takes its host token. Rows that end at N for certain (max_tokens, context) are left
 out of N+1; a row that ends at N otherwise (stop token, stop string, a failed tag check, an abort) was also in N+1,
@@ -40,7 +40,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import (DecodeRows, SamplingExtras, prefill_batch, rank_rows, sampling_arrays,
                                    sampling_extras)
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.output import token_output, top_alternatives
+from jaxserve.engine.output import token_end, top_alternatives
 from jaxserve.engine.placement import Placement
 from jaxserve.engine.prefix_cache import PrefixCache, engine_salt
 from jaxserve.engine.remote_steps import RemoteSteps
@@ -54,7 +54,7 @@ from jaxserve.engine.speculative import Speculation
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.errors import JaxserveError, KVIntegrityError, OutOfPagesError, PageAllocatorError
 
-Emit = Callable[[TokenEvent], None]
+Emit = Callable[[TokenEvent], bool]  # -> True: the consumer ends the request now with "stop" (a stop string)
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Scheduler(RemoteSteps):
         self.stats = Stats()
         self._order = 0
         self._inbox: list[Sequence] = []
-        self._aborts: set[str] = set()
+        self._aborts: dict[str, str] = {}  # request id -> finish reason
         self._inflight: _InFlight | None = None  # the decode dispatched but not read yet (overlap)
         self._lock = threading.Lock()
         self._speculation = Speculation(self) if cfg.speculative is not None else None  # engine.speculative
@@ -109,15 +109,15 @@ class Scheduler(RemoteSteps):
             self.eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
 
     # ---- cross-thread entry points ------------------------------------------------------------------------
-    def submit(self, req: Request, decoder: object | None = None, matcher: object | None = None) -> None:
-        """Queue a validated request; `decoder` streams its text (a tokenizer.StreamDecoder) when given; `matcher`
-        constrains it to a grammar (engine.structured)."""
+    def submit(self, req: Request, matcher: object | None = None) -> None:
+        """Queue a validated request; `matcher` constrains it to a grammar (engine.structured)."""
         with self._lock:
-            self._inbox.append(Sequence(req, order=-1, decoder=decoder, matcher=matcher))
+            self._inbox.append(Sequence(req, order=-1, matcher=matcher))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End the request at the next step with `reason` ("stop": its consumer found a stop string)."""
         with self._lock:
-            self._aborts.add(request_id)
+            self._aborts.setdefault(request_id, reason)
 
     def pending(self) -> int:
         with self._lock:
@@ -134,24 +134,24 @@ class Scheduler(RemoteSteps):
         overlap: the next decode is dispatched, then the one dispatched last step is read)."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, set()
+            aborts, self._aborts = self._aborts, {}
         for seq in inbox:
             seq.order = self._order
             self._order += 1
             self.waiting.append(seq)
-        for rid in aborts:
-            self._abort(rid)
+        for rid, reason in aborts.items():
+            self._abort(rid, reason)
         self._remote_events()
         self._admit()
         self._prefill_step()
         (self._speculation.step if self._speculation else self._decode_step)()
         self.stats.steps += 1
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, reason: str) -> None:
         for seq in list(self.waiting) + self.running:
             if seq.req.request_id == rid:
-                self._finish(seq, "abort")
-                self.stats.aborted += 1
+                self._finish(seq, reason)
+                self.stats.aborted += reason == "abort"
 
     # ---- admission ----------------------------------------------------------------------------------------
     @property
@@ -435,15 +435,15 @@ class Scheduler(RemoteSteps):
 
     # ---- tokens, stops, ends ------------------------------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, logprob: float, top: tuple = ()) -> None:
-        """Take seq's next token: stream it (with its new text) and finish seq if it ends there."""
+        """Take seq's next token: stream it and finish seq if it ends there (or its consumer ends it at once)."""
         seq.generated.append(token)
         seq.logprobs.append(logprob)
         self.stats.generated_tokens += 1
-        delta, reason = token_output(seq, token, self.eos, self.cfg.max_model_len)
-        self.emit(TokenEvent(seq.req.request_id, token_id=token, logprob=logprob, text=delta, top_logprobs=top,
-                             prompt_logprobs=prompt_result(seq)))
-        if reason is not None:
-            self._finish(seq, reason)
+        end = token_end(seq, token, self.eos, self.cfg.max_model_len)
+        stop = self.emit(TokenEvent(seq.req.request_id, token_id=token, logprob=logprob, top_logprobs=top,
+                                    prompt_logprobs=prompt_result(seq), end=end))
+        if stop or end is not None:
+            self._finish(seq, "length" if end == "length" and not stop else "stop")
 
     # ---- failures -----------------------------------------------------------------------------------------
     def _integrity_error(self, seq: Sequence, where: str) -> KVIntegrityError:

@@ -22,9 +22,6 @@ class Sequence:
     computed: int = 0  # tokens of `target` already in the prefill pool
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     decode_len: int = 0  # tokens in the decode pool
-    text_sent: int = 0  # characters of `text` already streamed
-    text: str = ""
-    decoder: object = None  # tokenizer.StreamDecoder, when the engine has a tokenizer
     preemptions: int = 0
     pending: tuple[int, float, tuple] | None = None  # first token sampled by prefill, emitted after the hand-off
     slot: int = -1  # row of DecodeRows while decoding

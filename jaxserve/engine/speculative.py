@@ -4,8 +4,8 @@ Each decoding row gets up to k draft tokens (n-gram prompt lookup over its promp
 "mtp:K" / "eagle3:PATH:K" the drafts the row's last MTP / EAGLE-3 prefill / verify program made,
 `engine.mtp_draft`), and
 one verify program (`engine.verify`) runs the target over the last token + the drafts; each row emits 1..k+1
-tokens through the scheduler's own output path (`Scheduler._accept`: stop ids, stop strings, max_tokens, the
-context window, logprobs), stopping at the first that ends it.
+tokens through the scheduler's own output path (`Scheduler._accept`: stop ids, max_tokens, the context window,
+logprobs; a stop string found by the consumer, engine.text_stream), stopping at the first that ends it.
 
 Pages: the page of the position a plain decode would write is had as the plain path has it (`_grow`, which may
 preempt the youngest rows); pages for the draft positions beyond it are taken only when free (no eviction, no

@@ -13,10 +13,22 @@ vocabulary given as per-token bytes (our tiktoken backend, via `Tokenizer.token_
 microseconds without precomputing per-grammar tables, and takes JSON Schema (strict), Lark (with `%json` islands,
 which tool-call grammars use to embed each tool's parameter schema) and regexes through one interface. It is
 maintained (guidance-ai; used by vLLM, SGLang and llama.cpp as a backend).
+
+Where the work runs: a request's matcher is built by `GrammarCompiler.matcher` in `Engine.submit`, on the caller's
+thread (the HTTP handler), never in the engine step; only the per-token mask and consume_token run in the loop.
+The build does not stall the loop through the GIL either: llguidance's `LLMatcher` constructor drops the GIL while
+it compiles (documented, and measured by bench/host_work.py on the shared 2-core host at load average ~7.5: beside
+the compile of a 150-property JSON schema (~9.7k tokens of the tiny tokenizer; 13-23 ms) or of a 100-tool
+forced-call grammar (46-72 ms), a thread waking every 1 ms saw largest gaps of 7-14 and 4-7 ms, as it does idle
+(1-22 ms); a call that holds the GIL shows gap = work (at load ~20: json.loads of a 3.8 MB body, 49-59 ms of work,
+49-59 ms gaps; the compiles then took up to 381 ms with gaps <= 48 ms). So no worker process is needed;
+`grammar_from_json_schema` (Python, ~1 ms) and the mask (`compute_bitmask`, GIL dropped, < 2 ms for a fresh
+matcher) are short.
 """
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -69,21 +81,25 @@ class GrammarCompiler:
         self.words = (vocab + 31) // 32
         self.eos_ids = tuple(eos_ids)
         self._ll: Any = None
+        self._ll_lock = threading.Lock()  # requests' threads build matchers concurrently: one trie build
 
     def _lltokenizer(self) -> Any:
         """llguidance's tokenizer, built on first use (the trie build reads the whole vocabulary once)."""
-        if self._ll is None:
-            import llguidance
+        with self._ll_lock:
+            return self._ll if self._ll is not None else self._build_lltokenizer()
 
-            tok = self._tokenizer
-            json_file = tok.path / "tokenizer.json"
-            eos = list(self.eos_ids) or None
-            if tok.backend == "tokenizers" and json_file.is_file():
-                self._ll = llguidance.LLTokenizer(json_file.read_text(encoding="utf-8"), n_vocab=self.vocab,
-                                                  eos_token=eos)
-            else:
-                self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tok, self.eos_ids)),
-                                                  n_vocab=self.vocab, eos_token=eos)
+    def _build_lltokenizer(self) -> Any:
+        import llguidance
+
+        tok = self._tokenizer
+        json_file = tok.path / "tokenizer.json"
+        eos = list(self.eos_ids) or None
+        if tok.backend == "tokenizers" and json_file.is_file():
+            self._ll = llguidance.LLTokenizer(json_file.read_text(encoding="utf-8"), n_vocab=self.vocab,
+                                              eos_token=eos)
+        else:
+            self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tok, self.eos_ids)),
+                                              n_vocab=self.vocab, eos_token=eos)
         return self._ll
 
     def matcher(self, so: StructuredOutput) -> Any:
