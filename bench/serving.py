@@ -285,6 +285,25 @@ def start_server(checkpoint: Path, threads: int, log: Path, extra: tuple[str, ..
     raise RuntimeError("server did not start within 300 s")
 
 
+def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout_s: float) -> None:
+    """Until GET /ready answers 200 (the server's own warm-up is done); an exit or the timeout raises."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/ready")
+            status = conn.getresponse().status
+            conn.close()
+            if status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"port {port} not ready within {timeout_s:g} s")
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()  # SIGTERM: jaxserve serve shuts down like Ctrl-C
     try:

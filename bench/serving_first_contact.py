@@ -12,6 +12,10 @@ A token arrival is an SSE chunk carrying content, reasoning_content or tool_call
 (send -> first token chunk) and ITL (gaps between token chunks) p50/p99, the largest gap inside one stream, and
 the first/warm TTFT p99 ratio. Goals (issue 32): that ratio <= 1.5 at every concurrency, no gap > 1 s in any sweep
 (on a quiet host: the load average before and after each level is recorded).
+
+The committed result: python bench/serving.py --first-contact --warmup fast,full --max-model-len 256
+--json bench/results/serving_first_contact.json (the feature sweep's prompt is ~170 tokens once the chat template
+renders the tool: 256 holds it and 32 more, 128 does not; a cold `full` at 256 compiles 196 warm-up jobs first).
 """
 from __future__ import annotations
 
@@ -21,7 +25,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -168,24 +171,6 @@ def cache_size(folder: Path | None) -> dict[str, int]:
     return {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
 
 
-def wait_ready(proc: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            conn.request("GET", "/ready")
-            status = conn.getresponse().status
-            conn.close()
-            if status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"/ready not 200 within {READY_TIMEOUT_S:g} s")
-
-
 def cache_flags(spec: FirstContactSpec) -> tuple[tuple[str, ...], Path | None]:
     """serve's cache flags and the folder they use (None: no cache)."""
     from jaxserve.engine.compile_cache import default_cache_dir
@@ -209,7 +194,7 @@ def run_level(level: str, spec: FirstContactSpec, stream: np.ndarray, tmp: Path)
                                   "--max-queue", str(2 * max(spec.concurrencies)), *flags))
     listening = time.monotonic() - t0
     try:
-        wait_ready(proc, port, log)
+        sv.wait_ready(proc, port, log, READY_TIMEOUT_S)
         ready = time.monotonic() - t0
         model = sv.get_json("127.0.0.1", port, "/v1/models")["data"][0]["id"]
         sweeps = []
@@ -250,19 +235,27 @@ def goals(level: dict) -> dict[str, bool]:
             "no_gap_over_1s": all(r["gaps_over_1s"] == 0 for s in level["sweeps"] for r in s["rows"])}
 
 
-def run(spec: FirstContactSpec, command: str) -> dict:
+def uptime() -> str | None:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip() if shutil.which("uptime") else None
+
+
+def run(spec: FirstContactSpec, command: str, partial: Path | None = None) -> dict:
+    """Every level in turn; after each, the result so far is written to `partial` (a later level may take long)."""
     stream = sv.corpus_tokens()
+    r = {"bench": "serving_first_contact", "command": command, "machine": common.machine(), "spec": asdict(spec),
+         "uptime_before": uptime(), "levels": {}, "goals": {"ttft_p99_ratio_max": GOAL_RATIO,
+                                                            "max_gap_s": GOAL_MAX_GAP_S},
+         "notes": "client and server share the host; a token is an SSE chunk with content, reasoning_content or "
+                  "tool_calls; the feature sweep has no ignore_eos (its grammar may end the answer)"}
     with tempfile.TemporaryDirectory() as td:
-        levels = {}
         for level in spec.levels:
-            levels[level] = run_level(level, spec, stream, Path(td))
-            levels[level]["goals"] = goals(levels[level])
-    return {"bench": "serving_first_contact", "command": command, "machine": common.machine(), "spec": asdict(spec),
-            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-            if shutil.which("uptime") else None, "levels": levels,
-            "goals": {"ttft_p99_ratio_max": GOAL_RATIO, "max_gap_s": GOAL_MAX_GAP_S},
-            "notes": "client and server share the host; a token is an SSE chunk with content, reasoning_content or "
-                     "tool_calls; the feature sweep has no ignore_eos (its grammar may end the answer)"}
+            r["levels"][level] = run_level(level, spec, stream, Path(td))
+            r["levels"][level]["goals"] = goals(r["levels"][level])
+            r["uptime"] = uptime()
+            if partial is not None:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps(r, indent=1) + "\n")
+    return r
 
 
 def table(r: dict) -> str:
@@ -291,5 +284,5 @@ def main(levels: tuple[str, ...], smoke: bool, max_model_len: int | None, compil
     spec = SMOKE if smoke else FirstContactSpec()
     spec = FirstContactSpec(**{**asdict(spec), "levels": levels, "compile_cache": compile_cache,
                                "max_model_len": max_model_len or spec.max_model_len})
-    r = run(spec, command)
+    r = run(spec, command, json_out)
     return common.write_result(r, table(r), json_out)
