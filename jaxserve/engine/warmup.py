@@ -208,7 +208,8 @@ class MapGuard:
     compiled program (`jax.clear_caches`) when a program was loaded since the last check and the process holds more
     than `max_maps` memory mappings; they load again from the persistent compile cache on next use (an XLA cache
     hit, not a compile). Without that cache it only logs, once. Paused while a warm-up runs (it evicts on its own);
-    the caller skips it while another of its threads compiles (`jax.clear_caches` is process-wide)."""
+    the caller skips it while another of its threads compiles (`jax.clear_caches` is process-wide: replicas in one
+    process, `serve --workers`, are not coordinated, and a program another replica loads meanwhile may compile)."""
 
     def __init__(self, max_maps: int | None) -> None:
         self.max_maps = max_maps
