@@ -6,7 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from test_bench_smoke import load
+
+# a server's cold start and eight sweeps: 50 s on a quiet host with a warm cache, 282 s at load 14 with its own empty
+# cache (measured): `make test-slow`, as the --pd smoke
+pytestmark = pytest.mark.slow
 
 
 def test_first_contact_smoke(tmp_path: Path) -> None:
