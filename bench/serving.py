@@ -3,6 +3,8 @@
 Usage: python bench/serving.py [--quick | --smoke] [--url http://127.0.0.1:PORT] [--rate R | --concurrency C]
                                [--checkpoint DIR] --json OUT.json
        python bench/serving.py --pd P:D [--quick | --smoke] [--reps N] --json OUT.json   (bench/serving_pd.py)
+       python bench/serving.py --first-contact [--smoke] [--warmup fast,full] [--max-model-len N]
+                               [--compile-cache DIR|off] --json OUT.json   (bench/serving_first_contact.py)
 
 Without --url it starts `jaxserve serve` itself on 127.0.0.1 (a free port) in a child process, so the load
 generator and the server do not share one Python interpreter, and stops it at the end. --url must be loopback.
@@ -283,6 +285,25 @@ def start_server(checkpoint: Path, threads: int, log: Path, extra: tuple[str, ..
     raise RuntimeError("server did not start within 300 s")
 
 
+def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout_s: float) -> None:
+    """Until GET /ready answers 200 (the server's own warm-up is done); an exit or the timeout raises."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/ready")
+            status = conn.getresponse().status
+            conn.close()
+            if status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"port {port} not ready within {timeout_s:g} s")
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()  # SIGTERM: jaxserve serve shuts down like Ctrl-C
     try:
@@ -372,8 +393,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare P prefill + D decode servers behind a router with one --role both server on the "
                          "same devices (bench/serving_pd.py; takes --quick/--smoke, --reps, --checkpoint)")
     ap.add_argument("--reps", type=int, default=None, help="--pd: interleaved repetitions")
+    ap.add_argument("--first-contact", action="store_true",
+                    help="a fresh server per --warmup level, then chat sweeps at c = 1, 4, 16, first and warm, plain "
+                         "and with tools + json_schema + top_logprobs (bench/serving_first_contact.py; takes --smoke)")
+    ap.add_argument("--warmup", default="fast", help="--first-contact: serve --warmup levels, comma-separated")
+    ap.add_argument("--max-model-len", type=int, default=None, help="--first-contact: the servers' window (512)")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                    help="--first-contact: the servers' compile cache (default: serve's own default folder)")
     ap.add_argument("--json", dest="json_out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.first_contact:
+        from bench import serving_first_contact
+
+        command = "python bench/serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        return serving_first_contact.main(tuple(args.warmup.split(",")), args.smoke, args.max_model_len,
+                                          args.compile_cache, args.json_out, command)
     if args.pd is not None:
         from bench import serving_pd
 

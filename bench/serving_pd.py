@@ -13,7 +13,6 @@ prompts <= 1.5x its ITL p99 without them (the same short workload's pass of that
 """
 from __future__ import annotations
 
-import http.client
 import os
 import re
 import subprocess
@@ -108,21 +107,7 @@ def wait_listening(proc: subprocess.Popen, log: Path) -> Proc:
 
 def wait_ready(p: Proc) -> None:
     """Until GET /ready answers 200 (the server's own warm-up is done)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < START_TIMEOUT_S:
-        if p.proc.poll() is not None:
-            raise RuntimeError(f"jaxserve exited with {p.proc.returncode}: {p.log.read_text()[-2000:]}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=10)
-            conn.request("GET", "/ready")
-            status = conn.getresponse().status
-            conn.close()
-            if status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"port {p.port} not ready within {START_TIMEOUT_S} s")
+    sv.wait_ready(p.proc, p.port, p.log, START_TIMEOUT_S)
 
 
 @dataclass

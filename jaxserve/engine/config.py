@@ -123,6 +123,9 @@ class EngineConfig:
     max_transfers: int = 64  # exports held at once (more: the request fails with KVTransferError)
     # draft k tokens per decode step and verify them in one forward (Speculative, or its "ngram:3" text); None: off
     speculative: Speculative | None = None
+    # memory mappings the process may hold before compiled programs are dropped to the persistent compile cache, in
+    # the full warm-up and between steps after it (engine.warmup); None: half of vm.max_map_count
+    max_maps: int | None = None
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> None:

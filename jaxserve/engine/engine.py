@@ -28,7 +28,8 @@ from jaxserve.engine.request import Request, RequestOutput, SamplingParams, Toke
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.engine.text_stream import TextStream
-from jaxserve.engine.warmup import WarmupLevel, WarmupReport, counting, full_plan, run_jobs
+from jaxserve.engine.warmup import (MapGuard, WarmupLevel, WarmupReport, counting, default_max_maps, full_plan,
+                                    run_jobs)
 from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
 from jaxserve.models import CausalLM
 
@@ -52,6 +53,8 @@ class Engine:
         # thread that runs them once the loop has been idle for IDLE_COMPILE_S (join it to wait)
         self.deferred_compiles: list[Callable[[], None]] = []
         self.background_compile: threading.Thread | None = None
+        # the memory-mapping bound between steps (engine.warmup.MapGuard); its evictions count the warm-up's too
+        self.map_guard = MapGuard(cfg.max_maps if cfg.max_maps is not None else default_max_maps())
         self._queues: dict[str, tuple[queue.Queue[TokenEvent], TextStream]] = {}  # in flight: events, text
         self._qlock = threading.Lock()
         eos = tuple(dict.fromkeys(tuple(model.cfg.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", ()))))
@@ -327,6 +330,8 @@ class Engine:
         try:
             with self._step_lock:
                 self.scheduler.step()
+                if self.background_compile is None or not self.background_compile.is_alive():
+                    self.map_guard.check()  # nothing else of this engine is loading a program now
         except Exception as e:  # noqa: BLE001 - any failure must end requests cleanly, never hang them
             err = e if isinstance(e, JaxserveError) else JaxserveError(f"engine step failed: {e!r}")
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -337,18 +342,25 @@ class Engine:
         can select, "fast" a first short request's, its sampled ones deferred to the first idle second, "none"
         nothing); safe beside live traffic (nothing runs, no pool is touched). Returns what it compiled and what
         the persistent cache answered. max_maps: the memory mappings "full" may hold before it drops its compiled
-        programs to the persistent cache (default half of vm.max_map_count; `warmup.run_jobs`)."""
-        if level == "full":
-            return run_jobs(level, full_plan(self.programs), progress, max_maps=max_maps)
-        report = WarmupReport(level)
-        if level == "fast":
-            extra = [functools.partial(compile_unpack, self.programs.decode_rows, self.cfg.row_buckets[0],
-                                       self.cfg.page_buckets[0])] if "decode" in self.cfg.phases else []
-            with counting(report):
-                self.programs.compile_first(extra=extra)
-            report.jobs = {"first request": 1}
-            self.deferred_compiles.append(self.programs.compile_first_sampled)
-        return report
+        programs to the persistent cache (default `EngineConfig.max_maps`; `warmup.run_jobs`)."""
+        self.map_guard.warming += 1  # the warm-up keeps the bound itself; no step evicts under its loads
+        try:
+            if level == "full":
+                report = run_jobs(level, full_plan(self.programs), progress,
+                                  max_maps=self.map_guard.max_maps if max_maps is None else max_maps)
+                self.map_guard.evictions += report.evictions
+                return report
+            report = WarmupReport(level)
+            if level == "fast":
+                extra = [functools.partial(compile_unpack, self.programs.decode_rows, self.cfg.row_buckets[0],
+                                           self.cfg.page_buckets[0])] if "decode" in self.cfg.phases else []
+                with counting(report):
+                    self.programs.compile_first(extra=extra)
+                report.jobs = {"first request": 1}
+                self.deferred_compiles.append(self.programs.compile_first_sampled)
+            return report
+        finally:
+            self.map_guard.warming -= 1
 
     def compile_deferred(self) -> None:
         """Run the deferred compiles now, in this thread (the loop starts them itself when idle)."""
@@ -383,6 +395,7 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.map_guard.close()
 
     def pool_status(self) -> dict[str, int]:
         """This role's page pool (decode's, prefill's for a prefill server): free pages (prefix-cache pages only the
@@ -414,4 +427,5 @@ class Engine:
             "kv_transfers": st.transfers, "kv_transfer_bytes": st.transfer_bytes,
             "kv_transfer_tokens": st.transfer_tokens, "kv_transfer_s": st.transfer_s,
             "verify_rows": st.verify_rows, "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
+            "evictions": self.map_guard.evictions,
         }

@@ -97,6 +97,7 @@ class SessionRouter:
             total.backend_compiles += r.backend_compiles
             total.cache_hits += r.cache_hits
             total.seconds += r.seconds
+            total.evictions += r.evictions
         return total
 
     def close(self) -> None:

@@ -18,7 +18,8 @@ from the persistent compilation cache.
     an XLA compile. Without the persistent cache a grid over the limit is refused (ConfigError) instead.
     `jax.clear_caches` is process-wide: a program another thread is loading at that moment may miss the persistent
     cache and compile (seen in a test), so the warm-up clears only with its own jobs settled; a request served
-    before ready can still race it. After ready nothing bounds what traffic loads back.
+    before ready can still race it. After ready the engine keeps the same bound (`MapGuard`): between steps,
+    on the thread that steps, past `max_maps` it drops the compiled programs again (with the persistent cache on).
   * "fast": what a first short request runs (`Programs.compile_first`, greedy), its sampled programs deferred to
     the first idle second (`Engine.compile_deferred`).
   * "none": nothing; each program compiles on first use, inside the engine loop.
@@ -158,10 +159,12 @@ def _cache_holds_everything() -> bool:
 def _evict(report: WarmupReport, maps: int) -> None:
     """Drop every compiled program from memory (they are in the persistent cache), or refuse when there is none."""
     if not _cache_holds_everything():
-        raise ConfigError(f"warm-up {report.level}: its compiled programs hold {maps} memory mappings, over "
-                          f"{report.max_maps} (half of vm.max_map_count); enable the persistent compile cache with "
-                          "no minimum compile time (`compile_cache.enable_compile_cache`: they are then dropped and "
-                          "load from it on first use), shrink the grid, or raise vm.max_map_count",
+        raise ConfigError(f"warm-up {report.level}: the process holds {maps} memory mappings, over max_maps "
+                          f"{report.max_maps} (default half of vm.max_map_count), and there is no persistent compile "
+                          "cache to drop compiled programs to: enable the compile cache (serve: without "
+                          "--no-compile-cache; library: `compile_cache.enable_compile_cache`), shrink the grid (a "
+                          "smaller max_model_len or max_batch), warm up less (--warmup fast), or raise "
+                          "vm.max_map_count",
                           value=maps, param="max_maps")
     jax.clear_caches()
     report.evictions += 1
@@ -198,3 +201,59 @@ def run_jobs(level: str, jobs: list[Job], progress: bool, threads: int | None = 
             pending.add(pool.submit(job))
         settle(concurrent.futures.ALL_COMPLETED)
     return report
+
+
+class MapGuard:
+    """The mapping bound after ready: `check()`, called between engine steps by the thread that steps, drops every
+    compiled program (`jax.clear_caches`) when a program was loaded since the last check and the process holds more
+    than `max_maps` memory mappings; they load again from the persistent compile cache on next use (an XLA cache
+    hit, not a compile). Without that cache it only logs, once. Paused while a warm-up runs (it evicts on its own);
+    the caller skips it while another of its threads compiles (`jax.clear_caches` is process-wide: replicas in one
+    process, `serve --workers`, are not coordinated, and a program another replica loads meanwhile may compile)."""
+
+    def __init__(self, max_maps: int | None) -> None:
+        self.max_maps = max_maps
+        self.evictions = 0
+        self.warming = 0  # warm-ups in progress (their own `run_jobs` keeps the bound)
+        self._loaded = threading.Event()  # a program was compiled or loaded since the last check
+        self._warned = False
+        self._closed = False
+        jax.monitoring.register_event_listener(self._on_event)
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+
+    def _on_event(self, event: str, **_: object) -> None:
+        if event == _HIT:
+            self._loaded.set()
+
+    def _on_duration(self, event: str, seconds: float, **_: object) -> None:
+        if event == _BACKEND_COMPILE:
+            self._loaded.set()
+
+    def check(self) -> bool:
+        """Evict if over the bound (see the class docstring); True when it did."""
+        if self.max_maps is None or self.warming or not self._loaded.is_set():
+            return False
+        self._loaded.clear()
+        maps = map_count()
+        if maps is None or maps <= self.max_maps:
+            return False
+        if not _cache_holds_everything():
+            if not self._warned:
+                self._warned = True
+                log.warning("%d memory mappings, over %d, and no persistent compile cache: compiled programs stay "
+                            "(past vm.max_map_count an mmap fails); enable the compile cache", maps, self.max_maps)
+            return False
+        for a in jax.live_arrays():  # nothing dispatched still runs when its program is dropped
+            a.block_until_ready()
+        jax.clear_caches()
+        self.evictions += 1
+        log.info("%d memory mappings, over %d: compiled programs dropped (they load from the compile cache)", maps,
+                 self.max_maps)
+        return True
+
+    def close(self) -> None:
+        """Stop listening for compiles (a second call does nothing)."""
+        if not self._closed:
+            self._closed = True
+            jax.monitoring.unregister_event_listener(self._on_event)
+            jax.monitoring.unregister_event_duration_listener(self._on_duration)

@@ -15,7 +15,9 @@ user cache dir; `--no-compile-cache` turns it off).
 
 Start-up: the weights load, the server listens (`/health` answers 200: live), then `--warmup` compiles ahead of
 traffic in a background thread (`engine.warmup`: full, fast or none; one progress bar, and a log line of what came
-from the compile cache); `/ready` (and `/health?ready=1`) answers 503 until that is done.
+from the compile cache); `/ready` (and `/health?ready=1`) answers 503 until that is done. A warm-up that fails
+(e.g. `full` over the memory-mapping budget with no compile cache to drop programs to) ends the process at once
+with its error on one line and exit code 2, rather than leave a server that is never ready.
 Shutdown: SIGTERM or SIGINT starts a drain (`Lifecycle.drain`): generation requests get 503 + Retry-After and
 `/ready` fails at once; what is in flight may finish for `--drain-timeout` seconds, then the rest are aborted (a
 stream's last event is an error saying so, then `data: [DONE]`); once their bytes are out the server stops and the
@@ -33,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +46,7 @@ from waitress.task import ErrorTask
 
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
-from jaxserve.errors import ConfigError
+from jaxserve.errors import ConfigError, JaxserveError
 from jaxserve.format_names import canonical_format
 from jaxserve.engine.warmup import WARMUP_LEVELS
 from jaxserve.server.cpu_layout import CPU_LAYOUTS, CpuLayout, resolve, usable_cores
@@ -125,6 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "mappings they are dropped to the compile cache and load from it on first use), fast = a "
                         "first short request's "
                         "(its sampled programs once idle), none = nothing (default fast)")
+    p.add_argument("--max-maps", type=int, default=None,
+                   help="memory mappings the process may hold before compiled programs are dropped to the compile "
+                        "cache (full warm-up, and between engine steps after ready; default half of vm.max_map_count)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant outputs: greedy and seeded requests give the same tokens whatever else "
                         "runs (every program at its largest shape; see README for the throughput cost)")
@@ -158,7 +164,8 @@ def engine_config(args: argparse.Namespace, layout: CpuLayout | None = None) -> 
                         prefill_weights=args.prefill_weights, integrity=args.integrity == "on",
                         devices=devices, sharding=sharding, max_model_len=args.max_model_len,
                         max_queue=admission(args)[0], deterministic=args.deterministic, role=args.role,
-                        speculative=args.speculative, transfer_host=args.transfer_host, transfer_port=args.transfer_port)
+                        speculative=args.speculative, transfer_host=args.transfer_host,
+                        transfer_port=args.transfer_port, max_maps=args.max_maps)
 
 
 def start_jax(args: argparse.Namespace) -> CpuLayout | None:
@@ -216,6 +223,13 @@ class Shutdown:
         self.timeout_s = timeout_s
         self.done = threading.Event()
         self.thread: threading.Thread | None = None
+        self.failure: Exception | None = None  # a warm-up that failed: the process ends with it
+
+    def fail(self, error: Exception) -> None:
+        """The warm-up failed (it will never be ready): end the server loop at once, nothing to drain."""
+        self.failure = error
+        self.done.set()  # so the signal below ends waitress's loop instead of starting a drain
+        _thread.interrupt_main(signal.SIGTERM)
 
     def on_signal(self, signum: int, frame: object) -> None:
         if self.done.is_set():
@@ -247,10 +261,18 @@ def _unsent(server: BaseWSGIServer | MultiSocketServer) -> int:
     return sum(getattr(ch, "total_outbufs_len", 0) for ch in list(channels.values()))
 
 
-def start_warmup(engine: Engine, level: str, lifecycle: Lifecycle, progress: bool = True) -> threading.Thread:
-    """Warm the engine up in a daemon thread (returned); the lifecycle becomes ready when it is done."""
+def start_warmup(engine: Engine, level: str, lifecycle: Lifecycle, progress: bool = True,
+                 on_error: Callable[[Exception], None] | None = None) -> threading.Thread:
+    """Warm the engine up in a daemon thread (returned); the lifecycle becomes ready when it is done. A failed
+    warm-up calls on_error (serve: the process exits with the error), or raises in the thread without one."""
     def warm() -> None:
-        report = engine.warm_up(level, progress)
+        try:
+            report = engine.warm_up(level, progress)
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(e)
+            return
         _say(report.line())
         lifecycle.set_ready()
 
@@ -296,13 +318,19 @@ def run(args: argparse.Namespace) -> int:
     shutdown = Shutdown(lifecycle, server, args.drain_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):  # what process managers send, and Ctrl-C
         signal.signal(sig, shutdown.on_signal)
-    start_warmup(engine, args.warmup, lifecycle)  # a restart loads its programs from the compile cache
     print(f"jaxserve: serving {name} on http://{args.host}:{server.effective_port}/v1 (admits {max_queue} "
           f"requests, {serve_cfg.threads} threads; warm-up {args.warmup}: /ready answers 200 once done; role "
           f"{args.role}{_transfer_line(engine)})", file=sys.stderr, flush=True)
     try:
+        start_warmup(engine, args.warmup, lifecycle, on_error=shutdown.fail)  # restarts load from the compile cache
         server.run()  # returns once drained (waitress catches the SystemExit of the last signal)
+    except SystemExit:
+        if shutdown.failure is None:
+            raise  # (a failed warm-up's signal may come before waitress's loop runs)
     finally:
         server.close()
         engine.close()
+    if shutdown.failure is not None:  # cli.main prints a JaxserveError as one line and exits 2
+        e = shutdown.failure
+        raise e if isinstance(e, JaxserveError) else JaxserveError(f"warm-up {args.warmup} failed: {e!r}")
     return 0

@@ -49,6 +49,9 @@ class EngineCollector(Collector):
         rows = s["verify_rows"]  # tokens a row emits per verify step: the accepted drafts + the target's own one
         yield GaugeMetricFamily("jaxserve_spec_mean_accept_length", "tokens emitted per row per verify step (0: none)",
                                 value=(s["accepted_tokens"] + rows) / rows if rows else 0.0)
+        yield CounterMetricFamily("jaxserve_program_evictions", "times compiled programs were dropped to the compile "
+                                  "cache to stay under the memory-mapping budget (warm-up and serving)",
+                                  value=s["evictions"])
         yield CounterMetricFamily("jaxserve_engine_aborts", "requests aborted in the engine (disconnects included)",
                                   value=s["aborted"])
 

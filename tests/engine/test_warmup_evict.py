@@ -84,3 +84,53 @@ def test_full_warmup_over_the_budget_without_the_compile_cache_is_refused():
         e.warm_up("full", max_maps=0)
     assert err.value.value > 0 and "compile cache" in str(err.value)
     assert dict(e.programs.compiles) == {}  # refused before compiling anything
+
+
+_AFTER_READY = """
+import dataclasses, json, sys, threading
+import jax
+sys.path.insert(0, sys.argv[2])
+from engine_util import prompts, small_config, tiny_model
+from jaxserve.engine import Engine, SamplingParams
+from jaxserve.engine.compile_cache import enable_compile_cache
+from jaxserve.engine.warmup import WarmupReport, counting, map_count
+
+enable_compile_cache(sys.argv[1])
+cfg = small_config(kv_dtype="fp8", max_batch=4, max_model_len=32, num_decode_pages=20)
+kinds = [dict(), dict(temperature=1.0, seed=7), dict(temperature=0.8, top_k=5, seed=3),
+         dict(temperature=0.9, top_p=0.7, seed=11)]
+params = [SamplingParams(max_tokens=4 + 3 * (i % 4), ignore_eos=True, **kinds[i % 4]) for i in range(12)]
+work = prompts(12, seed=5, lengths=(3, 9, 20, 27, 5, 14))
+# the reference: no bound reached; synchronous engines step the same batches in the same order, so tokens match
+ref = Engine(tiny_model(), cfg, start=False)
+want = [o.token_ids for o in ref.generate(work, params)]
+loaded = map_count()
+ref.close()
+del ref
+jax.clear_caches()
+# ready with nothing in memory (as after the full warm-up's last eviction): the steps load back every program the
+# workload runs, twice the mappings over what the process holds that the budget allows: it is passed
+e = Engine(tiny_model(), dataclasses.replace(cfg, max_maps=(map_count() + loaded) // 2), start=False)
+after = WarmupReport("after ready")
+with counting(after):  # only this thread compiles or loads anything here: it is the one that steps
+    outs = e.generate(work, params)
+print(json.dumps({"evictions": e.stats()["evictions"],
+                  "backend": after.backend_compiles, "hits": after.cache_hits, "maps": map_count(),
+                  "max_maps": e.map_guard.max_maps, "same": [o.token_ids == w for o, w in zip(outs, want)],
+                  "finish": [o.finish_reason for o in outs], "preemptions": e.stats()["preemptions"]}))
+e.close()
+"""
+
+
+def test_after_ready_the_steps_keep_the_mapping_bound_and_reload_from_the_cache(tmp_path):
+    """After ready, traffic loads back the programs the warm-up dropped; between steps the engine drops them again
+    once past max_maps (engine.warmup.MapGuard): it evicts, every request still gets the tokens of an engine that
+    never evicted, and what the stepping thread loads comes from the cache (XLA cache hits, no XLA compile)."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _AFTER_READY, str(tmp_path / "xla"), str(root / "tests")], cwd=root,
+                          check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["evictions"] >= 1  # the steps evicted (stats, /metrics jaxserve_program_evictions)
+    assert out["same"] == [True] * 12 and out["finish"] == ["length"] * 12
+    assert out["hits"] > 0 and out["backend"] == out["hits"]  # reloads after ready: cache hits only
+    assert out["preemptions"] > 0

@@ -352,6 +352,8 @@ def test_metrics_health_and_openapi(srv):
     text = httpx.get(f"{srv.base}/metrics", timeout=TIMEOUT).text
     for name in ("jaxserve_kv_tag_mismatches_total", "jaxserve_preemptions_total", "jaxserve_running_requests"):
         assert name in text
+    evictions = "jaxserve_program_evictions_total"  # compiled programs dropped to the compile cache (engine.warmup)
+    assert evictions in text and metric(srv.base, evictions) == s["evictions"]
     assert httpx.get(f"{srv.base}/health", timeout=TIMEOUT).json()["status"] == "ok"
     spec = httpx.get(f"{srv.base}/openapi.json", timeout=TIMEOUT).json()
     assert spec["openapi"].startswith("3.") and {"/v1/completions", "/v1/chat/completions", "/v1/models",
