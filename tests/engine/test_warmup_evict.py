@@ -122,6 +122,7 @@ e.close()
 """
 
 
+@pytest.mark.slow  # 12-14 min at load ~19 (every eviction reloads the workload's programs): outside CI's budget
 def test_after_ready_the_steps_keep_the_mapping_bound_and_reload_from_the_cache(tmp_path):
     """After ready, traffic loads back the programs the warm-up dropped; between steps the engine drops them again
     once past max_maps (engine.warmup.MapGuard): it evicts, every request still gets the tokens of an engine that
