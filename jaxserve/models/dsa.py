@@ -8,6 +8,10 @@ A selection is (positions [B, T, K] int32 token indices within the row, valid [B
 context cannot fill are invalid and masked out of the softmax. IndexShare ("shared") layers reuse the selection of
 the last full layer before them.
 
+Attention (`sparse_attention`): per shard on a mesh, inside one shard_map with the selection (no collective), and
+blockwise over queries (`QUERY_BLOCK` at a time: selection, gathered rows and attention), so a prefill chunk never
+holds every query's K gathered latent rows at once.
+
 When a program's whole block table spans at most `index_topk` tokens every query's context fits in its top-k, so
 the selection is every causal key and DSA is dense attention: callers then keep their dense path (static: the
 block-table width is a compile-time shape) and only write the indexer keys.

@@ -11,11 +11,13 @@ partitioning rule) only ever sees its own shard and the only collectives are the
 | MoE under DP attention   | all-gather tokens over dp, local experts      | all-gather + psum_scatter over dp   |
 | embedding (vocab split)  | rows of the local vocab slice, others 0       | psum of [tokens, hidden]            |
 | paged attention          | local heads (TP) or local rows + pages (DP)   | none                                |
+| DSA (indexer, top-k)     | every indexer head (TP) or local rows (DP)    | none                                |
 
 With activations replicated over "tp" (TP attention), expert dispatch needs no all-to-all: every device already
 holds every token, selects the pairs routed to its experts and the combine is the same all-reduce TP needs.
 A module built with a `Parallel` (see `jaxserve.models.build`) runs its own per-shard method (`Linear.local`,
-`MoE.local`, the embedding's lookup) through `per_shard`; the paged attention kernels run through `attention`.
+`MoE.local`, the embedding's lookup) through `per_shard`; the paged attention kernels run through `attention`, GLM-5's
+sparse attention (`dsa.sparse_attention`) through `paged`.
 """
 from __future__ import annotations
 
