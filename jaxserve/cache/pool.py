@@ -358,22 +358,24 @@ def convert_pages_to_fp8(src: KVPages, dst: KVPages, src_page_ids: jax.Array, ds
 
 
 # ---- DSA indexer keys and sparse reads ---------------------------------------------------------------------------
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("rowwise",))
 def write_index_keys(pages: KVPages, index_layer: int | jax.Array, keys: jax.Array, slot_mapping: jax.Array,
-                     slot_tags: jax.Array | None = None) -> KVPages:
+                     slot_tags: jax.Array | None = None, *, rowwise: bool = False) -> KVPages:
     """Scatter N tokens' DSA indexer keys of one indexer layer, quantizing when the keys are FP8.
 
-    keys [N, index_head_dim] float; slot_mapping [N] int32 and slot_tags [N] uint32 | None as in `write_tokens`
-    (negative slot: padding, writes nothing; the writer's tag is stamped for each written page).
+    keys [N, index_head_dim] float; slot_mapping [N] int32, slot_tags [N] uint32 | None and rowwise (the TPU
+    decode) as in `write_tokens` (negative slot: padding, writes nothing; the writer's tag is stamped for each
+    written page).
     """
     il = pages.layout.index_layout
     page, off = _slot_indices(slot_mapping, pages.num_pages, il.page_size)
     tags = stamp_tags(pages.tags, page, slot_tags)
     if il.dtype == "fp8":
         q, s = quantize_fp8(keys)
-        return replace(pages, index_k=_store(pages.index_k, index_layer, page, off, q, il),
-                       index_k_scale=_store(pages.index_k_scale, index_layer, page, off, s), tags=tags)
-    return replace(pages, index_k=_store(pages.index_k, index_layer, page, off, keys, il), tags=tags)
+        return replace(pages, index_k=_store(pages.index_k, index_layer, page, off, q, il, rowwise),
+                       index_k_scale=_store(pages.index_k_scale, index_layer, page, off, s, None, rowwise),
+                       tags=tags)
+    return replace(pages, index_k=_store(pages.index_k, index_layer, page, off, keys, il, rowwise), tags=tags)
 
 
 def gather_index_keys(pages: KVPages, index_layer: int | jax.Array, block_tables: jax.Array) -> jax.Array:

@@ -177,19 +177,6 @@ class MLAttention(nnx.Module):
         o_lat = jnp.einsum("bnts,bsr->btnr", p, lat[..., :r])
         return self.absorb_output(o_lat, q_nope.dtype)
 
-    def attend_sparse(self, q_nope: jax.Array, q_rope: jax.Array, rows: jax.Array, valid: jax.Array) -> jax.Array:
-        """DSA attention in the absorbed form over each query's own selected latent rows.
-
-        q_nope [B,T,N,dn], q_rope [B,T,N,dr]; rows [B,T,K,r+dr] f32 (query t's K selected latent rows);
-        valid [B,T,K] bool (False: a selection slot past the query's causal context). -> [B, T, N, dv].
-        """
-        r = self.cfg.kv_lora_rank
-        q = self.absorb_query(q_nope, q_rope)
-        s = jnp.einsum("btnc,btkc->bntk", q, rows)
-        p = masked_softmax(s * self.cfg.softmax_scale, valid)
-        o_lat = jnp.einsum("bntk,btkr->btnr", p, rows[..., :r])
-        return self.absorb_output(o_lat, q_nope.dtype)
-
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, *, absorbed: bool,
                  prev_selected: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
         """-> (out [B,T,H], DSA selection [B,T,S] bool or None). Dense context: keys are this call's tokens."""

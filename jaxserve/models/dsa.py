@@ -8,6 +8,10 @@ A selection is (positions [B, T, K] int32 token indices within the row, valid [B
 context cannot fill are invalid and masked out of the softmax. IndexShare ("shared") layers reuse the selection of
 the last full layer before them.
 
+Attention (`sparse_attention`): per shard on a mesh, inside one shard_map with the selection (no collective), and
+blockwise over queries (`QUERY_BLOCK` at a time: selection, gathered rows and attention), so a prefill chunk never
+holds every query's K gathered latent rows at once.
+
 When a program's whole block table spans at most `index_topk` tokens every query's context fits in its top-k, so
 the selection is every causal key and DSA is dense attention: callers then keep their dense path (static: the
 block-table width is a compile-time shape) and only write the indexer keys.
@@ -20,10 +24,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.cache import KVPages, gather_index_keys, gather_latent_rows
-from jaxserve.models.attention import index_scores
+from jaxserve.models import sharded
+from jaxserve.models.attention import index_scores, masked_softmax
+from jaxserve.sharding import POOL_AXES, Parallel
 
 Selection = tuple[jax.Array, jax.Array]  # (positions [B, T, K] int32, valid [B, T, K] bool)
 BLOCK_TOKENS = 2048  # keys scored per step of the blockwise top-k (bounds the [B, T, nh, block] scores)
+QUERY_BLOCK = 16  # queries per step of sparse prefill (bounds the gathered rows at [B, 16, K, r + dr] f32)
+_POOLS = ("latent", "latent_scale", "index_k", "index_k_scale")  # the pool arrays DSA reads (all layers)
 
 
 def is_sparse(num_tokens: int, index_topk: int) -> bool:
@@ -80,3 +88,72 @@ def sparse_rows(pages: KVPages, layer: int, block_tables: jax.Array, sel: Select
     idx, valid = sel
     rows = gather_latent_rows(pages, layer, block_tables, jnp.where(valid, idx, 0))
     return jnp.where(valid[..., None], rows, 0.0)
+
+
+def query_block(num_queries: int, limit: int = QUERY_BLOCK) -> int:
+    """Queries per step: the largest power of two dividing `num_queries`, at most `limit` (static)."""
+    b = 1
+    while num_queries % (2 * b) == 0 and 2 * b <= limit:
+        b *= 2
+    return b
+
+
+def latent_attention(q: jax.Array, rows: jax.Array, valid: jax.Array, *, softmax_scale: float, kv_lora_rank: int
+                     ) -> jax.Array:
+    """Absorbed MLA attention of each query over its own selected latent rows: q [B, T, N, r + dr] f32 (absorbed),
+    rows [B, T, K, r + dr] f32, valid [B, T, K] bool -> softmax-weighted c_kv [B, T, N, r] f32."""
+    s = jnp.einsum("btnc,btkc->bntk", q, rows)
+    p = masked_softmax(s * softmax_scale, valid)
+    return jnp.einsum("bntk,btkr->btnr", p, rows[..., :kv_lora_rank])
+
+
+def attend(q: jax.Array, index_q: tuple[jax.Array, jax.Array] | None, prev: Selection | None, pages: KVPages,
+           layer: int, index_layer: int, tables: tuple[jax.Array, jax.Array, jax.Array], *, topk: int,
+           softmax_scale: float, block: int = QUERY_BLOCK) -> tuple[jax.Array, Selection]:
+    """One device's DSA attention, blockwise over queries: for each block of at most `block` queries, the top-k
+    selection (by `index_q`, the indexer's (q [B, T, nh, hd], w [B, T, nh]) f32; or the block of `prev`, the
+    selection an IndexShare layer reuses), its latent rows and absorbed attention over them, so the gathered rows
+    are [B, block, K, r + dr], never [B, T, K, r + dr].
+    q [B, T, N, r + dr] f32 (absorbed); tables (block_tables [B, M], positions [B, T], ctx_lens [B]) int32.
+    -> (softmax-weighted c_kv [B, T, N, r] f32, the selection [B, T, K])."""
+    bt, positions, ctx_lens = tables
+    B, T = q.shape[:2]
+    rank = pages.layout.kv_lora_rank
+
+    def one(xs: tuple) -> tuple[jax.Array, Selection]:
+        qb, iq, sel, pos = xs
+        if iq is not None:
+            sel = select_topk(iq[0], iq[1], pages, index_layer, bt, pos, ctx_lens, topk)
+        rows = sparse_rows(pages, layer, bt, sel)
+        return latent_attention(qb, rows, sel[1], softmax_scale=softmax_scale, kv_lora_rank=rank), sel
+
+    xs = (q, index_q, prev, positions)
+    tb = query_block(T, block)
+    if tb == T:
+        return one(xs)
+    split = lambda x: x.reshape(B, T // tb, tb, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
+    merge = lambda x: x.swapaxes(0, 1).reshape(B, T, *x.shape[3:])  # noqa: E731
+    out = jax.lax.map(one, jax.tree.map(split, xs))
+    return jax.tree.map(merge, out)
+
+
+def sparse_attention(par: Parallel | None, q: jax.Array, index_q: tuple[jax.Array, jax.Array] | None,
+                     prev: Selection | None, pages: KVPages, layer: int, index_layer: int,
+                     tables: tuple[jax.Array, jax.Array, jax.Array], *, topk: int, softmax_scale: float
+                     ) -> tuple[jax.Array, Selection]:
+    """`attend` over the whole pool (every layer: the layer is picked inside the gathers, so no per-layer slice is
+    materialized), per shard on a mesh: TP attention splits q's heads and every device scores the indexer's heads
+    over the replicated index keys itself (the keys it must read are the same either way, and a split would add
+    an all-reduce of [B, T, S] scores before the top-k); DP attention splits rows and pages. No collective.
+    Shapes as `attend`."""
+    arrays = tuple(getattr(pages, f) for f in _POOLS)
+
+    def body(acts: tuple, pools: tuple, tables: tuple) -> tuple[jax.Array, Selection]:
+        local = KVPages(pages.layout, **dict(zip(_POOLS, pools)))
+        return attend(*acts, local, layer, index_layer, tables, topk=topk, softmax_scale=softmax_scale)
+
+    if par is None:
+        return body((q, index_q, prev), arrays, tables)
+    heads, rows = ("batch", None, "heads", None), ("batch",)
+    return sharded.paged(par, body, (q, index_q, prev), (heads, rows, rows), arrays, tables,
+                         pool_axes=tuple(POOL_AXES[f] for f in _POOLS), out_axes=(heads, rows))

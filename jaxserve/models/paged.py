@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 
-from jaxserve.cache import (KVPages, check_tags, gather_tokens, guard_tables, mask_outputs, page_tags_at,
+from jaxserve.cache import (KVPages, check_tags, guard_tables, mask_outputs, page_tags_at,
                            write_index_keys, write_tokens)
 from jaxserve.models import dsa
 from jaxserve.models.attention_backend import AttentionBackend
@@ -71,7 +71,7 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
     Attention reads the pool block by block (online softmax) through `attention`: "xla" the blockwise XLA form,
     "pallas*" the flash prefill kernels (GPU or TPU tiling), the XLA form with bf16 dot operands for a bf16 model
     over bf16 / fp8 pages (`prefill_attention_xla.prefill_dot_dtype`); MLA in the absorbed form (MQA over the
-    latent pages, no kv_b expansion of the context). GLM-5 DSA layers (`_dsa_prefill_attention`): the plain dense
+    latent pages, no kv_b expansion of the context). GLM-5 DSA layers (`_dsa_prefill_attention`): that absorbed
     form while the block table spans at most index_topk tokens, else absorbed attention over each query's top-k
     selected latent rows.
     With `batch.expected_tags`, the tag check runs first over every page the chunk reads (prefix-cache pages
@@ -137,7 +137,8 @@ def prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, bat
     tables = (batch.block_tables, batch.positions, batch.ctx_lens)
     flat_slots = batch.slots.reshape(-1)
     if cfg.has_indexer:
-        o, pages, selected = _dsa_prefill_attention(model, i, x, pages, batch, cos, sin, selected, slot_tags)
+        o, pages, selected = _dsa_prefill_attention(model, i, x, pages, batch, cos, sin, selected, slot_tags,
+                                                    attention)
     elif cfg.is_mla:
         q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
         pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
@@ -222,12 +223,13 @@ def decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batc
 
 
 def _dsa_prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batch: PrefillBatch,
-                           cos: jax.Array, sin: jax.Array, prev: dsa.Selection | None, slot_tags: jax.Array | None
-                           ) -> tuple[jax.Array, KVPages, dsa.Selection | None]:
+                           cos: jax.Array, sin: jax.Array, prev: dsa.Selection | None, slot_tags: jax.Array | None,
+                           attention: AttentionBackend) -> tuple[jax.Array, KVPages, dsa.Selection | None]:
     """GLM-5 layer i's attention over the pool for a prefill chunk (`batch` already tag-checked: a failed row's
     slots are -1 and its table the null page): writes the chunk's latent rows and (full indexer layers) indexer
-    keys, stamping `slot_tags`, then attends densely when the block table spans <= index_topk tokens, else over
-    each query's top-k selected rows (its own indexer's, or `prev` on IndexShare layers).
+    keys, stamping `slot_tags`, then attends densely (MLA's absorbed paged prefill through `attention`) when the
+    block table spans <= index_topk tokens, else over each query's top-k selected rows (its own indexer's, or
+    `prev` on IndexShare layers); both per shard on a mesh.
     x [B, T, H] -> (o [B, T, N, dv], pages, this layer's selection or None on the dense path)."""
     cfg, attn = model.cfg, decoder_layer(model, i).attn
     B, T = batch.tokens.shape
@@ -237,18 +239,13 @@ def _dsa_prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages
     if attn.indexer is not None:
         pages = write_index_keys(pages, cfg.index_slot(i), attn.indexer.key(x, cos, sin).reshape(B * T, -1),
                                  flat_slots, slot_tags)
-    S = bt.shape[1] * pages.layout.page_size
-    if not dsa.is_sparse(S, cfg.index_topk):
-        kpos = jnp.arange(S, dtype=jnp.int32)
-        ctx_lens = batch.ctx_lens[:, None, None]
-        mask = (kpos[None, None, :] <= batch.positions[:, :, None]) & (kpos[None, None, :] < ctx_lens)
-        ctx = gather_tokens(pages, i, bt, out_dtype=jnp.float32)
-        return attn.attend_plain(q_nope, q_rope, ctx.astype(x.dtype), mask), pages, None
-    sel = prev
-    if attn.indexer is not None:
-        q, w = attn.indexer.query(x, q_resid, cos, sin)
-        sel = dsa.select_topk(q, w, pages, cfg.index_slot(i), bt, batch.positions, batch.ctx_lens, cfg.index_topk)
-    return attn.attend_sparse(q_nope, q_rope, dsa.sparse_rows(pages, i, bt, sel), sel[1]), pages, sel
+    tables = (bt, batch.positions, batch.ctx_lens)
+    if not dsa.is_sparse(bt.shape[1] * pages.layout.page_size, cfg.index_topk):
+        o_lat = attention.prefill(model.parallel, attn.absorb_query(q_nope, q_rope), pages, i, tables,
+                                  softmax_scale=cfg.softmax_scale, act_dtype=x.dtype)
+        return attn.absorb_output(o_lat, x.dtype), pages, None
+    o, sel = _dsa_sparse(model, i, x, q_nope, q_rope, q_resid, cos, sin, prev, pages, tables)
+    return o, pages, sel
 
 
 def _dsa_decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batch: DecodeBatch,
@@ -263,16 +260,30 @@ def _dsa_decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages,
     cfg, attn = model.cfg, decoder_layer(model, i).attn
     bt, slots, lengths = batch.block_tables, batch.slots, batch.lengths
     q_nope, q_rope, latent, q_resid = attn.project(x, cos, sin)
-    pages = write_tokens(pages, i, latent[:, 0], slots, slot_tags)
+    rowwise = attention.tiling == "tpu"  # in place in the TPU pool's tiling, as the MLA decode writes
+    pages = write_tokens(pages, i, latent[:, 0], slots, slot_tags, rowwise=rowwise)
     if attn.indexer is not None:
-        pages = write_index_keys(pages, cfg.index_slot(i), attn.indexer.key(x, cos, sin)[:, 0], slots, slot_tags)
+        pages = write_index_keys(pages, cfg.index_slot(i), attn.indexer.key(x, cos, sin)[:, 0], slots, slot_tags,
+                                 rowwise=rowwise)
     if not dsa.is_sparse(bt.shape[1] * pages.layout.page_size, cfg.index_topk):
         q = attn.absorb_query(q_nope, q_rope)[:, 0]
         o_lat = attention.decode(model.parallel, q, pages, i, bt, lengths, softmax_scale=cfg.softmax_scale)
         return attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype), pages, None
-    sel = prev
-    if attn.indexer is not None:
-        q, w = attn.indexer.query(x, q_resid, cos, sin)
-        sel = dsa.select_topk(q, w, pages, cfg.index_slot(i), bt, batch.positions[:, None], lengths, cfg.index_topk)
-    o = attn.attend_sparse(q_nope, q_rope, dsa.sparse_rows(pages, i, bt, sel), sel[1])
+    o, sel = _dsa_sparse(model, i, x, q_nope, q_rope, q_resid, cos, sin, prev, pages,
+                         (bt, batch.positions[:, None], lengths))
     return mask_outputs(ok, o), pages, sel
+
+
+def _dsa_sparse(model: CausalLM, i: int, x: jax.Array, q_nope: jax.Array, q_rope: jax.Array, q_resid: jax.Array,
+                cos: jax.Array, sin: jax.Array, prev: dsa.Selection | None, pages: KVPages, tables: tuple
+                ) -> tuple[jax.Array, dsa.Selection]:
+    """GLM-5 layer i's sparse attention (per shard: `dsa.sparse_attention`) over each query's top-k rows, by its
+    own indexer or `prev` (IndexShare). tables: (block_tables [B, M], positions [B, T], ctx_lens [B]) int32.
+    x [B, T, H] -> (o [B, T, N, dv] x.dtype, the selection [B, T, K])."""
+    cfg, attn = model.cfg, decoder_layer(model, i).attn
+    full = attn.indexer is not None
+    index_q = attn.indexer.query(x, q_resid, cos, sin) if full else None
+    o_lat, sel = dsa.sparse_attention(model.parallel, attn.absorb_query(q_nope, q_rope), index_q,
+                                      None if full else prev, pages, i, cfg.index_slot(i) if full else 0, tables,
+                                      topk=cfg.index_topk, softmax_scale=cfg.softmax_scale)
+    return attn.absorb_output(o_lat, q_nope.dtype), sel

@@ -11,11 +11,13 @@ partitioning rule) only ever sees its own shard and the only collectives are the
 | MoE under DP attention   | all-gather tokens over dp, local experts      | all-gather + psum_scatter over dp   |
 | embedding (vocab split)  | rows of the local vocab slice, others 0       | psum of [tokens, hidden]            |
 | paged attention          | local heads (TP) or local rows + pages (DP)   | none                                |
+| DSA (indexer, top-k)     | every indexer head (TP) or local rows (DP)    | none                                |
 
 With activations replicated over "tp" (TP attention), expert dispatch needs no all-to-all: every device already
 holds every token, selects the pairs routed to its experts and the combine is the same all-reduce TP needs.
 A module built with a `Parallel` (see `jaxserve.models.build`) runs its own per-shard method (`Linear.local`,
-`MoE.local`, the embedding's lookup) through `per_shard`; the paged attention kernels run through `attention`.
+`MoE.local`, the embedding's lookup) through `per_shard`; the paged attention kernels run through `attention`, GLM-5's
+sparse attention (`dsa.sparse_attention`) through `paged`.
 """
 from __future__ import annotations
 
@@ -47,22 +49,38 @@ def per_shard(module: M, fn: Callable[[M, jax.Array], jax.Array], x: jax.Array, 
 
 def attention(par: Parallel, kernel: Callable, q: jax.Array, pools: tuple, tables: tuple, *, pool_axes: tuple,
               q_axes: tuple) -> jax.Array:
-    """Run a paged attention kernel per shard. q [B, heads, ...] split by (batch, heads); pools (each page array
-    and its scales, or None) split by their logical `pool_axes` (a tuple of axes per pool, pages first); tables
-    (the block table [B, M] of global page ids first, then lengths [B], ...) split by batch. -> kernel output
-    split like q. The pools may carry a leading layer axis: the page axis is found by its logical name.
+    """Run a paged attention kernel per shard: `paged` with one activation, q [B, heads, ...] split by `q_axes`
+    (batch, heads), and the kernel's output split like q."""
+
+    def body(acts: tuple, local_pools: tuple, local_tables: tuple) -> jax.Array:
+        return kernel(acts[0], local_pools, local_tables)
+
+    return paged(par, body, (q,), (q_axes,), pools, tables, pool_axes=pool_axes, out_axes=q_axes)
+
+
+def paged(par: Parallel, fn: Callable, acts: tuple, act_axes: tuple, pools: tuple, tables: tuple, *,
+          pool_axes: tuple, out_axes: object) -> object:
+    """fn(acts, pools, tables) per shard over the page pool. acts: activations (each an array, a tuple of arrays
+    or None), each split by its logical axes in `act_axes` (a tuple of axes applies to every array of a tuple);
+    pools (each page array and its scales, or None) split by their logical `pool_axes` (a tuple of axes per pool,
+    pages first); tables (the block table [B, M] of global page ids first, then per-row arrays [B, ...]) split by
+    batch. out_axes: the logical axes of fn's output (one tuple), or a tuple of them for a tuple of outputs.
+    The pools may carry a leading layer axis: the page axis is found by its logical name.
 
     When the page axis is split (DP attention), each device holds pages [rank * P_local, (rank + 1) * P_local)
-    and the kernel sees local ids: a block-table entry outside the device's range (padding, or a page of another
-    rank) becomes the device's own null page 0, so a kernel never reads past its shard."""
+    and fn sees local ids: a block-table entry outside the device's range (padding, or a page of another rank)
+    becomes the device's own null page 0, so fn never reads past its shard. An output whose axes leave a mesh
+    axis unsplit must be the same on every device of it (fn computes it redundantly; nothing checks)."""
+    spec = lambda axes: P(*(par.axis(a) for a in axes))  # noqa: E731
     b_ax = par.axis("batch")
     p_ax = par.axis("pages")
-    q_spec = P(*(par.axis(a) for a in q_axes))
     present = [i for i, p in enumerate(pools) if p is not None]
-    pool_specs = tuple(P(*(par.axis(a) for a in pool_axes[i])) for i in present)
+    pool_specs = tuple(spec(pool_axes[i]) for i in present)
     table_specs = tuple(P(b_ax, *(None,) * (t.ndim - 1)) for t in tables)
+    nested = isinstance(out_axes, tuple) and bool(out_axes) and isinstance(out_axes[0], tuple)
+    out_specs = tuple(spec(a) for a in out_axes) if nested else spec(out_axes)
 
-    def body(q: jax.Array, local_pools: tuple, local_tables: tuple) -> jax.Array:
+    def body(acts: tuple, local_pools: tuple, local_tables: tuple) -> object:
         full = [None] * len(pools)
         for i, p in zip(present, local_pools):
             full[i] = p
@@ -72,7 +90,8 @@ def attention(par: Parallel, kernel: Callable, q: jax.Array, pools: tuple, table
             bt = local_tables[0]
             bt = jnp.where((bt >= first) & (bt < first + n_local), bt - first, 0)
             local_tables = (bt, *local_tables[1:])
-        return kernel(q, tuple(full), local_tables)
+        return fn(acts, tuple(full), local_tables)
 
-    fn = par.shard_map(body, (q_spec, pool_specs, table_specs), q_spec)
-    return fn(q, tuple(pools[i] for i in present), tuple(tables))
+    act_specs = tuple(spec(a) for a in act_axes)
+    run = par.shard_map(body, (act_specs, pool_specs, table_specs), out_specs)
+    return run(tuple(acts), tuple(pools[i] for i in present), tuple(tables))

@@ -158,6 +158,41 @@ def test_blockwise_topk_equals_one_shot_topk():
                 np.testing.assert_array_equal(np.sort(idx[b, t][valid[b, t]]), want)
 
 
+def test_sparse_prefill_blockwise_over_queries_equals_one_shot_and_shrinks_the_gathered_rows():
+    """`dsa.attend` over query blocks of 4 gives what one block of all T queries gives (same selection, outputs
+    within f32 rounding), and its compiled temporaries (XLA:CPU's memory_analysis) drop below the one-shot
+    program's [B, T, K, r + dr] f32 gathered rows."""
+    rng = np.random.default_rng(2)
+    B, T, N, r, dr, nh, hd, M, ps, K = 2, 32, 4, 48, 16, 4, 16, 16, 4, 16
+    lay = KVLayout.mla(2, r, dr, page_size=ps, dtype="bf16", index_layers=1, index_head_dim=hd)
+    bt = jnp.asarray(rng.permutation(np.arange(1, 1 + B * M)).reshape(B, M), jnp.int32)
+    slots = (bt[:, :, None] * ps + jnp.arange(ps)).reshape(-1)
+    pages = init_pages(lay, 1 + B * M)
+    pages = write_index_keys(pages, 0, jnp.asarray(rng.normal(size=(B * M * ps, hd)), jnp.float32), slots)
+    pages = jaxserve.cache.write_tokens(pages, 1, jnp.asarray(rng.normal(size=(B * M * ps, r + dr)), jnp.float32),
+                                        slots)
+    ctx = jnp.asarray([M * ps, 40], jnp.int32)
+    tables = (bt, ctx[:, None] - T + jnp.arange(T)[None], ctx)
+    q = jnp.asarray(rng.normal(size=(B, T, N, r + dr)), jnp.float32)
+    index_q = (jnp.asarray(rng.normal(size=(B, T, nh, hd)), jnp.float32),
+               jnp.asarray(rng.normal(size=(B, T, nh)), jnp.float32))
+
+    def run(block: int):
+        fn = jax.jit(lambda q, iq, pages, tables: dsa.attend(q, iq, None, pages, 1, 0, tables, topk=K,
+                                                             softmax_scale=0.1, block=block))
+        args = (q, index_q, pages, tables)
+        return fn(*args), fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    (o_all, sel_all), temp_all = run(T)
+    (o_blk, sel_blk), temp_blk = run(4)
+    np.testing.assert_array_equal(np.asarray(sel_blk[0]), np.asarray(sel_all[0]))
+    np.testing.assert_array_equal(np.asarray(sel_blk[1]), np.asarray(sel_all[1]))
+    np.testing.assert_allclose(np.asarray(o_blk), np.asarray(o_all), rtol=1e-6, atol=1e-6)
+    rows = B * T * K * (r + dr) * 4
+    print(f"\ntemporaries: one block of {T} queries {temp_all:,} B, blocks of 4 {temp_blk:,} B (rows {rows:,} B)")
+    assert temp_all >= rows > temp_blk
+
+
 # ---- the model over pages against transformers -------------------------------------------------------------------
 @nnx.jit(static_argnames=("all_logits",))
 def _prefill(model, pages, batch, all_logits):
