@@ -1,0 +1,111 @@
+"""What the general sampling form costs (engine/sampling_forms.py): the jitted decode program alone, per step, in
+the form a batch runs since it (greedy rows: the greedy form, unchanged; every other batch: the general "any" form)
+against the program each batch ran before (the specialised "greedy" / "top_k" / "full" modes, no extras), and the
+general form on a greedy batch (what merging everything into one program would cost greedy traffic).
+
+Usage: python bench/sampling_forms.py [--reps 7] [--calls 30] [--rows 1,16] --json OUT.json
+
+The embedded model under `jaxserve serve`'s default engine config (not started): `rows` requests of 64-token
+prompts are decoding (bench.common.steady_decode captures the next decode call's batch), then each variant's
+program is compiled and timed on that batch: `--reps` rounds, each round timing `--calls` calls of every variant
+in turn (interleaved, so host load drifts hit all alike). Reports seconds per call (median of the rounds' means,
+min..max) and the load average (`uptime`) before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import common  # noqa: E402
+
+# variant -> (row kind, form): "today" is the mode the host picked before the general form existed
+VARIANTS = {"greedy/greedy": ("greedy", "greedy"), "greedy/any": ("greedy", "any"),
+            "seeded/full (today)": ("seeded", "full"), "seeded/any": ("seeded", "any"),
+            "top_k/top_k (today)": ("top_k", "top_k"), "top_k/any": ("top_k", "any")}
+
+
+def variant_arrays(engine: object, samp: object, rows: str, form: str) -> object:
+    """The captured greedy batch's SamplingArrays with `rows` sampling parameters, in form `form`."""
+    import jax.numpy as jnp
+
+    n = samp.temperature.shape[0]
+    if rows != "greedy":
+        samp = dataclasses.replace(samp, temperature=jnp.ones(n, jnp.float32),
+                                   top_k=jnp.full(n, 40 if rows == "top_k" else 0, jnp.int32),
+                                   seed=jnp.arange(n, dtype=jnp.uint32) + 7)
+    if form == "any":
+        return engine.programs.forms.general(samp, engine.programs.decode_rows)
+    return dataclasses.replace(samp, mode=form)
+
+
+def time_calls(engine: object, batch: object, samp: object, calls: int) -> float:
+    """Seconds per call of the decode program alone (the pool threaded through, as the engine does)."""
+    p = engine.programs
+    ph = p.decode_phase
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        out, ok, ph.pages = p._decode(ph.params, ph.pages, batch, samp)
+    out.tokens.block_until_ready()
+    return (time.perf_counter() - t0) / calls
+
+
+def measure(rows: int, reps: int, calls: int) -> dict:
+    from jaxserve.cli import build_parser, default_checkpoint
+    from jaxserve.engine import Engine
+    from jaxserve.server.main import engine_config
+
+    engine = Engine.from_checkpoint(default_checkpoint(), engine_config(build_parser().parse_args(["serve"])),
+                                    start=False)
+    prompts = [[(17 * i + 31 * j) % 4000 + 10 for j in range(64)] for i in range(rows)]
+    call = common.steady_decode(engine, prompts, max_tokens=1000)
+    arrays = {name: variant_arrays(engine, call.samp, *kind) for name, kind in VARIANTS.items()}
+    for s in arrays.values():  # compile each program (and settle) outside the timing
+        time_calls(engine, call.batch, s, 2)
+    seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for _ in range(reps):
+        for name, s in arrays.items():
+            seconds[name].append(time_calls(engine, call.batch, s, calls))
+    engine.close()
+    out = {name: common.spread(xs) for name, xs in seconds.items()}
+    for name in VARIANTS:
+        base = {"greedy/any": "greedy/greedy", "seeded/any": "seeded/full (today)",
+                "top_k/any": "top_k/top_k (today)"}.get(name)
+        if base:
+            out[name]["cost_vs_" + base.split("/")[0] + "_today"] = out[name]["median"] / out[base]["median"] - 1
+    return out
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], stdout=subprocess.PIPE, text=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--rows", default="1,16", help="decode rows (concurrency) to measure, comma-separated")
+    ap.add_argument("--json", dest="json_out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    out: dict = {"bench": "sampling_forms", "machine": common.machine(), "reps": args.reps, "calls": args.calls,
+                 "uptime_before": uptime(), "load_before": os.getloadavg()[0], "rows": {}}
+    lines = []
+    for c in (int(x) for x in args.rows.split(",")):
+        out["rows"][c] = r = measure(c, args.reps, args.calls)
+        for name, x in r.items():
+            extra = "".join(f"  {k} {v:+.1%}" for k, v in x.items() if k.startswith("cost_vs"))
+            lines.append(f"c={c:<3} {name:<22} {x['median'] * 1e3:7.2f} ms ({x['min'] * 1e3:.2f}.."
+                         f"{x['max'] * 1e3:.2f}){extra}")
+    out["uptime_after"], out["load_after"] = uptime(), os.getloadavg()[0]
+    lines.append(f"load {out['load_before']:.1f} .. {out['load_after']:.1f}")
+    return common.write_result(out, "\n".join(lines), args.json_out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
