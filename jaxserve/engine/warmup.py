@@ -11,8 +11,8 @@ from the persistent compilation cache.
     Not in it (compiles on first use, once per shape): the prefill that returns prompt logprobs
     (`SamplingParams.prompt_logprobs`, `scoring`), a second prefill grid that few requests use.
     Memory: each XLA:CPU program holds ~3 memory mappings per compiled kernel (its JIT code, constants and data:
-    ~500 for one decode program of the embedded model), so the default grid's 871 programs would need ~450k
-    mappings, 7x the kernel's per-process limit (`vm.max_map_count`, 65,530 by default): the mmap that passes it
+    ~500 for one decode program of the embedded model), so the default grid's 717 programs would need ~370k
+    mappings, 6x the kernel's per-process limit (`vm.max_map_count`, 65,530 by default): the mmap that passes it
     fails, and LLVM reports "Cannot allocate memory". `run_jobs` therefore keeps the process under `max_maps`
     (default half that limit): past it, it waits for the jobs in flight and drops every compiled program from
     memory (`jax.clear_caches`), which the persistent compile cache (`compile_cache.py`) has already stored. Such a
