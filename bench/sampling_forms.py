@@ -3,13 +3,15 @@ the form a batch runs since it (greedy rows: the greedy form, unchanged; every o
 against the program each batch ran before (the specialised "greedy" / "top_k" / "full" modes, no extras), and the
 general form on a greedy batch (what merging everything into one program would cost greedy traffic).
 
-Usage: python bench/sampling_forms.py [--reps 7] [--calls 30] [--rows 1,16] --json OUT.json
+Usage: python bench/sampling_forms.py [--reps 15] [--calls 10] [--rows 1,16] --json OUT.json
 
 The embedded model under `jaxserve serve`'s default engine config (not started): `rows` requests of 64-token
 prompts are decoding (bench.common.steady_decode captures the next decode call's batch), then each variant's
 program is compiled and timed on that batch: `--reps` rounds, each round timing `--calls` calls of every variant
-in turn (interleaved, so host load drifts hit all alike). Reports seconds per call (median of the rounds' means,
-min..max) and the load average (`uptime`) before and after.
+in turn (interleaved, so host load drifts hit all alike). Reports wall and process CPU seconds per call (median
+of the rounds' means, min..max), each general-form variant's cost against the program the same rows ran before
+(on medians and on minima: on a shared host the minimum is the least disturbed), and the load average (`uptime`)
+before and after.
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ VARIANTS = {"greedy/greedy": ("greedy", "greedy"), "greedy/any": ("greedy", "any
             "top_k/top_k (today)": ("top_k", "top_k"), "top_k/any": ("top_k", "any")}
 
 
+# each general-form variant against the program the same rows ran before
+BASELINES = {"greedy/any": "greedy/greedy", "seeded/any": "seeded/full (today)", "top_k/any": "top_k/top_k (today)"}
+
+
 def variant_arrays(engine: object, samp: object, rows: str, form: str) -> object:
     """The captured greedy batch's SamplingArrays with `rows` sampling parameters, in form `form`."""
     import jax.numpy as jnp
@@ -45,15 +51,16 @@ def variant_arrays(engine: object, samp: object, rows: str, form: str) -> object
     return dataclasses.replace(samp, mode=form)
 
 
-def time_calls(engine: object, batch: object, samp: object, calls: int) -> float:
-    """Seconds per call of the decode program alone (the pool threaded through, as the engine does)."""
+def time_calls(engine: object, batch: object, samp: object, calls: int) -> tuple[float, float]:
+    """(wall, process CPU) seconds per call of the decode program alone (the pool threaded through, as the engine
+    does). CPU time counts every thread's work: on a host shared with other jobs it moves less than wall time."""
     p = engine.programs
     ph = p.decode_phase
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(calls):
         out, ok, ph.pages = p._decode(ph.params, ph.pages, batch, samp)
     out.tokens.block_until_ready()
-    return (time.perf_counter() - t0) / calls
+    return (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
 
 
 def measure(rows: int, reps: int, calls: int) -> dict:
@@ -68,17 +75,18 @@ def measure(rows: int, reps: int, calls: int) -> dict:
     arrays = {name: variant_arrays(engine, call.samp, *kind) for name, kind in VARIANTS.items()}
     for s in arrays.values():  # compile each program (and settle) outside the timing
         time_calls(engine, call.batch, s, 2)
-    seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    wall: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(reps):
         for name, s in arrays.items():
-            seconds[name].append(time_calls(engine, call.batch, s, calls))
+            w, c = time_calls(engine, call.batch, s, calls)
+            wall[name].append(w)
+            cpu[name].append(c)
     engine.close()
-    out = {name: common.spread(xs) for name, xs in seconds.items()}
-    for name in VARIANTS:
-        base = {"greedy/any": "greedy/greedy", "seeded/any": "seeded/full (today)",
-                "top_k/any": "top_k/top_k (today)"}.get(name)
-        if base:
-            out[name]["cost_vs_" + base.split("/")[0] + "_today"] = out[name]["median"] / out[base]["median"] - 1
+    out = {name: {"wall": common.spread(wall[name]), "cpu": common.spread(cpu[name])} for name in VARIANTS}
+    for name, base in BASELINES.items():
+        out[name]["cost"] = {f"{clock} {stat}": out[name][clock][stat] / out[base][clock][stat] - 1
+                             for clock in ("wall", "cpu") for stat in ("median", "min")}
     return out
 
 
@@ -88,8 +96,8 @@ def uptime() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--rows", default="1,16", help="decode rows (concurrency) to measure, comma-separated")
     ap.add_argument("--json", dest="json_out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -99,9 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     for c in (int(x) for x in args.rows.split(",")):
         out["rows"][c] = r = measure(c, args.reps, args.calls)
         for name, x in r.items():
-            extra = "".join(f"  {k} {v:+.1%}" for k, v in x.items() if k.startswith("cost_vs"))
-            lines.append(f"c={c:<3} {name:<22} {x['median'] * 1e3:7.2f} ms ({x['min'] * 1e3:.2f}.."
-                         f"{x['max'] * 1e3:.2f}){extra}")
+            w, u = x["wall"], x["cpu"]
+            cost = "  cost " + ", ".join(f"{k} {v:+.1%}" for k, v in x["cost"].items()) if "cost" in x else ""
+            lines.append(f"c={c:<3} {name:<20} wall {w['median'] * 1e3:6.2f} ms ({w['min'] * 1e3:.2f}.."
+                         f"{w['max'] * 1e3:.2f}) cpu {u['median'] * 1e3:6.2f} ms ({u['min'] * 1e3:.2f}.."
+                         f"{u['max'] * 1e3:.2f}){cost}")
     out["uptime_after"], out["load_after"] = uptime(), os.getloadavg()[0]
     lines.append(f"load {out['load_before']:.1f} .. {out['load_after']:.1f}")
     return common.write_result(out, "\n".join(lines), args.json_out)
