@@ -1,6 +1,7 @@
 """Batched token sampling inside the jitted programs: greedy, temperature, top-k, top-p, per-row seeds.
 
-Four programs, chosen by the host per batch (`SamplingArrays.mode`, static, so each is its own compile):
+Four programs (`SamplingArrays.mode`, static, so each is its own compile); the engine runs "greedy" and "any"
+(`engine.sampling_forms`), "top_k" and "full" serve callers that pick per batch (`sampling_mode`):
   * "greedy": every row has temperature 0: one argmax, no sort, no random numbers.
   * "top_k": every sampled row has 1 <= top_k <= TOP_K_BOUND: `lax.top_k(TOP_K_BOUND)` instead of sorting the
     vocabulary.
