@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 
-from jaxserve.engine.sampling import (TOP_K_BOUND, LogitAdjust, SamplingArrays, first_argmax, fits_top_k,
-                                      pick_sorted, pick_top_k, processed_logits, row_keys, sorted_candidates,
-                                      top_k_candidates)
+from jaxserve.engine.sampling import (TOP_K_BOUND, LogitAdjust, SamplingArrays, adjust_logits, adjusting,
+                                      first_argmax, fits_top_k, gated, masked, masking, pick_sorted, pick_top_k,
+                                      row_keys, sorted_candidates, top_alternatives, top_k_candidates)
 
 
 @jax.tree_util.register_dataclass
@@ -58,42 +58,57 @@ def verify_tokens(target_logits: jax.Array, drafts: jax.Array, draft_probs: jax.
     B, K1, V = target_logits.shape
     K = K1 - 1
     flat = _per_position(samp, drafts)
-    raw = target_logits.reshape(B * K1, V)
-    logits = processed_logits(raw, flat)
+    logits = _processed(target_logits.reshape(B * K1, V), samp, drafts)
     best = first_argmax(logits).reshape(B, K1)
     accept, final = drafts == best[:, :K], best
-    if samp.mode != "greedy":
+
+    def rule() -> tuple[jax.Array, jax.Array]:
         s_accept, s_final = _sampled(logits, flat, drafts, draft_probs, key)
         sampled = (samp.temperature > 0)[:, None]
-        accept, final = jnp.where(sampled, s_accept, accept), jnp.where(sampled, s_final, final)
+        return jnp.where(sampled, s_accept, accept), jnp.where(sampled, s_final, final)
+
+    if samp.mode == "any":  # the sampled rule only when some row samples
+        accept, final = jax.lax.cond(jnp.any(samp.temperature > 0), rule, lambda: (accept, final))
+    elif samp.mode != "greedy":
+        accept, final = rule()
     n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # the accepted draft prefix
     emitted = jnp.concatenate([drafts.astype(jnp.int32), final[:, K:]], axis=1)
     tokens = jnp.where(jnp.arange(K1)[None, :] < n[:, None], emitted, final).astype(jnp.int32)
     logprobs_all = jax.nn.log_softmax(target_logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs_all, tokens[..., None], axis=-1)[..., 0]
-    if samp.top_n:
-        top_lp, top_ids = jax.lax.top_k(logprobs_all, samp.top_n)
-    else:
-        top_lp, top_ids = jnp.zeros((B, K1, 0), jnp.float32), jnp.zeros((B, K1, 0), jnp.int32)
-    return Verified(tokens, n + 1, chosen, top_ids.astype(jnp.int32), top_lp)
+    top_lp, top_ids = top_alternatives(logprobs_all, samp)
+    return Verified(tokens, n + 1, chosen, top_ids, top_lp)
 
 
 def _per_position(s: SamplingArrays, drafts: jax.Array) -> SamplingArrays:
-    """[B]-row SamplingArrays -> [B * (K+1)] rows, row b * (K+1) + j for position j: step + j, the drafts before j
-    in the penalty history, position j's grammar mask."""
-    B, K = drafts.shape
-    K1 = K + 1
+    """[B]-row SamplingArrays -> [B * (K+1)] rows, row b * (K+1) + j for position j: step + j (penalties and
+    masks are left to `_processed`)."""
+    K1 = drafts.shape[1] + 1
 
     def rep(x: jax.Array) -> jax.Array:
         return jnp.repeat(x, K1, axis=0)
 
-    adjust = None if s.adjust is None else _with_drafts(s.adjust, drafts)
-    mask = s.mask
-    if mask is not None:
-        mask = mask.reshape(B * K1, mask.shape[-1]) if mask.ndim == 3 else rep(mask)
-    step = (s.step[:, None] + jnp.arange(K1, dtype=s.step.dtype)[None, :]).reshape(B * K1)
+    step = (s.step[:, None] + jnp.arange(K1, dtype=s.step.dtype)[None, :]).reshape(-1)
     return replace(s, temperature=rep(s.temperature), top_k=rep(s.top_k), top_p=rep(s.top_p), seed=rep(s.seed),
-                   step=step, adjust=adjust, mask=mask, top_n=0)
+                   step=step, adjust=None, mask=None, top_rows=None, top_n=0)
+
+
+def _processed(raw: jax.Array, s: SamplingArrays, drafts: jax.Array) -> jax.Array:
+    """raw [B * (K+1), V] f32 (position j of row b at b * (K+1) + j) -> the logits after row b's penalties and
+    biases (position j's history: the drafts before j appended) and position j's mask, each under a cond on its
+    [B]-row data (`sampling.processed_logits`), so a batch without them pays for no per-position copy."""
+    B, K1 = drafts.shape[0], drafts.shape[1] + 1
+    if s.adjust is not None:
+        raw = gated(adjusting(s.adjust), lambda x: adjust_logits(x, _with_drafts(s.adjust, drafts)), raw)
+    if s.mask is not None:
+        mask = s.mask
+
+        def per_position(x: jax.Array) -> jax.Array:
+            flat = mask.reshape(B * K1, mask.shape[-1]) if mask.ndim == 3 else jnp.repeat(mask, K1, axis=0)
+            return masked(x, flat)
+
+        raw = gated(masking(mask), per_position, raw)
+    return raw
 
 
 def _with_drafts(a: LogitAdjust, drafts: jax.Array) -> LogitAdjust:

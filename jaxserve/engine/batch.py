@@ -4,8 +4,8 @@ Decode: `DecodeRows` keeps one host row (slot) per decoding sequence, updated in
 from it with numpy indexing and uploaded as one packed [B, 11 + 2m] int32 array (`DecodeRows.packed`), which the
 jitted `unpack_decode` / `unpack_decode_after` split on the device into a `DecodeBatch` and its sampling columns.
 Prefill: `prefill_batch` builds a step's chunks as a `PrefillBatch` (one upload). Sampling: `sampling_arrays` gives
-a batch's per-row sampling columns, `sampling_extras` the optional penalty / bias arrays, grammar bitmasks and top
-logprobs width of rows that need them. `dummy_prefill` / `dummy_decode` are all-padding batches of a bucket's
+a batch's per-row sampling columns, `sampling_extras` the optional penalty / bias arrays, allowed-token bitmasks
+and top logprobs width of rows that need them (host arrays, uploaded by `sampling_forms`). `dummy_prefill` / `dummy_decode` are all-padding batches of a bucket's
 shape, for compiling programs ahead of use.
 """
 from __future__ import annotations
@@ -44,70 +44,84 @@ def dummy_decode(b: int, m: int) -> tuple[DecodeBatch, SamplingArrays]:
 
 @dataclass(frozen=True)
 class SamplingExtras:
-    """The optional parts of a batch's SamplingArrays (None / 0 when no row needs them)."""
+    """The optional parts of a batch's SamplingArrays as host arrays (None / 0 when no row needs them);
+    `sampling_forms.SamplingForms` pads them to its fixed widths and uploads them."""
 
     adjust: LogitAdjust | None = None
-    mask: jax.Array | None = None
+    mask: np.ndarray | None = None
     top_n: int = 0
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+def _penalized(s: Sequence | None) -> bool:
+    """The row has a penalty or a logit_bias (its LogitAdjust row is not neutral)."""
+    p = None if s is None else s.req.params
+    return p is not None and bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                                  or p.logit_bias)
 
 
 def sampling_extras(seqs: list[Sequence | None], vocab: int, eos: set[int], grammar: GrammarCompiler | None
                     ) -> SamplingExtras:
-    """Penalty/bias arrays, grammar bitmasks (a one-token mask for a row whose next token is forced, see
-    engine.budget) and the top-logprobs width for a batch's rows (None = padding).
-    Widths are padded to powers of two so the adjusting program compiles per bucket, not per request."""
+    """Penalty/bias arrays, allowed-token bitmasks (a grammar's; a one-token mask for a row whose next token is
+    forced, see engine.budget; every token but the end tokens while min_tokens is not reached) and the
+    top-logprobs width for a batch's rows (None = padding), as host arrays at the widths these rows need."""
     live = [s for s in seqs if s is not None]
     if not any(s.special for s in live):
         return SamplingExtras()
-    B = len(seqs)
-    adjust = None
-    bias_of = {}
-    for i, s in enumerate(seqs):
-        if s is None or not s.req.params.adjusts_logits:
-            continue
-        p = s.req.params
-        pairs = list(p.logit_bias)
-        if len(s.generated) < p.min_tokens and s.matcher is None:  # a grammar decides its own end
-            pairs += [(t, -np.inf) for t in sorted(eos | set(p.stop_token_ids))]
-        bias_of[i] = pairs
-    if bias_of:
-        L = _pow2(max(len(seqs[i].tokens) for i in bias_of))
-        K = _pow2(max(max((len(v) for v in bias_of.values()), default=1), 1))
-        history = np.full((B, L), -1, np.int32)
-        prompt_len = np.zeros(B, np.int32)
-        rep, freq, pres = np.ones(B, np.float32), np.zeros(B, np.float32), np.zeros(B, np.float32)
-        bias_ids, bias = np.full((B, K), -1, np.int32), np.zeros((B, K), np.float32)
-        for i, pairs in bias_of.items():
-            s, p = seqs[i], seqs[i].req.params
-            toks = s.tokens
-            history[i, :len(toks)] = toks
-            prompt_len[i] = len(s.req.prompt)
-            rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-            if pairs:
-                bias_ids[i, :len(pairs)] = [t for t, _ in pairs]
-                bias[i, :len(pairs)] = [b for _, b in pairs]
-        adjust = LogitAdjust(*jax.device_put((history, prompt_len, rep, freq, pres, bias_ids, bias)))
-    mask = None
-    forced = {i: t for i, s in enumerate(seqs) if s is not None and (t := s.forced_token()) is not None}
-    if forced or grammar is not None and any(s.matcher is not None for s in live):
-        m = np.full((B, (vocab + 31) // 32), -1, np.int32)
-        for i, s in enumerate(seqs):
-            if i in forced:  # a spent thinking budget's end token: the only one allowed (instead of any grammar's)
-                m[i] = 0
-                m[i, forced[i] // 32] = np.uint32(1 << (forced[i] % 32)).view(np.int32)
-            elif s is not None and s.matcher is not None:
-                m[i] = grammar.bitmask(s.matcher)
-        mask = jax.device_put(m)
     top_n = min(TOP_LOGPROBS_MAX, vocab) if any(s.req.params.top_logprobs for s in live) else 0
-    return SamplingExtras(adjust, mask, top_n)
+    return SamplingExtras(_adjust(seqs), _mask(seqs, vocab, eos, grammar), top_n)
+
+
+def _adjust(seqs: list[Sequence | None]) -> LogitAdjust | None:
+    """The rows' penalties and biases (neutral for rows without), None when no row has any."""
+    rows = [i for i, s in enumerate(seqs) if _penalized(s)]
+    if not rows:
+        return None
+    B, L = len(seqs), max(len(seqs[i].tokens) for i in rows)
+    K = max(max(len(seqs[i].req.params.logit_bias) for i in rows), 1)
+    history = np.full((B, L), -1, np.int32)
+    prompt_len = np.zeros(B, np.int32)
+    rep, freq, pres = np.ones(B, np.float32), np.zeros(B, np.float32), np.zeros(B, np.float32)
+    bias_ids, bias = np.full((B, K), -1, np.int32), np.zeros((B, K), np.float32)
+    for i in rows:
+        s, p = seqs[i], seqs[i].req.params
+        toks = s.tokens
+        history[i, :len(toks)] = toks
+        prompt_len[i] = len(s.req.prompt)
+        rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+        if p.logit_bias:
+            bias_ids[i, :len(p.logit_bias)] = [t for t, _ in p.logit_bias]
+            bias[i, :len(p.logit_bias)] = [b for _, b in p.logit_bias]
+    return LogitAdjust(history, prompt_len, rep, freq, pres, bias_ids, bias)
+
+
+def _mask(seqs: list[Sequence | None], vocab: int, eos: set[int], grammar: GrammarCompiler | None
+          ) -> np.ndarray | None:
+    """The rows' allowed-token bitmasks [B, ceil(vocab / 32)] int32 (all ones for free rows), None when no row is
+    constrained."""
+    forced = {i: t for i, s in enumerate(seqs) if s is not None and (t := s.forced_token()) is not None}
+    ending = {i for i, s in enumerate(seqs) if s is not None and s.matcher is None  # a grammar decides its end
+              and len(s.generated) < s.req.params.min_tokens}
+    grammars = grammar is not None and any(s is not None and s.matcher is not None for s in seqs)
+    if not (forced or ending or grammars):
+        return None
+    m = np.full((len(seqs), (vocab + 31) // 32), -1, np.int32)
+    bits = m.view(np.uint32)
+    for i, s in enumerate(seqs):
+        if i in forced:  # a spent thinking budget's end token: the only one allowed (instead of any grammar's)
+            m[i] = 0
+            bits[i, forced[i] // 32] = np.uint32(1 << (forced[i] % 32))
+        elif s is not None and s.matcher is not None:
+            m[i] = grammar.bitmask(s.matcher)
+        elif i in ending:  # min_tokens not reached: no end token
+            for t in sorted(eos | set(s.req.params.stop_token_ids)):
+                if 0 <= t < vocab:
+                    bits[i, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+    return m
 
 
 def sampling_arrays(seqs: list[Sequence | None], extras: SamplingExtras = SamplingExtras()) -> SamplingArrays:
-    """The sampling columns of a batch's rows (None = padding: greedy, top_p 1) on the device, with `extras`."""
+    """The sampling columns of a batch's rows (None = padding: greedy, top_p 1) on the device, with `extras`
+    (host arrays: `sampling_forms.SamplingForms` uploads them in its fixed widths)."""
     def col(f, dtype, empty=0):  # noqa: ANN001
         return np.array([f(s) if s is not None else empty for s in seqs], dtype)
 

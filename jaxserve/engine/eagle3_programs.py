@@ -28,6 +28,7 @@ from jaxserve.engine.acceptance import Verified, verify_tokens
 from jaxserve.engine.config import EngineConfig, Speculative
 from jaxserve.engine.layouts import PhaseLayouts
 from jaxserve.engine.mtp_programs import MTPPrograms, PhaseLike, _at
+from jaxserve.engine.sampling_forms import SamplingForms
 from jaxserve.engine.sampling import Sampled, SamplingArrays, sample
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.build import dtype_of
@@ -143,9 +144,9 @@ class Eagle3Programs(MTPPrograms):
 
     def __init__(self, cfg: EngineConfig, prefill_phase: PhaseLike, decode_phase: PhaseLike,
                  rows_p: jax.sharding.Sharding, rows_d: jax.sharding.Sharding, compiles: dict[str, int],
-                 draft: Eagle3Draft) -> None:
+                 forms: SamplingForms, draft: Eagle3Draft) -> None:
         super().__init__(cfg, DraftPhase(prefill_phase, draft), DraftPhase(decode_phase, draft), rows_p, rows_d,
-                         compiles)
+                         compiles, forms)
 
     def _prefill_fn(self, params: list[jax.Array], pages: KVPages, batch: PrefillBatch, samp: SamplingArrays,
                     next_tokens: jax.Array):
@@ -160,3 +161,15 @@ class Eagle3Programs(MTPPrograms):
         model, draft = self.decode_phase.models(params)
         return eagle3_verify_step(model, draft, pages, batch, drafts, samp, attention=self.cfg.attention_backend,
                                   integrity=self.cfg.integrity)
+
+
+def drafter_programs(cfg: EngineConfig, prefill_phase: PhaseLike, decode_phase: PhaseLike,
+                     rows: tuple[jax.sharding.Sharding, jax.sharding.Sharding], compiles: dict[str, int],
+                     forms: SamplingForms, draft: Eagle3Draft | None) -> MTPPrograms | None:
+    """The drafting prefill and verify programs `cfg.speculative` asks for: EAGLE-3 (a loaded draft), MTP, or None
+    (n-gram drafts and no speculation use the plain programs)."""
+    if draft is not None:
+        return Eagle3Programs(cfg, prefill_phase, decode_phase, *rows, compiles, forms, draft)
+    if cfg.speculative and cfg.speculative.method == "mtp":
+        return MTPPrograms(cfg, prefill_phase, decode_phase, *rows, compiles, forms)
+    return None

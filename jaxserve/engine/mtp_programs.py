@@ -16,7 +16,6 @@ Both are one jitted program each: one dispatch per step.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Protocol
 
 import jax
@@ -29,6 +28,7 @@ from jaxserve.engine.acceptance import Verified, verify_tokens
 from jaxserve.engine.batch import dummy_prefill
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
+from jaxserve.engine.sampling_forms import SamplingForms, host_outputs
 from jaxserve.engine.verify import dummy_verify
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, prefill
@@ -118,10 +118,11 @@ class MTPPrograms:
     """The jitted MTP prefill and verify programs over `Programs`' phases (same shardings as its own)."""
 
     def __init__(self, cfg: EngineConfig, prefill_phase: PhaseLike, decode_phase: PhaseLike,
-                 rows_p: jax.sharding.Sharding, rows_d: jax.sharding.Sharding, compiles: dict[str, int]) -> None:
+                 rows_p: jax.sharding.Sharding, rows_d: jax.sharding.Sharding, compiles: dict[str, int],
+                 forms: SamplingForms) -> None:
         self.cfg, self.k = cfg, cfg.speculative.k
         self.prefill_phase, self.decode_phase, self.rows_p, self.rows_d = prefill_phase, decode_phase, rows_p, rows_d
-        self.compiles = compiles
+        self.compiles, self.forms = compiles, forms
         ph, dh = prefill_phase, decode_phase
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
                                 in_shardings=(jax.tree.leaves(ph.state_sharding), ph.pages_sharding, rows_p, rows_p,
@@ -148,31 +149,32 @@ class MTPPrograms:
                     ) -> tuple[Sampled, np.ndarray, np.ndarray]:
         """-> (Sampled with numpy fields, ok [B] bool, drafts [B, k] int32)."""
         ph = self.prefill_phase
-        sampled, ok, ph.pages, drafts = self._prefill(ph.params, ph.pages, batch, samp, next_tokens)
-        return jax.tree.map(np.asarray, sampled), np.asarray(ok), np.asarray(drafts)
+        sampled, ok, ph.pages, drafts = self._prefill(ph.params, ph.pages, batch, self.forms.form(samp, self.rows_p),
+                                                      next_tokens)
+        return host_outputs(sampled, samp), np.asarray(ok), np.asarray(drafts)
 
     def run_verify(self, batch: PrefillBatch, drafts: np.ndarray, samp: SamplingArrays
                    ) -> tuple[Verified, np.ndarray, np.ndarray]:
         """-> (Verified with numpy fields, ok [B] bool, next drafts [B, k] int32)."""
         ph = self.decode_phase
-        batch, drafts, samp = jax.device_put((batch, drafts, samp), self.rows_d)
-        out, ok, ph.pages, nxt = self._verify(ph.params, ph.pages, batch, drafts, samp)
-        return jax.tree.map(np.asarray, out), np.asarray(ok), np.asarray(nxt)
+        batch, drafts, s = jax.device_put((batch, drafts, self.forms.form(samp, self.rows_d)), self.rows_d)
+        out, ok, ph.pages, nxt = self._verify(ph.params, ph.pages, batch, drafts, s)
+        return host_outputs(out, samp), np.asarray(ok), np.asarray(nxt)
 
     def compile(self, kind: str, b: int, m: int, t: int, mode: SamplingMode = "greedy") -> None:
         """Lower and compile one bucket of the MTP prefill ("prefill") or verify ("verify") against the pools'
-        shapes (nothing runs)."""
+        shapes (nothing runs); mode: the sampling form (`sampling_forms.SERVING_MODES`)."""
         spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the live pools may be donated meanwhile
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         if kind == "verify":
             batch, drafts, samp = jax.device_put(dummy_verify(b, self.k, m), self.rows_d)
             self._verify.lower(self.decode_phase.params, spec(self.decode_phase.pages), batch, drafts,
-                               dataclasses.replace(samp, mode=mode)).compile()
+                               self.forms.compiled(samp, mode, self.rows_d)).compile()
         else:
             batch, samp = dummy_prefill(b, t, m)
             nxt = jnp.zeros((b, t), jnp.int32)
             self._prefill.lower(self.prefill_phase.params, spec(self.prefill_phase.pages), batch,
-                                dataclasses.replace(samp, mode=mode), nxt).compile()
+                                self.forms.compiled(samp, mode, self.rows_p), nxt).compile()
 
 
 def next_tokens(rows: list[tuple[list[int], int, int, int]], place: list[int], b: int, t: int) -> np.ndarray:

@@ -34,9 +34,9 @@ from jaxserve.cache.checksum import page_checksums
 from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.layouts import PhaseLayouts, in_format, weight_layout
-from jaxserve.engine.eagle3_programs import Eagle3Programs, draft_layouts, load_draft
-from jaxserve.engine.mtp_programs import MTPPrograms
+from jaxserve.engine.eagle3_programs import draft_layouts, drafter_programs, load_draft
 from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
+from jaxserve.engine.sampling_forms import SamplingForms, host_outputs, without_tops
 from jaxserve.engine.scoring import PromptScores, prompt_scores
 from jaxserve.engine.verify import Verified, dummy_verify, verify_step
 from jaxserve.errors import ConfigError
@@ -189,24 +189,21 @@ class Programs:
         # where decode batch arrays live: the scheduler uploads there, so batches built from the host and ones merged
         # on the device with a running decode's tokens are placed alike and share one compiled program
         self.decode_rows = self.decode_parallel.sharding(("batch",))
+        self.prefill_rows = self.prefill_parallel.sharding(("batch",))
+        self.forms = SamplingForms(model.cfg.vocab_size, cfg.max_model_len)  # two sampling programs per shape
         if self.prefill_phase is not None:
             self._jit_prefill()
         if self.decode_phase is not None:
             self._jit_decode()
-        # "mtp:K" / "eagle3:PATH:K": the prefill and verify programs with the drafter (engine.mtp_programs,
-        # engine.eagle3_programs); role both only
-        spec, rows_p = cfg.speculative, self.prefill_parallel.sharding(("batch",))
-        self.mtp = (MTPPrograms(cfg, self.prefill_phase, self.decode_phase, rows_p, self.decode_rows, self.compiles)
-                    if spec and spec.method == "mtp" else None)
-        if draft is not None:
-            self.mtp = Eagle3Programs(cfg, self.prefill_phase, self.decode_phase, rows_p, self.decode_rows,
-                                      self.compiles, draft)
+        # "mtp:K" / "eagle3:PATH:K": the prefill and verify programs with the drafter; role both only
+        self.mtp = drafter_programs(cfg, self.prefill_phase, self.decode_phase, (self.prefill_rows, self.decode_rows),
+                                    self.compiles, self.forms, draft)
 
     def _jit_prefill(self) -> None:
         """The prefill phase's programs (and the export of its pages in the decode format)."""
         # explicit layouts for every input: weights and pools as the rules say, batch arrays split by row (DP
         # attention) or replicated, so nothing is placed on a default device and resharded per call
-        ph, rows_p = self.prefill_phase, self.prefill_parallel.sharding(("batch",))
+        ph, rows_p = self.prefill_phase, self.prefill_rows
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
                                 in_shardings=(jax.tree.leaves(ph.state_sharding), ph.pages_sharding, rows_p, rows_p),
                                 out_shardings=(rows_p, rows_p, ph.pages_sharding))
@@ -277,12 +274,12 @@ class Programs:
                     top: int = 0) -> tuple[Sampled, np.ndarray, PromptScores | None]:
         """-> (Sampled with numpy fields, ok [B] bool: the row's pages passed the tag check, the prompt logprobs
         of `targets` [B, T] int32 (`scoring.score_targets`) with `top` alternatives: None without targets)."""
-        ph = self.prefill_phase
+        ph, s = self.prefill_phase, self.forms.form(samp, self.prefill_rows)
         if targets is None:
-            sampled, ok, ph.pages = self._prefill(ph.params, ph.pages, batch, samp)
-            return jax.tree.map(np.asarray, sampled), np.asarray(ok), None
-        sampled, ok, ph.pages, scores = self._prefill_scored(ph.params, ph.pages, batch, samp, targets, top)
-        return jax.tree.map(np.asarray, sampled), np.asarray(ok), jax.tree.map(np.asarray, scores)
+            sampled, ok, ph.pages = self._prefill(ph.params, ph.pages, batch, s)
+            return host_outputs(sampled, samp), np.asarray(ok), None
+        sampled, ok, ph.pages, scores = self._prefill_scored(ph.params, ph.pages, batch, s, targets, top)
+        return host_outputs(sampled, samp), np.asarray(ok), jax.tree.map(np.asarray, scores)
 
     def run_decode(self, batch: DecodeBatch, samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:
         """-> (Sampled with numpy fields, ok [B] bool)."""
@@ -293,7 +290,8 @@ class Programs:
         the host already started. The pool is threaded through (donated in, the output kept), so every later
         program on it (tag sync, hand-off, the next decode) runs after this one, in dispatch order."""
         ph = self.decode_phase
-        sampled, ok, ph.pages = self._decode(ph.params, ph.pages, batch, samp)
+        sampled, ok, ph.pages = self._decode(ph.params, ph.pages, batch, self.forms.form(samp, self.decode_rows))
+        sampled = without_tops(sampled, samp)  # a batch without top logprobs never copies them
         for x in (sampled.tokens, sampled.logprobs, ok):
             x.copy_to_host_async()
         return sampled, ok
@@ -309,9 +307,9 @@ class Programs:
         decode batches live) -> (Verified with numpy fields, ok [B] bool)."""
         ph = self.decode_phase
         # everything on the decode rows' sharding, as `_compile` lowers it: another placement is another program
-        batch, drafts, samp = jax.device_put((batch, drafts, samp), self.decode_rows)
-        out, ok, ph.pages = self._verify(ph.params, ph.pages, batch, drafts, samp)
-        return jax.tree.map(np.asarray, out), np.asarray(ok)
+        batch, drafts, s = jax.device_put((batch, drafts, self.forms.form(samp, self.decode_rows)), self.decode_rows)
+        out, ok, ph.pages = self._verify(ph.params, ph.pages, batch, drafts, s)
+        return host_outputs(out, samp), np.asarray(ok)
 
     def sync_tags(self, prefill_alloc: PageAllocator, decode_alloc: PageAllocator) -> None:
         """Send each allocator's tag changes since the last call (allocations: the new tag; frees: 0) to its
@@ -376,8 +374,8 @@ class Programs:
     def warmup(self, progress: bool = True, *, background: bool = False) -> threading.Thread | None:
         """Compile every bucketed program ahead of traffic (decode rows x pages, prefill (rows, chunk) x pages, hand-off
         sizes, verify rows x pages when speculative; `EngineConfig.program_count`), smallest shapes first, with a
-        progress bar. Afterwards no greedy request compiles anything (a sampling mode compiles its program on first
-        use).
+        progress bar. Afterwards no plain greedy request compiles anything (the general sampling form compiles on
+        first use; `warmup.full_plan` has both).
 
         Nothing runs: each program is lowered and compiled against the pools' shapes, so the pools are never
         touched and warm-up may run beside live traffic. `background=True` does it in a daemon thread (returned);
@@ -408,11 +406,11 @@ class Programs:
                 f.result()
 
     def compile_first_sampled(self) -> None:
-        """The prefill and decode of `compile_first`'s shapes in the "full" sampling mode: what a request with the
-        OpenAI defaults (temperature 1, top_p 1) runs."""
+        """The prefill and decode of `compile_first`'s shapes in the general sampling form: what any request that
+        is not plain greedy runs (the OpenAI defaults, temperature 1 and top_p 1, included)."""
         for kind, b, m, t in self._first_shapes():
             if kind in ("prefill", "decode"):
-                self._compile(kind, b, m, t, mode="full")
+                self._compile(kind, b, m, t, mode="any")
 
     def _first_shapes(self) -> list[tuple[str, int, int, int]]:
         c = self.cfg
@@ -449,7 +447,7 @@ class Programs:
 
     def _compile(self, kind: str, b: int, m: int, t: int, mode: SamplingMode = "greedy") -> None:
         """Lower and compile one bucketed program against the pools' shapes (nothing runs, no pool is touched);
-        mode: the sampling mode of the prefill / decode program (`sampling.sampling_mode`)."""
+        mode: the sampling form of the prefill / decode / verify program (`sampling_forms.SERVING_MODES`)."""
         if self.mtp is not None and kind in ("prefill", "verify"):
             return self.mtp.compile(kind, b, m, t, mode)
         spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the live pools may be donated meanwhile
@@ -457,14 +455,16 @@ class Programs:
         p_ph, d_ph = self.prefill_phase, self.decode_phase
         if kind == "decode":
             batch, samp = jax.device_put(dummy_decode(b, m), self.decode_rows)
-            self._decode.lower(d_ph.params, spec(d_ph.pages), batch, dataclasses.replace(samp, mode=mode)).compile()
+            self._decode.lower(d_ph.params, spec(d_ph.pages), batch, self.forms.compiled(samp, mode, self.decode_rows)
+                               ).compile()
         elif kind == "verify":
             batch, drafts, samp = jax.device_put(dummy_verify(b, self.cfg.speculative.k, m), self.decode_rows)
-            self._verify.lower(d_ph.params, spec(d_ph.pages), batch, drafts, dataclasses.replace(samp, mode=mode)
-                               ).compile()
+            self._verify.lower(d_ph.params, spec(d_ph.pages), batch, drafts,
+                               self.forms.compiled(samp, mode, self.decode_rows)).compile()
         elif kind == "prefill":
             batch, samp = dummy_prefill(b, t, m)
-            self._prefill.lower(p_ph.params, spec(p_ph.pages), batch, dataclasses.replace(samp, mode=mode)).compile()
+            self._prefill.lower(p_ph.params, spec(p_ph.pages), batch, self.forms.compiled(samp, mode, self.prefill_rows)
+                                ).compile()
         else:
             self._compile_move(kind, m, spec)
 

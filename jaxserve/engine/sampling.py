@@ -1,28 +1,34 @@
 """Batched token sampling inside the jitted programs: greedy, temperature, top-k, top-p, per-row seeds.
 
-Three programs, chosen by the host per batch (`SamplingArrays.mode`, static, so each is its own compile):
+Four programs (`SamplingArrays.mode`, static, so each is its own compile); the engine runs "greedy" and "any"
+(`engine.sampling_forms`), "top_k" and "full" serve callers that pick per batch (`sampling_mode`):
   * "greedy": every row has temperature 0: one argmax, no sort, no random numbers.
   * "top_k": every sampled row has 1 <= top_k <= TOP_K_BOUND: `lax.top_k(TOP_K_BOUND)` instead of sorting the
     vocabulary.
   * "full": anything else. At run time, if every row's candidates lie within the top TOP_K_BOUND (a top_k within
     the bound, or a top-p nucleus whose mass the top TOP_K_BOUND reach with margin) the top-k branch runs;
     otherwise the whole vocabulary is sorted (`lax.cond`: only one branch executes).
+  * "any": any rows: "full" under a `lax.cond` on whether any row samples (an all-greedy batch runs the argmax
+    only). The engine's general program (`engine.sampling_forms`): one compile serves every row kind.
 
 Every path draws the same token as sorting the whole vocabulary would: the Gumbel noise is indexed by rank, and
 with partitionable threefry (JAX's default) the first K noise values of a V-long draw equal a K-long draw, so
 the top-k path needs only K of them. Rounding can differ in the last ulp of a probability (a shorter sum), which
 only matters where a cumulative probability equals top_p to float precision.
 
-Logit adjustments run before any of the three programs, only in batches that need them (static structure: a batch
-whose rows use none of them compiles and runs the programs above unchanged):
+Logit adjustments run before any of the programs, in batches that carry them (`SamplingArrays.adjust` / `mask`
+not None; the engine's general form always carries them, neutral for rows that need none), each under a
+`lax.cond` on whether any row's data asks for it (neutral data leaves the logits bit for bit as they are):
   * `SamplingArrays.adjust` (a `LogitAdjust`): repetition penalty (prompt and output tokens; positive logits are
     divided by it, negative ones multiplied, as HF transformers and vLLM do), frequency and presence penalties
     (output tokens only, OpenAI's definition: `logit - count * frequency - (count > 0) * presence`), then a sparse
-    additive bias (OpenAI `logit_bias`; the host also bans end tokens this way while `min_tokens` is not reached).
-  * `SamplingArrays.mask` [B, ceil(V / 32)] int32: a grammar's allowed-token bitmask (bit t % 32 of word t // 32),
-    all ones for unconstrained rows; disallowed tokens get -inf.
+    additive bias (OpenAI `logit_bias`).
+  * `SamplingArrays.mask` [B, ceil(V / 32)] int32: an allowed-token bitmask (bit t % 32 of word t // 32): a
+    grammar's, or every token but the end tokens while `min_tokens` is not reached; all ones for unconstrained
+    rows; disallowed tokens get -inf.
 Returned logprobs are the model's own (before adjustments), as OpenAI and vLLM report them; `top_n` > 0 (static)
-also returns the top_n most likely tokens per row and their logprobs.
+also returns the top_n most likely tokens per row and their logprobs (with `top_rows` [B] bool set: computed only
+when some row asks, zeros otherwise).
 
 Seeds and batches. A row's key is fold_in(key(seed), tokens generated so far); the seed is the request's own or
 one derived from its request id by SHA-256 (`request.request_seed`, the same in every process). What is
@@ -41,7 +47,7 @@ checks exactly this).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,7 +63,7 @@ TOP_K_BOUND = 64
 # margin covers the rounding difference between the two paths' probability sums.
 NUCLEUS_MARGIN = 1e-4
 
-SamplingMode = Literal["greedy", "top_k", "full"]
+SamplingMode = Literal["greedy", "top_k", "full", "any"]
 # OpenAI's bound on top_logprobs; a batch that wants any computes this many (one compile, sliced on the host)
 TOP_LOGPROBS_MAX = 20
 
@@ -86,7 +92,8 @@ class SamplingArrays:
     the same tokens whatever else shares the batch). mode (static): which sampling program runs, see the module
     docstring; `sampling_mode` picks it from the rows' parameters. adjust / mask: None unless some row of the
     batch needs them (see the module docstring). top_n (static): top alternatives to return (0 or
-    TOP_LOGPROBS_MAX)."""
+    TOP_LOGPROBS_MAX); top_rows [B] bool or None: which rows want them (None: compute them whenever top_n > 0;
+    else only when some row does, zeros otherwise)."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -95,6 +102,7 @@ class SamplingArrays:
     step: jax.Array
     adjust: LogitAdjust | None = None
     mask: jax.Array | None = None
+    top_rows: jax.Array | None = None
     mode: SamplingMode = field(default="full", metadata=dict(static=True))
     top_n: int = field(default=0, metadata=dict(static=True))
 
@@ -133,34 +141,76 @@ def sampling_mode(rows: Iterable[tuple[float, int, float]]) -> SamplingMode:
 def sample(logits: jax.Array, s: SamplingArrays) -> Sampled:
     """logits [B, V] f32 -> Sampled (tokens [B] int32, the model's logprobs of them, top_n alternatives)."""
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
-    if s.top_n:
-        top_lp, top_ids = jax.lax.top_k(logprobs_all, s.top_n)
-    else:
-        top_lp, top_ids = jnp.zeros((logits.shape[0], 0), jnp.float32), jnp.zeros((logits.shape[0], 0), jnp.int32)
+    top_lp, top_ids = top_alternatives(logprobs_all, s)
     logits = processed_logits(logits, s)
     tokens = first_argmax(logits)
-    if s.mode != "greedy":
-        scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
-        keys = row_keys(s.seed, s.step)
-        k = min(TOP_K_BOUND, logits.shape[-1])
-        if s.mode == "top_k":
-            sampled = _sample_top_k(scaled, s, keys, k)
-        else:
-            sampled = jax.lax.cond(jnp.all(fits_top_k(scaled, s, k)), lambda: _sample_top_k(scaled, s, keys, k),
-                                   lambda: _sample_sorted(scaled, s, keys))
-        tokens = jnp.where(s.temperature > 0, sampled, tokens)
+    if s.mode == "any":
+        tokens = jax.lax.cond(jnp.any(s.temperature > 0), lambda: _draw(logits, s, tokens), lambda: tokens)
+    elif s.mode != "greedy":
+        tokens = _draw(logits, s, tokens)
     chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
-    return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+    return Sampled(tokens, chosen, top_ids, top_lp)
+
+
+def _draw(logits: jax.Array, s: SamplingArrays, greedy: jax.Array) -> jax.Array:
+    """Processed logits [B, V] f32 -> [B] int32: sampled rows' draws, greedy [B] elsewhere (mode != "greedy")."""
+    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    keys = row_keys(s.seed, s.step)
+    k = min(TOP_K_BOUND, logits.shape[-1])
+    if s.mode == "top_k":
+        sampled = _sample_top_k(scaled, s, keys, k)
+    else:
+        sampled = jax.lax.cond(jnp.all(fits_top_k(scaled, s, k)), lambda: _sample_top_k(scaled, s, keys, k),
+                               lambda: _sample_sorted(scaled, s, keys))
+    return jnp.where(s.temperature > 0, sampled, greedy)
+
+
+def top_alternatives(logprobs_all: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """logprobs_all [..., V] f32 -> (top_logprobs [..., top_n] f32, top_ids [..., top_n] int32), most likely first;
+    with s.top_rows set, computed only when some row wants them (zeros otherwise)."""
+    shape = logprobs_all.shape[:-1] + (s.top_n,)
+
+    def top() -> tuple[jax.Array, jax.Array]:
+        vals, ids = jax.lax.top_k(logprobs_all, s.top_n)
+        return vals, ids.astype(jnp.int32)
+
+    def none() -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32)
+
+    if not s.top_n:
+        return none()
+    return top() if s.top_rows is None else jax.lax.cond(jnp.any(s.top_rows), top, none)
 
 
 def processed_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """logits [B, V] f32 -> [B, V] f32 after the batch's penalties, biases and grammar mask (those that are set):
-    the greedy token is their first argmax; sampled rows scale them by 1 / temperature and filter (candidates)."""
+    """logits [B, V] f32 -> [B, V] f32 after the batch's penalties, biases and mask (those that are set, each
+    under a cond on its data): the greedy token is their first argmax; sampled rows scale them by 1 / temperature
+    and filter (candidates)."""
     if s.adjust is not None:
-        logits = adjust_logits(logits, s.adjust)
+        logits = gated(adjusting(s.adjust), lambda x: adjust_logits(x, s.adjust), logits)
     if s.mask is not None:
-        logits = jnp.where(allowed(s.mask, logits.shape[-1]), logits, -jnp.inf)
+        logits = gated(masking(s.mask), lambda x: masked(x, s.mask), logits)
     return logits
+
+
+def gated(on: jax.Array, fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """fn(x) where on (a bool scalar on the device) holds, x itself otherwise: one branch runs (`lax.cond`)."""
+    return jax.lax.cond(on, fn, lambda y: y, x)
+
+
+def adjusting(a: LogitAdjust) -> jax.Array:
+    """Bool scalar: some row has a token history or a bias (without either, `adjust_logits` is the identity)."""
+    return jnp.any(a.history >= 0) | jnp.any(a.bias_ids >= 0)
+
+
+def masking(mask: jax.Array) -> jax.Array:
+    """Bool scalar: some bit of the bitmask [..., W] int32 is clear (some token is disallowed)."""
+    return jnp.any(mask != -1)
+
+
+def masked(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits [B, V] f32 with the tokens the bitmask [B, W] int32 disallows at -inf."""
+    return jnp.where(allowed(mask, logits.shape[-1]), logits, -jnp.inf)
 
 
 def row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:

@@ -2,15 +2,17 @@
 from the persistent compilation cache.
 
   * "full": every program the serving configuration can select, so nothing compiles once it is done: decode
-    (rows x pages), speculative verify (rows x pages, when on) and prefill ((rows, chunk) x pages) in each sampling mode
-    ("greedy", "top_k", "full"), the hand-off sizes, the decode-batch unpacking (rows x pages, and after an overlapped
-    step rows x previous rows x pages), and each pool's tag syncs (every power-of-two length up to its page count).
-    `full_plan` lists them; `EngineConfig.program_count` counts the model programs among them.
-    Not in it (each compiles on first use, once): the variants of a batch with logit adjustments (penalties,
-    logit_bias, min_tokens), a grammar mask (response_format, forced tools) or top alternatives (logprobs).
+    (rows x pages), speculative verify (rows x pages, when on) and prefill ((rows, chunk) x pages) in both sampling
+    forms (`sampling_forms.SERVING_MODES`: "greedy", and the general "any" that serves every other batch, penalties,
+    logit_bias, min_tokens, grammars, forced tokens and top logprobs included, as data), the hand-off sizes, the
+    decode-batch unpacking (rows x pages, and after an overlapped step rows x previous rows x pages), and each pool's
+    tag syncs (every power-of-two length up to its page count). `full_plan` lists them;
+    `EngineConfig.program_count` counts the model shapes among them.
+    Not in it (compiles on first use, once per shape): the prefill that returns prompt logprobs
+    (`SamplingParams.prompt_logprobs`, `scoring`), a second prefill grid that few requests use.
     Memory: each XLA:CPU program holds ~3 memory mappings per compiled kernel (its JIT code, constants and data:
-    ~500 for one decode program of the embedded model), so the default grid's 871 programs would need ~450k
-    mappings, 7x the kernel's per-process limit (`vm.max_map_count`, 65,530 by default): the mmap that passes it
+    ~500 for one decode program of the embedded model), so the default grid's 717 programs would need ~370k
+    mappings, 6x the kernel's per-process limit (`vm.max_map_count`, 65,530 by default): the mmap that passes it
     fails, and LLVM reports "Cannot allocate memory". `run_jobs` therefore keeps the process under `max_maps`
     (default half that limit): past it, it waits for the jobs in flight and drops every compiled program from
     memory (`jax.clear_caches`), which the persistent compile cache (`compile_cache.py`) has already stored. Such a
@@ -44,6 +46,7 @@ from tqdm import tqdm
 from jaxserve.cache.pool import compile_tag_sync
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.sampling import SamplingMode
+from jaxserve.engine.sampling_forms import SERVING_MODES
 from jaxserve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -51,7 +54,6 @@ if TYPE_CHECKING:
 
 WarmupLevel = Literal["full", "fast", "none"]
 WARMUP_LEVELS: tuple[WarmupLevel, ...] = ("full", "fast", "none")
-SERVING_MODES: tuple[SamplingMode, ...] = ("greedy", "top_k", "full")
 _HIT = "/jax/compilation_cache/cache_hits"
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 log = logging.getLogger("jaxserve.warmup")
@@ -115,8 +117,8 @@ def _pow2_upto(n: int) -> tuple[int, ...]:
 
 
 def full_plan(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODES) -> list[Job]:
-    """Every program the configuration can select for a request without logit adjustments, grammar or logprobs
-    (see the module docstring), smallest shapes first."""
+    """Every program the configuration can select for a request without prompt logprobs (see the module
+    docstring), smallest shapes first."""
     c = programs.cfg
     shapes = programs.program_shapes()
     jobs: list[Job] = [(kind, functools.partial(programs._compile, kind, b, m, t, mode=mode))

@@ -1,16 +1,22 @@
-"""`Engine.warm_up` levels (engine/warmup.py): after "full", a mixed workload (greedy, seeded, top-k, top-p; short
-and multi-chunk prompts; rows joining and leaving; preemption) compiles nothing on the engine thread."""
+"""`Engine.warm_up` levels (engine/warmup.py): after "full", a mixed workload (greedy, seeded, top-k, top-p;
+penalties, logit_bias, min_tokens, a JSON-schema grammar, a thinking budget's forced token, top logprobs; n > 1;
+prefix hits; short and multi-chunk prompts; rows joining and leaving; preemption) compiles nothing on the engine
+thread. The embedded checkpoint, for its tokenizer (grammars need one)."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import jax
 
 from engine_util import prompts, small_config, tiny_model
-from jaxserve.engine import Engine, SamplingParams
+from jaxserve.engine import Engine, Request, SamplingParams
+from jaxserve.engine.structured import json_schema_output
 from jaxserve.engine.warmup import SERVING_MODES, full_plan
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+EMBEDDED = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-kimi"
+SCHEMA = json_schema_output({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
 
 
 def _mixed() -> list[SamplingParams]:
@@ -19,9 +25,41 @@ def _mixed() -> list[SamplingParams]:
     return [SamplingParams(max_tokens=4 + 3 * (i % 4), ignore_eos=True, **kinds[i % len(kinds)]) for i in range(12)]
 
 
+def _special() -> list[SamplingParams]:
+    """Rows whose batches take the general sampling form: each extra a request can ask for."""
+    kinds = [dict(presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3, ignore_eos=True),
+             dict(temperature=0.9, seed=4, logit_bias=((7, 5.0), (11, -100.0)), ignore_eos=True),
+             dict(min_tokens=5), dict(structured=SCHEMA), dict(thinking_budget=(2, (100,)), ignore_eos=True),
+             dict(temperature=1.0, top_k=6, seed=9, logprobs=True, top_logprobs=3, ignore_eos=True)]
+    return [SamplingParams(max_tokens=6 + i % 3, **kw) for i, kw in enumerate(kinds)]
+
+
+def _group(e: Engine, prompt: list[int], n: int) -> list[list]:
+    """n > 1 (`submit_group`): n seeded sampled answers with top logprobs to one prompt -> each one's events."""
+    params = SamplingParams(max_tokens=5, temperature=1.0, logprobs=True, top_logprobs=2, ignore_eos=True)
+    events: list[list] = [[] for _ in range(n)]
+    for i, ev in e.submit_group([Request(prompt, params) for _ in range(n)]):
+        events[i].append(ev)
+    return events
+
+
+def _workload(e: Engine) -> None:
+    """Every row kind after a full warm-up: mixed sampling with preemption, each extra, n > 1, a prefix hit."""
+    first = e.generate(prompts(12, seed=5, lengths=(3, 9, 20, 27, 5, 14)) + prompts(6, seed=7), _mixed() + _special())
+    group = _group(e, prompts(1, seed=8, lengths=(13,))[0], 3)
+    second = e.generate(prompts(3, seed=6, lengths=(25, 2, 11)) + prompts(1, seed=8, lengths=(13,)),
+                        _mixed()[:3] + [SamplingParams(max_tokens=3)])
+    assert all(o.finish_reason == "length" for o in first[:12] + second[:3])
+    assert all(o.finish_reason in ("length", "stop") and o.token_ids for o in first[12:])
+    assert first[15].text.lstrip().startswith("{")  # the grammar held
+    assert all(evs[-1].finish_reason == "length" and all(len(ev.top_logprobs) == 2 for ev in evs[:-1])
+               for evs in group)
+    assert second[3].cached_tokens > 0  # the group's prompt, a prefix-cache hit
+
+
 def test_full_warmup_leaves_nothing_to_compile_on_the_engine_thread():
     cfg = small_config(kv_dtype="fp8", max_batch=4, max_model_len=32, num_decode_pages=20)
-    e = Engine(tiny_model(), cfg)
+    e = Engine.from_checkpoint(EMBEDDED, cfg)
     try:
         report = e.warm_up("full")
         c = cfg.program_count()
@@ -39,11 +77,9 @@ def test_full_warmup_leaves_nothing_to_compile_on_the_engine_thread():
 
         jax.monitoring.register_event_duration_secs_listener(listener)
         try:
-            first = e.generate(prompts(12, seed=5, lengths=(3, 9, 20, 27, 5, 14)), _mixed())
-            second = e.generate(prompts(3, seed=6, lengths=(25, 2, 11)), _mixed()[:3])
+            _workload(e)
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)
-        assert all(o.finish_reason == "length" for o in first + second)
         assert e.stats()["preemptions"] > 0  # the small decode pool made the workload preempt and recompute
         assert "jaxserve-engine" not in threads, threads
         assert dict(e.programs.compiles) == traced
