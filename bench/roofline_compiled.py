@@ -5,7 +5,8 @@ tokens/s at the chip's bandwidths (jaxserve/roofline.py), beside the seeds' meas
 A MEASUREMENT: no device ran anything.
 
     JAX_PLATFORMS=cpu .venv-aot/bin/python bench/roofline_compiled.py --preset kimi-k2.6 --target h200 \\
-        --json bench/results/roofline_h200_kimi_k26.json
+        --json bench/results/roofline_h200_kimi_k26.json    # and --preset glm-5.2 ... roofline_h200_glm_52.json
+    .venv/bin/python bench/roofline_compiled.py --readme     # README's table from those two files
 
 The decode pool is compiled at the size `jaxserve plan` says fits (bench/results/plan_<target>_<model>.json, TP
 attention), as a deployment holds it: a per-layer copy of the pool costs what it would there.
@@ -95,6 +96,27 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def readme_rows(results: list[dict]) -> list[str]:
+    """README's markdown table: per model, the bounds as compiled and at the minimum, beside the seeds' measured."""
+    head = results[0]
+    lines = [f"| {head['devices']} x {head['target'].upper()}, {head['context'] // 1024}k context, decode tokens/s "
+             "(BOUND, NOT A MEASUREMENT) | " + " | ".join(f"c = {w['rows']}" for w in head["rows"]) + " |",
+             "|---|" + "---|" * len(head["rows"])]
+    fmt = lambda x: "n/a" if x is None else f"{x:,.0f}"  # noqa: E731
+    for r in results:
+        name = {"kimi-k2.6": "Kimi K2.6", "glm-5.2": "GLM-5.2"}.get(r["model"], r["model"])
+        table = [("seeds, measured", lambda w: fmt(w["seeds_tokens_per_s"])),
+                 ("bound as compiled (serial)", lambda w: fmt(w["predicted"]["serial_tokens_per_s"])),
+                 ("bound as compiled, less its largest offender", lambda w: fmt(w["rows"] / (
+                     w["predicted"]["serial_s"] - w["offenders"][0]["bytes"] / w["chip"]["hbm_bytes_per_s"]))),
+                 ("bound at the minimum bytes", lambda w: fmt(w["predicted"]["ideal_tokens_per_s"])),
+                 ("minimum GB / step / device", lambda w: f"{w['minimum_bytes']['total'] / 1e9:.2f}"),
+                 ("outside-kernel GB (/ minimum)", lambda w: f"{w['traffic_bytes']['outside'] / 1e9:.2f} "
+                                                             f"({w['outside_over_minimum']:.2f})")]
+        lines += [f"| {name}: {label} | " + " | ".join(f(w) for w in r["rows"]) + " |" for label, f in table]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="kimi-k2.6", choices=sorted(SEEDS))
@@ -102,9 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64], help="concurrencies")
     ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--json", dest="json_out", type=Path, required=True)
+    ap.add_argument("--json", dest="json_out", type=Path, help="where to write the result")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--readme", action="store_true", help="print README's table from bench/results/roofline_h200_*")
     args = ap.parse_args(argv)
+    if args.readme:
+        print("\n".join(readme_rows([json.loads((RESULTS / f"roofline_h200_{m}.json").read_text())
+                                     for m in ("kimi_k26", "glm_52")])))
+        return 0
+    if args.json_out is None:
+        ap.error("--json is required")
     r = run(args.preset, args.target, args.devices, tuple(args.rows), args.context, not args.no_progress)
     return common.write_result(r, table(r), args.json_out)
 

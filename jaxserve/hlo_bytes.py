@@ -26,6 +26,10 @@ CATEGORIES = ("kernel", "matmul", "weights", "collective", "outside")
 _SLICING = frozenset({"slice", "dynamic-slice", "gather"})
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # op -> the operand holding the update
 _VIEWS = frozenset({"bitcast", "reshape"})  # a view of its operand: follow it to see how the operand is read
+_ELEMENTWISE = frozenset({"convert", "bitcast-convert", "negate", "abs", "exp", "log", "sqrt", "rsqrt", "tanh",
+                          "logistic", "floor", "ceil", "round-nearest-even", "sign", "not", "add", "subtract",
+                          "multiply", "divide", "maximum", "minimum", "select", "compare", "and", "or", "xor",
+                          "clamp", "power", "copy"})
 _HEADER = re.compile(r"^(ENTRY\s+)?%(\S+)\s+\(")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%(\S+)\s*=\s*")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
@@ -127,19 +131,31 @@ def _users(instrs: list[Instr]) -> dict[str, list[tuple[Instr, int]]]:
     return out
 
 
-def _read(name: str, full: int, users: dict[str, list[tuple[Instr, int]]]) -> int:
-    """Bytes a fusion reads of the value `name` (`full` bytes): the slices it takes if it only slices it, nothing
-    if it only updates it in place, else all of it."""
-    us = users.get(name, [])
-    if not us:
-        return 0
-    if all(u.op in _SLICING and pos == 0 for u, pos in us):
-        return min(sum(u.bytes for u, _ in us), full)
-    if all(u.op in _IN_PLACE and pos == 0 for u, pos in us):
-        return 0
-    if all(u.op in _VIEWS for u, _ in us):
-        return min(sum(_read(u.name, full, users) for u, _ in us), full)
-    return full
+def _elements(ins: Instr) -> int:
+    return sum(math.prod(shape) for _, shape in ins.types)
+
+
+def _accessed(ins: Instr, users: dict[str, list[tuple[Instr, int]]], depth: int = 0) -> float:
+    """The fraction of `ins`'s elements a fusion reads: what its slices, dynamic-slices and gathers take (through
+    views and elementwise ops, which a fusion computes only where its output needs them), nothing where it is only
+    updated in place, else all."""
+    if ins.root:  # the fusion's output: all of it is written, so all of it is computed
+        return 1.0
+    us = users.get(ins.name, [])
+    n = max(_elements(ins), 1)
+    total = 0.0
+    for u, pos in us:
+        if u.op in _SLICING and pos == 0:
+            total += _elements(u) / n
+        elif u.op in _IN_PLACE and pos == 0:
+            continue
+        elif (u.op in _VIEWS or u.op in _ELEMENTWISE) and _elements(u) == n and depth < 16:
+            total += _accessed(u, users, depth + 1)
+        else:
+            return 1.0
+        if total >= 1.0:
+            return 1.0
+    return total
 
 
 def _written(ins: Instr, by_name: dict[str, Instr]) -> int:
@@ -173,7 +189,7 @@ def fusion_io(ins: Instr, comps: dict[str, list[Instr]], operand_bytes: list[int
         return list(operand_bytes), ins.bytes
     params = {int(p.args): p for p in body if p.op == "parameter" and p.args.strip().isdigit()}
     users = _users(body)
-    reads = [_read(params[i].name, b, users) if i in params else b for i, b in enumerate(operand_bytes)]
+    reads = [round(b * _accessed(params[i], users)) if i in params else b for i, b in enumerate(operand_bytes)]
     by_name = {b.name: b for b in body}
     root = next((b for b in body if b.root), body[-1])
     return reads, _written(root, by_name)

@@ -147,3 +147,27 @@ def test_while_body_counts_its_trip_count():
     assert len(rows) == 1
     assert rows[0].count == 5 and rows[0].traffic.bytes == 2 * 256 * F32
     assert totals(rows)["outside"] == 5 * 2 * 256 * F32
+
+
+GATHER = """HloModule g
+
+%fused_gather (pool: u8[64,576], ids: s32[8,1]) -> f32[8,576] {
+  %pool = u8[64,576]{1,0} parameter(0)
+  %ids = s32[8,1]{1,0} parameter(1)
+  %wide = f32[64,576]{1,0} convert(%pool)
+  ROOT %rows = f32[8,576]{1,0} gather(%wide, %ids), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,576}
+}
+
+ENTRY %main (pool: u8[64,576], ids: s32[8,1]) -> f32[8,576] {
+  %pool = u8[64,576]{1,0} parameter(0)
+  %ids = s32[8,1]{1,0} parameter(1)
+  ROOT %g = f32[8,576]{1,0} fusion(%pool, %ids), kind=kLoop, calls=%fused_gather, metadata={op_name="jit(f)/gather"}
+}
+"""
+
+
+def test_gather_through_an_elementwise_op_reads_only_the_gathered_rows():
+    """A loop fusion computes its elementwise ops only where its output needs them: converting the pool and then
+    gathering 8 of its 64 rows reads those 8 rows (in the pool's own dtype), and writes them widened."""
+    (row,) = traffic(GATHER)
+    assert row.traffic.bytes == 8 * 576 * 1 + 8 * 4 + 8 * 576 * F32
