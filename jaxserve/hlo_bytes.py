@@ -145,8 +145,8 @@ def _accessed(ins: Instr, users: dict[str, list[tuple[Instr, int]]], depth: int 
     n = max(_elements(ins), 1)
     total = 0.0
     for u, pos in us:
-        if u.op in _SLICING and pos == 0:
-            total += _elements(u) / n
+        if u.op in _SLICING and pos == 0:  # a slice of a slice (a layer, then its rows) reads the inner one
+            total += _elements(u) / n * (_accessed(u, users, depth + 1) if depth < 16 else 1.0)
         elif u.op in _IN_PLACE and pos == 0:
             continue
         elif (u.op in _VIEWS or u.op in _ELEMENTWISE) and _elements(u) == n and depth < 16:

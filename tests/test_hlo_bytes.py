@@ -171,3 +171,31 @@ def test_gather_through_an_elementwise_op_reads_only_the_gathered_rows():
     gathering 8 of its 64 rows reads those 8 rows (in the pool's own dtype), and writes them widened."""
     (row,) = traffic(GATHER)
     assert row.traffic.bytes == 8 * 576 * 1 + 8 * 4 + 8 * 576 * F32
+
+
+LAYER_ROWS = """HloModule lr
+
+%fused_rows (pool: u8[4,64,576], layer: s32[], ids: s32[8,1]) -> f32[8,576] {
+  %pool = u8[4,64,576]{2,1,0} parameter(0)
+  %layer = s32[] parameter(1)
+  %ids = s32[8,1]{1,0} parameter(2)
+  %z = s32[] constant(0)
+  %one = u8[1,64,576]{2,1,0} dynamic-slice(%pool, %layer, %z, %z), dynamic_slice_sizes={1,64,576}
+  %pages = u8[64,576]{1,0} bitcast(%one)
+  %wide = f32[64,576]{1,0} convert(%pages)
+  ROOT %rows = f32[8,576]{1,0} gather(%wide, %ids), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,576}
+}
+
+ENTRY %main (pool: u8[4,64,576], layer: s32[], ids: s32[8,1]) -> f32[8,576] {
+  %pool = u8[4,64,576]{2,1,0} parameter(0)
+  %layer = s32[] parameter(1)
+  %ids = s32[8,1]{1,0} parameter(2)
+  ROOT %g = f32[8,576]{1,0} fusion(%pool, %layer, %ids), kind=kLoop, calls=%fused_rows
+}
+"""
+
+
+def test_rows_of_one_layer_read_only_those_rows():
+    """A layer dynamic-sliced out of the pool and then gathered by row reads the gathered rows, not the layer."""
+    (row,) = traffic(LAYER_ROWS)
+    assert row.traffic.bytes == 8 * 576 * 1 + 4 + 8 * 4 + 8 * 576 * F32
