@@ -1,11 +1,12 @@
 """The memory traffic of a compiled HLO module, read from its text: every instruction that runs (the entry
 computation and the bodies of its while loops, conditionals and calls) with the bytes it reads and writes, sorted
-into Pallas kernels, XLA matmuls, collectives and everything else ("outside the kernels": elementwise and reduce
-fusions, copies, converts, transposes, scatters, slices, sorts).
+into Pallas kernels, XLA matmuls, reads of weight parameters, collectives and everything else ("outside the kernels":
+elementwise and reduce fusions, copies, converts, transposes, scatters, slices, sorts).
 
 What moves nothing: parameters, constants, tuples, get-tuple-element, bitcasts, async `-done` halves. What moves
-part of a buffer: an operand that a fusion only slices, dynamic-slices or gathers (the slices' bytes); the buffer a
-dynamic-update-slice or scatter updates in place (the update's bytes, not the buffer's). A Pallas custom call's bytes
+part of a buffer: an operand that a fusion only slices, dynamic-slices or gathers, directly or through views and
+elementwise ops (the slices' bytes: a loop fusion computes those ops only where its output needs them); the buffer
+a dynamic-update-slice or scatter updates in place (the update's bytes, not the buffer's). A Pallas custom call's bytes
 are the nominal sizes of its operands and results: what it reads inside (live pages, routed experts) is not in the
 text, so the roofline (jaxserve/roofline.py) counts kernels from the model instead. Used by plan_compile.py.
 """
@@ -61,9 +62,9 @@ class Instr:
 
 @dataclass(frozen=True)
 class Traffic:
-    """One instruction's memory traffic: category "kernel" | "matmul" | "weights" | "collective" | "outside"; op: its HLO op
-    (a fusion: "fusion:<kind>"); what: the op_name of its metadata (the JAX operation it came from); result: its
-    result type; bytes: read + written (a collective: its result bytes, over the interconnect)."""
+    """One instruction's memory traffic: category "kernel" | "matmul" | "weights" | "collective" | "outside"; op:
+    its HLO op (a fusion: "fusion:<kind>"); what: the op_name of its metadata (the JAX operation it came from);
+    result: its result type; bytes: read + written (a collective: its result bytes, over the interconnect)."""
 
     category: str
     op: str
