@@ -9,7 +9,7 @@
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$DEST/gpu.txt" 2>&1 || true
 "$PY" -c "import jax; print(jax.devices())" >> "$DEST/gpu.txt" 2>&1
 # first: measured vs predicted decode step (the roofline model of jaxserve/roofline.py, checked on hardware)
-run roofline 50 --quick
+run roofline 60 --quick
 run kernels 100 --backend gpu
 run kv_capacity 15 --quick
 run kv_dtype_concurrency 90 --quick

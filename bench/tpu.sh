@@ -8,7 +8,7 @@
 . "$(dirname "$0")/device_common.sh" tpu
 "$PY" -c "import jax; d = jax.devices(); print(d, d[0].device_kind)" > "$DEST/tpu.txt" 2>&1
 # first: measured vs predicted decode step (the roofline model of jaxserve/roofline.py, checked on hardware)
-run roofline 50 --quick
+run roofline 60 --quick
 run kernels 100 --backend tpu
 run kv_capacity 15 --quick
 run kv_dtype_concurrency 90 --quick
