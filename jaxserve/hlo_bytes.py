@@ -236,6 +236,9 @@ def instr_traffic(ins: Instr, comps: dict[str, list[Instr]],
         kind = re.search(r"kind=(k[A-Za-z]+)", ins.attrs)
         cat = "matmul" if _has_dot(ins.attr("calls") or "", comps) else "outside"
         return (cat, f"fusion:{kind.group(1) if kind else ''}", *fusion_io(ins, comps, operand_bytes))
+    if ins.op == "copy-start":  # result (destination, source, context): one copy is written
+        d, shape = ins.types[0]
+        return "outside", ins.op, list(operand_bytes), math.prod(shape) * _BYTES.get(d, 4)
     if ins.op in _SLICING:
         return "outside", ins.op, [ins.bytes, *operand_bytes[1:]], ins.bytes
     if ins.op in _IN_PLACE:

@@ -199,3 +199,17 @@ def test_rows_of_one_layer_read_only_those_rows():
     """A layer dynamic-sliced out of the pool and then gathered by row reads the gathered rows, not the layer."""
     (row,) = traffic(LAYER_ROWS)
     assert row.traffic.bytes == 8 * 576 * 1 + 4 + 8 * 4 + 8 * 576 * F32
+
+
+def test_async_copy_writes_one_copy():
+    """copy-start's result is (destination, source, context): the copy reads its operand and writes one copy."""
+    text = """HloModule c
+
+ENTRY %main (x: bf16[1024,64]) -> bf16[1024,64] {
+  %x = bf16[1024,64]{1,0} parameter(0)
+  %cs = (bf16[1024,64]{1,0}, bf16[1024,64]{1,0}, u32[]) copy-start(%x)
+  ROOT %cd = bf16[1024,64]{1,0} copy-done(%cs)
+}
+"""
+    (row,) = traffic(text)
+    assert row.traffic.op == "copy-start" and row.traffic.bytes == 2 * 1024 * 64 * 2
