@@ -247,11 +247,14 @@ def roofline_section(r: dict) -> list[str]:
              f"Measured bandwidth here: reduce {bw['reduce_read'] / 1e9:.1f} GB/s, copy {bw['copy_read_write'] / 1e9:.1f}"
              " GB/s (bound uses the larger).", "",
              "| tiny: format | batch | bytes/step (activated) | bound us | decode program us | engine step us | "
-             "program / bound |", "|---|---|---|---|---|---|---|"]
+             "program / bound | predicted us (compiled roofline) | program / predicted |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in r["tiny"]["rows"]:
-        a = row["activated"]
+        a, p = row["activated"], row.get("predicted")  # predicted: older results have none
         lines.append(f"| {row['format']} | {row['batch']} | {a['total'] / 1e6:.3f} MB | {a['bound_s'] * 1e6:.1f} | "
-                     f"{row['program_s'] * 1e6:.1f} | {row['engine_step_s'] * 1e6:.1f} | {a['program_over_bound']:.1f} |")
+                     f"{row['program_s'] * 1e6:.1f} | {row['engine_step_s'] * 1e6:.1f} | "
+                     f"{a['program_over_bound']:.1f} | {_f(p and p['predicted_s'] * 1e6, 1)} | "
+                     f"{_f(row.get('measured_over_predicted'), 1)} |")
     lines += ["", "| Kimi K2.6, FP8 KV, ctx 8192: weights | batch | GB/step (activated) | GB/step (all experts) | "
                   "bound ms, 8xH200 | seeds ms/step | seeds / bound |", "|---|---|---|---|---|---|---|"]
     for row in r["kimi_k2.6"]["rows"]:

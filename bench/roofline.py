@@ -35,10 +35,12 @@ from bench import common  # noqa: E402
 from jaxserve.cache import KVLayout  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.engine.layouts import kv_layout  # noqa: E402
+from jaxserve.hlo_bytes import totals, traffic  # noqa: E402
 from jaxserve.models import CausalLM  # noqa: E402
 from jaxserve.quant import formats  # noqa: E402
 from jaxserve.quant.apply import quantize_model  # noqa: E402
 from jaxserve.quant.weight_format import WeightFormat  # noqa: E402
+from jaxserve.targets import TARGETS  # noqa: E402
 
 H200_HBM_BYTES_PER_S = 4.8e12  # NVIDIA's H200 SXM figure
 SEEDS_FP8_KV_TOKENS_PER_S = {1: 125, 8: 689, 16: 1028, 64: 2192}  # FACTS.md, Kimi K2.6 decode pool
@@ -159,6 +161,39 @@ def kimi_groups(s: KimiShapes, fmt: str) -> dict[str, int]:
     return {"routed_experts": routed, "embed": 2 * s.vocab * s.hidden, "other": other_bf16 + shared + dense}
 
 
+# ---------------------------------------------------------------------------------------------------- predicted
+
+
+def device_target() -> str | None:
+    """The jaxserve.targets name of this process's first device (by its device kind), None where it has none."""
+    kind = jax.devices()[0].device_kind
+    for name, match in (("h200", "H200"), ("h100", "H100")):
+        if match in kind:
+            return name
+    return {"TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}.get(kind)
+
+
+def decode_hlo(engine: Engine, call: common.DecodeCall) -> str:
+    """The compiled text of the decode program `engine` runs on `call` (the device's own compiler's)."""
+    p = engine.programs
+    ph = p.decode_phase
+    spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the pool is donated by every call
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    return p._decode.lower(ph.params, spec(ph.pages), call.batch, call.samp).compile().as_text()
+
+
+def predicted_step(hlo: str, minimum_bytes: float, measured_bytes_per_s: float) -> dict:
+    """The roofline's step time for the compiled program `hlo` on this device (jaxserve/roofline.py, one device: no
+    collectives): (minimum bytes + bytes moved outside the kernels + the XLA matmuls' activations) / HBM bandwidth,
+    the chip's nominal one (jaxserve.targets) or, on a host that is none of them, the one measured here."""
+    t = totals(traffic(hlo))
+    name = device_target()
+    bw = TARGETS[name].hbm_bytes_per_s if name else measured_bytes_per_s
+    return {"predicted_s": (minimum_bytes + t["outside"] + t["matmul"]) / bw, "minimum_s": minimum_bytes / bw,
+            "traffic_bytes": t, "hbm_bytes_per_s": bw,
+            "bandwidth_from": TARGETS[name].bandwidth_source if name else "measured here (bandwidth())"}
+
+
 # ---------------------------------------------------------------------------------------------------- measured
 
 
@@ -196,10 +231,11 @@ def measured_step(engine: Engine, batch: int, context: int, vocab: int, steps: i
         for _ in range(steps):
             engine.step()
         whole.append((time.perf_counter() - t) / steps)
+    hlo = decode_hlo(engine, call)
     for s in list(sched.running):
         engine.abort(s.req.request_id)
     engine.step()
-    return {"program_s": statistics.median(prog), "engine_step_s": statistics.median(whole)}
+    return {"program_s": statistics.median(prog), "engine_step_s": statistics.median(whole), "hlo": hlo}
 
 
 def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict:
@@ -216,10 +252,13 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
                             num_decode_pages=max(spec.batches) * ((spec.context + 2 * spec.steps * spec.reps + 16) // 16 + 2) + 8,
                             num_prefill_pages=max(spec.batches) * (spec.context // 16 + 2) + 8,
                             max_batch=max(spec.batches), max_model_len=max(256, 2 * spec.context + 64),
-                            prefix_cache=False, use_kernels=on_gpu, attention="pallas" if on_gpu else "xla")
+                            prefix_cache=False, use_kernels=on_gpu,
+                            attention=("pallas_tpu" if jax.default_backend() == "tpu" else "pallas") if on_gpu
+                            else "xla")
         engine = Engine(model, ecfg, start=False)
         for b in spec.batches:
             m = measured_step(engine, b, spec.context, cfg.vocab_size, spec.steps, spec.reps)
+            hlo = m.pop("hlo")
             ctx = spec.context + spec.steps * spec.reps  # the KV grows during the timing; use its middle
             row = {"format": fmt, "batch": b, "context": ctx, "weight_groups": groups, **m}
             for mode in ("activated", "all"):
@@ -228,6 +267,8 @@ def run(spec: BenchSpec, checkpoint: Path | None, progress: bool = True) -> dict
                 bound = sb["total"] / bw["used_for_bound"]
                 row[mode] = {**sb, "bound_s": bound, "program_over_bound": m["program_s"] / bound,
                              "engine_step_over_bound": m["engine_step_s"] / bound}
+            row["predicted"] = predicted_step(hlo, row["activated"]["total"], bw["used_for_bound"])
+            row["measured_over_predicted"] = m["program_s"] / row["predicted"]["predicted_s"]
             tiny_rows.append(row)
     ks = KimiShapes()
     kimi_rows = []
@@ -280,6 +321,11 @@ def table(r: dict) -> str:
             if "seeds_step_s" in row else ""
         lines.append(f"  {row['weights']:<5} batch {row['batch']:>3}: {row['activated']['total'] / 1e9:7.2f} GB, "
                      f"{row['bound_s_8xH200_tp'] * 1e3:6.3f} ms{extra}")
+    for row in r["tiny"]["rows"]:  # the first check of the roofline model on whatever device this ran on
+        p = row["predicted"]
+        lines.append(f"  measured vs predicted step, {row['format']} batch {row['batch']}: program "
+                     f"{row['program_s'] * 1e6:.1f} us vs predicted {p['predicted_s'] * 1e6:.1f} us (a bound, at "
+                     f"{p['hbm_bytes_per_s'] / 1e9:.0f} GB/s; {row['measured_over_predicted']:.1f}x)")
     return "\n".join(lines)
 
 

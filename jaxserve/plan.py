@@ -97,6 +97,7 @@ class PlanSpec:
     compile: bool = True
     target: str = "cpu"  # the compiler (jaxserve.targets): cpu | h200 | h100 | v5p | v6e
     scale_layers: bool = True  # targets: compile a few layers and scale (else every layer)
+    pool_pages: int | None = None  # the compiled decode pool's pages (None: the decode rows' pages + null pages)
 
     def __post_init__(self) -> None:
         for p in ("decode_weights", "prefill_weights", "kv_dtype"):  # accept "bfloat16", "float8_e4m3fn", ...

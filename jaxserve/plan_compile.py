@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from jaxserve.hlo import _BYTES, collectives, summarize
+from jaxserve.hlo_bytes import traffic
 
 MEMORY_FIELDS = ("argument", "output", "temp", "generated_code", "alias")
 _MOVE = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](\{[^}]*\})? (copy|transpose|all-gather)(?:-start)?\(")
@@ -23,12 +24,15 @@ _MIN_TRACKED = 1 << 20  # weights / pool arrays under 1 MiB are not tracked (the
 @dataclass
 class PhaseCompile:
     """memory: MEMORY_FIELDS -> bytes per device; collectives: hlo.summarize rows; moves: copies / transposes /
-    all-gathers of a weight or pool shape [{op, of, dtype, shape, layout, count, bytes}]."""
+    all-gathers of a weight or pool shape [{op, of, dtype, shape, layout, count, bytes}]; traffic: every
+    instruction that runs, grouped (hlo_bytes.traffic) [{category, op, what, result, count, bytes}], a whole
+    pool's leading layer dim written "L" (the roofline's input, jaxserve/roofline.py)."""
 
     seconds: float
     memory: dict[str, int]
     collectives: list[dict] = field(default_factory=list)
     moves: list[dict] = field(default_factory=list)
+    traffic: list[dict] = field(default_factory=list)
 
 
 def _tracked_shapes(state, pages) -> dict[tuple[int, ...], str]:  # noqa: ANN001
@@ -96,6 +100,8 @@ def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # 
     m = -(-ctx // ps)
     b = spec.decode_rows if phase == "decode" else dp
     num_pages = dp * (-(-b // dp) * m + 1)  # each page shard: its rows' pages + its null page
+    if phase == "decode" and spec.pool_pages:  # a deployment's pool (what the plan says fits), page shards whole
+        num_pages = max(num_pages, -(-spec.pool_pages // dp) * dp)
     pages = jax.eval_shape(lambda: init_pages(layout, num_pages))
     pool_shardings = _pool_shardings(pages, par)
     pages = _with_shardings(pages, pool_shardings)
@@ -116,7 +122,53 @@ def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # 
     ma = compiled.memory_analysis()
     memory = {f: int(getattr(ma, f"{f}_size_in_bytes")) for f in MEMORY_FIELDS}
     hlo = compiled.as_text()
-    return PhaseCompile(seconds, memory, summarize(collectives(hlo)), moves(hlo, _tracked_shapes(state, pages)))
+    pools = [x for x in jax.tree.leaves(pages) if x.ndim >= 2]
+    return PhaseCompile(seconds, memory, summarize(collectives(hlo)), moves(hlo, _tracked_shapes(state, pages)),
+                        traffic_rows(hlo, [tuple(x.sharding.shard_shape(x.shape)) for x in pools]))
+
+
+def traffic_rows(hlo_text: str, pool_shapes: list[tuple[int, ...]]) -> list[dict]:
+    """hlo_bytes.traffic as dicts, one per (category, op, what, result) with the mean bytes of its runs; a result of
+    a whole pool's shape (its leading dim the compiled layer count) is written with "L" there, so that compiles at
+    different layer counts match row by row (scaled)."""
+    whole = {",".join(map(str, s)): ",".join(["L", *map(str, s[1:])]) for s in pool_shapes}
+    runs: dict[tuple[str, ...], list[int]] = {}
+    for r in traffic(hlo_text):
+        t = r.traffic
+        result = re.sub(r"\[([0-9,]+)\]", lambda m: f"[{whole.get(m.group(1), m.group(1))}]", t.result)
+        acc = runs.setdefault((t.category, t.op, t.what, result), [0, 0])
+        acc[0] += r.count
+        acc[1] += r.count * t.bytes
+    return sorted(({"category": c, "op": o, "what": w, "result": res, "count": n, "bytes": round(b / n)}
+                   for (c, o, w, res), (n, b) in runs.items()), key=lambda r: -r["bytes"] * r["count"])
+
+
+def decode_step_shape(cfg, model, par):  # noqa: ANN001, ANN201
+    """jaxserve.roofline.StepShape of a sharded abstract MLA model (TP attention, FP8 KV): per-device weight bytes
+    split into what every decode step reads and the routed experts (read as the batch touches them)."""
+    import jax
+    from flax import nnx
+
+    from jaxserve.cache import KVLayout
+    from jaxserve.roofline import StepShape
+    from jaxserve.sharding import state_shardings
+
+    _, state = nnx.split(model)
+    dense = routed = 0
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, x), s in zip(leaves, jax.tree.leaves(state_shardings(par, state))):
+        p = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        b = math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+        if p.startswith("mtp") or p.startswith("embed"):
+            continue  # the MTP head runs only to draft; of the embedding only the batch's rows (roofline)
+        if ".experts." in f".{p}." and "shared" not in p:
+            routed += b
+        else:
+            dense += b
+    lay = KVLayout.mla(1, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype="fp8")  # one layer, FP8 + f32 scale
+    index = cfg.index_head_dim + 4 if cfg.has_indexer else 0  # an FP8 indexer key + its f32 scale
+    return StepShape(dense, routed, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.num_layers,
+                     lay.bytes_per_token(), len(cfg.index_layers), index, cfg.index_topk if cfg.has_indexer else 0)
 
 
 def _with_shardings(tree, shardings):  # noqa: ANN001, ANN202
@@ -147,4 +199,5 @@ def scaled(a: PhaseCompile, la: int, b: PhaseCompile, lb: int, layers: int) -> P
 
     return PhaseCompile(a.seconds + b.seconds, memory,
                         rows(a.collectives, b.collectives, ("kind", "dtype", "shape")),
-                        rows(a.moves, b.moves, ("op", "of", "dtype", "shape", "layout")))
+                        rows(a.moves, b.moves, ("op", "of", "dtype", "shape", "layout")),
+                        rows(a.traffic, b.traffic, ("category", "op", "what", "result")))

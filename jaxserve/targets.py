@@ -22,7 +22,9 @@ CONFIGS = Path(__file__).parent / "target_configs"
 class Target:
     """platform: "cpu" | "cuda" | "tpu"; attention: the backend the target's programs compile with; memory_bytes:
     one device's memory; topologies: devices -> the topology name (TPU: libtpu's; GPU: slices x hosts x GPUs);
-    config: the GPU target config file in target_configs/."""
+    config: the GPU target config file in target_configs/. hbm_bytes_per_s / link_bytes_per_s: one device's HBM
+    bandwidth and interconnect bandwidth per direction (the roofline's, jaxserve/roofline.py), from `bandwidth_source`
+    (the vendors' public spec sheets; "cpu" has none: bench/roofline.py measures the host's)."""
 
     name: str
     platform: str
@@ -30,14 +32,23 @@ class Target:
     memory_bytes: float
     topologies: dict[int, str]
     config: str | None = None
+    hbm_bytes_per_s: float = 0.0
+    link_bytes_per_s: float = 0.0
+    bandwidth_source: str = ""
 
 
 TARGETS: dict[str, Target] = {
     "cpu": Target("cpu", "cpu", "xla", 141e9, {}),  # the memory is an H200's: the CPU plan stands in for one
-    "h200": Target("h200", "cuda", "pallas", 141e9, {n: f"1x1x{n}" for n in (1, 2, 4, 8)}, "h200.txtpb"),
-    "h100": Target("h100", "cuda", "pallas", 80e9, {n: f"1x1x{n}" for n in (1, 2, 4, 8)}, "h100_sxm.txtpb"),
-    "v5p": Target("v5p", "tpu", "pallas_tpu", 95e9, {4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4"}),
-    "v6e": Target("v6e", "tpu", "pallas_tpu", 32e9, {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4", 16: "v6e:4x4"}),
+    # NVLink 4: 900 GB/s per GPU, both directions together -> 450e9 per direction
+    "h200": Target("h200", "cuda", "pallas", 141e9, {n: f"1x1x{n}" for n in (1, 2, 4, 8)}, "h200.txtpb",
+                   4.8e12, 450e9, "NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, NVLink 900 GB/s"),
+    "h100": Target("h100", "cuda", "pallas", 80e9, {n: f"1x1x{n}" for n in (1, 2, 4, 8)}, "h100_sxm.txtpb",
+                   3.35e12, 450e9, "NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3, NVLink 900 GB/s"),
+    # ICI: the per-chip figure (all links, both directions) halved per direction
+    "v5p": Target("v5p", "tpu", "pallas_tpu", 95e9, {4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4"}, None,
+                  2.765e12, 300e9, "Google Cloud TPU v5p spec: 2,765 GB/s HBM, ICI 4,800 Gbps per chip"),
+    "v6e": Target("v6e", "tpu", "pallas_tpu", 32e9, {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4", 16: "v6e:4x4"},
+                  None, 1.64e12, 224e9, "Google Cloud TPU v6e spec: 1,640 GB/s HBM, ICI 3,584 Gbps per chip"),
 }
 
 

@@ -65,6 +65,10 @@ def test_roofline(results: Path) -> None:
     for row in r["tiny"]["rows"]:
         assert row["activated"]["total"] <= row["all"]["total"]
         assert positive(row["program_s"]) and positive(row["activated"]["bound_s"])
+        # the compiled program's roofline (what bench/gpu.sh prints first): a bound at least the bytes' minimum
+        p = row["predicted"]
+        assert positive(p["traffic_bytes"]["outside"]) and p["predicted_s"] >= p["minimum_s"] > 0
+        assert row["measured_over_predicted"] == pytest.approx(row["program_s"] / p["predicted_s"])
     k = {(x["kv_dtype"], x["weights"], x["batch"]): x for x in r["kimi_k2.6"]["rows"]}
     # INT4 experts read fewer bytes than FP8, FP8 than BF16; FP8 KV fewer than BF16 KV
     assert k["fp8", "int4", 8]["activated"]["total"] < k["fp8", "fp8", 8]["activated"]["total"] \

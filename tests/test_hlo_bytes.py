@@ -1,0 +1,215 @@
+"""jaxserve.hlo_bytes on hand-written HLO text: what moves and what does not (in-place updates, slices, bitcasts,
+tuples), Pallas custom calls and matmuls kept apart from the rest, weight reads split out, while loops counted by
+their trip count."""
+from __future__ import annotations
+
+from jaxserve.hlo_bytes import parse, parse_instr, totals, traffic
+
+F32 = 4
+POOL = 4 * 1024 * F32  # f32[4,1024]
+ROW = 1024 * F32  # f32[1,1024]
+
+MODULE = """HloModule m, input_output_alias={ {0}: (0, {}, may-alias) }
+
+%fused_dus (param_0: f32[4,1024], param_1: f32[1,1024], param_2: s32[]) -> f32[4,1024] {
+  %param_0 = f32[4,1024]{1,0} parameter(0)
+  %param_1 = f32[1,1024]{1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  ROOT %dus = f32[4,1024]{1,0} dynamic-update-slice(%param_0, %param_1, %param_2, %c)
+}
+
+%fused_slice (param_0.1: f32[4,1024]) -> f32[1,1024] {
+  %param_0.1 = f32[4,1024]{1,0} parameter(0)
+  ROOT %s = f32[1,1024]{1,0} slice(%param_0.1), slice={[0:1], [0:1024]}
+}
+
+%fused_add (p0: f32[1,1024], p1: f32[1,1024]) -> f32[1,1024] {
+  %p0 = f32[1,1024]{1,0} parameter(0)
+  %p1 = f32[1,1024]{1,0} parameter(1)
+  ROOT %add = f32[1,1024]{1,0} add(%p0, %p1)
+}
+
+%gemm (a: f32[1,1024], b: f32[1024,256]) -> f32[1,256] {
+  %a = f32[1,1024]{1,0} parameter(0)
+  %b = f32[1024,256]{1,0} parameter(1)
+  ROOT %d = f32[1,256]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %z = f32[] add(%x, %y)
+}
+
+ENTRY %main (pool: f32[4,1024], x: f32[1,1024], i: s32[], w: f32[1024,256]) -> (f32[4,1024], f32[1,256]) {
+  %pool = f32[4,1024]{1,0} parameter(0), metadata={op_name="pages.latent"}
+  %x = f32[1,1024]{1,0} parameter(1), metadata={op_name="batch.x"}
+  %i = s32[] parameter(2)
+  %w = f32[1024,256]{1,0} parameter(3), metadata={op_name="state['layers'][0]['w'].value"}
+  %upd = f32[4,1024]{1,0} fusion(%pool, %x, %i), kind=kLoop, calls=%fused_dus, metadata={op_name="jit(f)/scatter"}
+  %view = f32[4096]{0} bitcast(%upd)
+  %sl = f32[1,1024]{1,0} fusion(%upd), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(f)/slice"}
+  %k = (f32[1,1024]{1,0}, f32[8]{0}) custom-call(%sl, %x, /*index=2*/%pool), custom_call_target="__gpu$xla.gpu.triton"
+  %g = f32[1,1024]{1,0} get-tuple-element(%k), index=0
+  %added = f32[1,1024]{1,0} fusion(%g, %x), kind=kLoop, calls=%fused_add
+  %wv = f32[1024,256]{1,0} bitcast(%w)
+  %mm = f32[1,256]{1,0} fusion(%added, %wv), kind=kCustom, calls=%gemm
+  %cp = f32[4,1024]{1,0} copy(%upd)
+  %ar = f32[1,256]{1,0} all-reduce-start(%mm), replica_groups={}, to_apply=%sum
+  %ard = f32[1,256]{1,0} all-reduce-done(%ar)
+  ROOT %t = (f32[4,1024]{1,0}, f32[1,256]{1,0}) tuple(%upd, %ard)
+}
+"""
+
+
+def _by_what(rows):  # noqa: ANN001, ANN202
+    return {(r.traffic.category, r.traffic.what or r.traffic.op): r for r in rows}
+
+
+def test_parse_finds_every_computation_and_the_entry():
+    comps, entry = parse(MODULE)
+    assert entry == "main"
+    assert set(comps) == {"fused_dus", "fused_slice", "fused_add", "gemm", "sum", "main"}
+    k = next(i for i in comps["main"] if i.name == "k")
+    assert k.op == "custom-call" and k.operands == ("sl", "x", "pool")  # /*index=2*/ comments skipped
+    assert k.types == (("f32", (1, 1024)), ("f32", (8,)))  # a tuple-typed result: both arrays
+    assert next(i for i in comps["fused_dus"] if i.name == "dus").root
+
+
+def test_parse_instr_reads_parameter_index_and_scalars():
+    ins = parse_instr("  %param.54 = s32[64]{0} parameter(38), sharding={replicated}")
+    assert (ins.op, ins.args, ins.types, ins.bytes) == ("parameter", "38", (("s32", (64,)),), 64 * 4)
+    assert parse_instr("  %c = u32[] constant(7)").bytes == 4
+    assert parse_instr("HloModule m") is None
+
+
+def test_in_place_update_moves_the_update_not_the_buffer():
+    rows = _by_what(traffic(MODULE))
+    # reads the row and the index, writes the row into the aliased pool: the pool itself is neither read nor written
+    assert rows[("outside", "jit(f)/scatter")].traffic.bytes == ROW + 4 + ROW
+
+
+def test_slice_reads_only_the_slice():
+    assert _by_what(traffic(MODULE))[("outside", "jit(f)/slice")].traffic.bytes == 2 * ROW
+
+
+def test_free_ops_move_nothing_and_copies_move_everything():
+    rows = traffic(MODULE)
+    ops = {r.traffic.op for r in rows}
+    assert not ops & {"bitcast", "get-tuple-element", "tuple", "parameter", "constant", "all-reduce-done"}
+    assert _by_what(rows)[("outside", "copy")].traffic.bytes == 2 * POOL
+
+
+def test_kernels_matmuls_weights_and_collectives_are_apart():
+    rows = traffic(MODULE)
+    t = totals(rows)
+    # the Pallas call: its nominal operands (the whole pool, as passed) + results, never "outside"
+    assert t["kernel"] == ROW + ROW + POOL + ROW + 8 * F32
+    # the matmul reads its weight through a bitcast: that read is "weights"; the activations stay "matmul"
+    assert t["weights"] == 1024 * 256 * F32
+    assert t["matmul"] == ROW + 256 * F32
+    assert t["collective"] == 256 * F32
+    assert t["outside"] == (2 * ROW + 4) + 2 * ROW + 3 * ROW + 2 * POOL  # update, slice, add, copy
+
+
+WHILE = """HloModule w
+
+%fused_neg (p: f32[256]) -> f32[256] {
+  %p = f32[256]{0} parameter(0)
+  ROOT %n = f32[256]{0} negate(%p)
+}
+
+%body (arg: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %arg = (s32[], f32[256]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %v = f32[256]{0} get-tuple-element(%arg), index=1
+  %neg = f32[256]{0} fusion(%v), kind=kLoop, calls=%fused_neg, metadata={op_name="jit(f)/neg"}
+  ROOT %out = (s32[], f32[256]{0}) tuple(%i, %neg)
+}
+
+%cond (arg.1: (s32[], f32[256])) -> pred[] {
+  %arg.1 = (s32[], f32[256]{0}) parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[256]) -> (s32[], f32[256]) {
+  %x = f32[256]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[256]{0}) tuple(%zero, %x)
+  ROOT %w = (s32[], f32[256]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+
+
+def test_while_body_counts_its_trip_count():
+    rows = traffic(WHILE)
+    assert len(rows) == 1
+    assert rows[0].count == 5 and rows[0].traffic.bytes == 2 * 256 * F32
+    assert totals(rows)["outside"] == 5 * 2 * 256 * F32
+
+
+GATHER = """HloModule g
+
+%fused_gather (pool: u8[64,576], ids: s32[8,1]) -> f32[8,576] {
+  %pool = u8[64,576]{1,0} parameter(0)
+  %ids = s32[8,1]{1,0} parameter(1)
+  %wide = f32[64,576]{1,0} convert(%pool)
+  ROOT %rows = f32[8,576]{1,0} gather(%wide, %ids), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,576}
+}
+
+ENTRY %main (pool: u8[64,576], ids: s32[8,1]) -> f32[8,576] {
+  %pool = u8[64,576]{1,0} parameter(0)
+  %ids = s32[8,1]{1,0} parameter(1)
+  ROOT %g = f32[8,576]{1,0} fusion(%pool, %ids), kind=kLoop, calls=%fused_gather, metadata={op_name="jit(f)/gather"}
+}
+"""
+
+
+def test_gather_through_an_elementwise_op_reads_only_the_gathered_rows():
+    """A loop fusion computes its elementwise ops only where its output needs them: converting the pool and then
+    gathering 8 of its 64 rows reads those 8 rows (in the pool's own dtype), and writes them widened."""
+    (row,) = traffic(GATHER)
+    assert row.traffic.bytes == 8 * 576 * 1 + 8 * 4 + 8 * 576 * F32
+
+
+LAYER_ROWS = """HloModule lr
+
+%fused_rows (pool: u8[4,64,576], layer: s32[], ids: s32[8,1]) -> f32[8,576] {
+  %pool = u8[4,64,576]{2,1,0} parameter(0)
+  %layer = s32[] parameter(1)
+  %ids = s32[8,1]{1,0} parameter(2)
+  %z = s32[] constant(0)
+  %one = u8[1,64,576]{2,1,0} dynamic-slice(%pool, %layer, %z, %z), dynamic_slice_sizes={1,64,576}
+  %pages = u8[64,576]{1,0} bitcast(%one)
+  %wide = f32[64,576]{1,0} convert(%pages)
+  ROOT %rows = f32[8,576]{1,0} gather(%wide, %ids), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,576}
+}
+
+ENTRY %main (pool: u8[4,64,576], layer: s32[], ids: s32[8,1]) -> f32[8,576] {
+  %pool = u8[4,64,576]{2,1,0} parameter(0)
+  %layer = s32[] parameter(1)
+  %ids = s32[8,1]{1,0} parameter(2)
+  ROOT %g = f32[8,576]{1,0} fusion(%pool, %layer, %ids), kind=kLoop, calls=%fused_rows
+}
+"""
+
+
+def test_rows_of_one_layer_read_only_those_rows():
+    """A layer dynamic-sliced out of the pool and then gathered by row reads the gathered rows, not the layer."""
+    (row,) = traffic(LAYER_ROWS)
+    assert row.traffic.bytes == 8 * 576 * 1 + 4 + 8 * 4 + 8 * 576 * F32
+
+
+def test_async_copy_writes_one_copy():
+    """copy-start's result is (destination, source, context): the copy reads its operand and writes one copy."""
+    text = """HloModule c
+
+ENTRY %main (x: bf16[1024,64]) -> bf16[1024,64] {
+  %x = bf16[1024,64]{1,0} parameter(0)
+  %cs = (bf16[1024,64]{1,0}, bf16[1024,64]{1,0}, u32[]) copy-start(%x)
+  ROOT %cd = bf16[1024,64]{1,0} copy-done(%cs)
+}
+"""
+    (row,) = traffic(text)
+    assert row.traffic.op == "copy-start" and row.traffic.bytes == 2 * 1024 * 64 * 2
