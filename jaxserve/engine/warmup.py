@@ -115,23 +115,36 @@ def _pow2_upto(n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+Key = tuple[str, int, int, int, str]  # (kind, rows, pages, chunk tokens, sampling form or ""): one job of a plan
+
+
+def plan_keys(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODES) -> list[Key]:
+    """The keys of `full_plan`'s jobs, in its order (a tag sync's "rows" is its phase's index)."""
+    c = programs.cfg
+    shapes = programs.program_shapes()
+    model = ("prefill", "decode", "verify")
+    keys: list[Key] = [(kind, b, m, t, mode) for kind, b, m, t in shapes if kind in model for mode in modes]
+    keys += [(kind, b, m, t, "") for kind, b, m, t in shapes if kind not in model]
+    if programs.decode_phase is not None:
+        keys += [("unpack", b, m, 0, "") for b in c.row_buckets for m in c.page_buckets]
+    return keys + [("tag sync", i, 0, 0, "") for i, _ in enumerate(programs.phases())]
+
+
+def job_of(programs: Programs, key: Key) -> Job:
+    """The compile job of one plan key."""
+    kind, b, m, t, mode = key
+    if kind == "unpack":
+        return kind, functools.partial(compile_unpack, programs.decode_rows, b, m, tuple(programs.cfg.row_buckets))
+    if kind == "tag sync":
+        tags = programs.phases()[b].pages.tags
+        return kind, functools.partial(compile_tag_sync, tags, _pow2_upto(tags.shape[0]))
+    return kind, functools.partial(programs._compile, kind, b, m, t, **({"mode": mode} if mode else {}))
+
+
 def full_plan(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODES) -> list[Job]:
     """Every program the configuration can select for a request without prompt logprobs (see the module
     docstring), smallest shapes first."""
-    c = programs.cfg
-    shapes = programs.program_shapes()
-    jobs: list[Job] = [(kind, functools.partial(programs._compile, kind, b, m, t, mode=mode))
-                       for kind, b, m, t in shapes if kind in ("prefill", "decode", "verify") for mode in modes]
-    jobs += [(kind, functools.partial(programs._compile, kind, b, m, t)) for kind, b, m, t in shapes
-             if kind not in ("prefill", "decode", "verify")]
-    rows = programs.decode_rows
-    for b in c.row_buckets if programs.decode_phase is not None else ():
-        for m in c.page_buckets:
-            jobs.append(("unpack", functools.partial(compile_unpack, rows, b, m, tuple(c.row_buckets))))
-    for ph in programs.phases():
-        jobs.append(("tag sync", functools.partial(compile_tag_sync, ph.pages.tags,
-                                                   _pow2_upto(ph.pages.tags.shape[0]))))
-    return jobs
+    return [job_of(programs, key) for key in plan_keys(programs, modes)]
 
 
 def map_count() -> int | None:
