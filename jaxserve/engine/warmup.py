@@ -21,8 +21,11 @@ from the persistent compilation cache.
     `jax.clear_caches` is process-wide: a program another thread is loading at that moment may miss the persistent
     cache and compile (seen in a test), so the warm-up clears only with its own jobs settled; a request served
     before ready can still race it. After ready nothing bounds what traffic loads back.
-  * "fast": what a first short request runs (`Programs.compile_first`, greedy), its sampled programs deferred to
-    the first idle second (`Engine.compile_deferred`).
+  * "fast": the largest shape of each program kind in both forms, the largest unpacking, every hand-off size and
+    the tag syncs; then, after ready, the rest of "full" in one background thread while a step whose shape is not
+    compiled yet runs padded in the smallest compiled shape covering it (`engine.fallback`): nothing compiles on
+    the engine thread. (`Engine(warmup="first")` is the older, smaller set: what a first short request runs,
+    `Programs.compile_first`, its sampled programs deferred to the first idle second, the rest on first use.)
   * "none": nothing; each program compiles on first use, inside the engine loop.
 """
 from __future__ import annotations
