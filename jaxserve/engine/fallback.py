@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jaxserve.engine.batch import rank_rows
 from jaxserve.engine.sampling_forms import SERVING_MODES
-from jaxserve.engine.warmup import Key, WarmupReport, job_of, plan_keys, run_jobs
+from jaxserve.engine.warmup import Job, Key, WarmupReport, job_of, plan_keys, run_jobs
 
 if TYPE_CHECKING:
     from jaxserve.engine.programs import Programs
@@ -27,8 +28,9 @@ MODEL_KINDS = ("prefill", "decode", "verify")
 log = logging.getLogger("jaxserve.warmup")
 
 
-def _size(key: Key) -> int:
-    return max(key[1], 1) * max(key[2], 1) * max(key[3], 1)
+def _size(x: Key | Shape) -> int:
+    """Padded rows x pages x chunk of a key or shape (its step's work, roughly)."""
+    return max(x[1], 1) * max(x[2], 1) * max(x[3], 1)
 
 
 def largest_keys(programs: Programs, keys: list[Key]) -> list[Key]:
@@ -71,7 +73,7 @@ class CompiledShapes:
             if (kind, b, m, t) in self.usable:
                 return b, m, t
             over = [s for s in self.usable if s[0] == kind and s[1] >= b and s[2] >= m and s[3] >= t]
-        best = min(over, key=lambda s: (_size((*s, "")), s), default=(kind, b, m, t))
+        best = min(over, key=lambda s: (_size(s), s), default=(kind, b, m, t))
         return best[1], best[2], best[3]
 
     def warm(self, level: str, progress: bool, max_maps: int | None) -> list[Key]:
@@ -79,7 +81,8 @@ class CompiledShapes:
         keys = plan_keys(self.programs)
         first = largest_keys(self.programs, keys)
         self.report = run_jobs(level, self._jobs(first), progress, max_maps=max_maps)
-        return sorted((k for k in keys if k not in set(first)), key=_size)  # stable: full_plan's order within a size
+        done = set(first)
+        return sorted((k for k in keys if k not in done), key=_size)  # stable: full_plan's order within a size
 
     def start(self, keys: list[Key], hold: threading.Event | None = None, max_maps: int | None = None
               ) -> threading.Thread:
@@ -97,8 +100,9 @@ class CompiledShapes:
         self.thread.start()
         return self.thread
 
-    def _jobs(self, keys: list[Key]) -> list[tuple[str, object]]:
-        def marked(key: Key, job: object) -> None:
+    def _jobs(self, keys: list[Key]) -> list[Job]:
+        """Each key's compile job, recording the key once it is compiled."""
+        def marked(key: Key, job: Callable[[], None]) -> None:
             job()
             self.add(key)
 
