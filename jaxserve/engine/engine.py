@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxserve.checkpoint import load
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.fallback import CompiledShapes
 from jaxserve.engine.kv_transfer import Puller, TransferStore
 from jaxserve.engine.mtp_draft import serving_models, uses_mtp
 from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
@@ -28,7 +29,7 @@ from jaxserve.engine.request import Request, RequestOutput, SamplingParams, Toke
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.engine.text_stream import TextStream
-from jaxserve.engine.warmup import (MapGuard, WarmupLevel, WarmupReport, counting, default_max_maps, full_plan,
+from jaxserve.engine.warmup import (MapGuard, WarmupLevel, WarmupReport, default_max_maps, full_plan,
                                     run_jobs)
 from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
 from jaxserve.models import CausalLM
@@ -66,7 +67,7 @@ class Engine:
         self.scheduler = Scheduler(self.programs, model.cfg, cfg, self._emit, tokenizer, self.grammar,
                                    self.transfers, puller)
         if warmup == "first":
-            self.warm_up("fast")
+            self._warm_first()
         elif warmup:
             self.programs.warmup()
         self._step_lock = threading.Lock()  # the scheduler is single-threaded: one step at a time, any caller
@@ -337,30 +338,46 @@ class Engine:
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler._finish(seq, "error", err)
 
-    def warm_up(self, level: WarmupLevel, progress: bool = False, max_maps: int | None = None) -> WarmupReport:
+    def warm_up(self, level: WarmupLevel, progress: bool = False, max_maps: int | None = None,
+                hold: threading.Event | None = None) -> WarmupReport:
         """Compile ahead of traffic what `level` promises (engine.warmup: "full" every program a plain request
-        can select, "fast" a first short request's, its sampled ones deferred to the first idle second, "none"
-        nothing); safe beside live traffic (nothing runs, no pool is touched). Returns what it compiled and what
-        the persistent cache answered. max_maps: the memory mappings "full" may hold before it drops its compiled
-        programs to the persistent cache (default `EngineConfig.max_maps`; `warmup.run_jobs`)."""
+        can select; "fast" the largest shape of each kind, then the rest in one background thread while steps pad
+        to what is compiled, `engine.fallback`; "none" nothing); safe beside live traffic (nothing runs, no pool is
+        touched). Returns what it compiled before returning and what the persistent cache answered. max_maps: the
+        memory mappings the compiles may hold before they drop compiled programs to the persistent cache (default
+        `EngineConfig.max_maps`; `warmup.run_jobs`). hold: "fast"'s background thread waits for it (tests)."""
+        max_maps = self.map_guard.max_maps if max_maps is None else max_maps
         self.map_guard.warming += 1  # the warm-up keeps the bound itself; no step evicts under its loads
         try:
             if level == "full":
-                report = run_jobs(level, full_plan(self.programs), progress,
-                                  max_maps=self.map_guard.max_maps if max_maps is None else max_maps)
+                report = run_jobs(level, full_plan(self.programs), progress, max_maps=max_maps)
                 self.map_guard.evictions += report.evictions
                 return report
-            report = WarmupReport(level)
-            if level == "fast":
-                extra = [functools.partial(compile_unpack, self.programs.decode_rows, self.cfg.row_buckets[0],
-                                           self.cfg.page_buckets[0])] if "decode" in self.cfg.phases else []
-                with counting(report):
-                    self.programs.compile_first(extra=extra)
-                report.jobs = {"first request": 1}
-                self.deferred_compiles.append(self.programs.compile_first_sampled)
+            if level == "none":
+                return WarmupReport(level)
+            shapes = CompiledShapes(self.programs)
+            rest = shapes.warm(level, progress, max_maps)
+            report = shapes.report
+            self.scheduler.shapes = shapes  # from the next step on, a shape not compiled yet pads to a compiled one
+            self.map_guard.warming += 1  # the background thread's own run_jobs keeps the bound until it is done
+            shapes.start(rest, hold, max_maps, done=self._background_done)
             return report
         finally:
             self.map_guard.warming -= 1
+
+    def _background_done(self, report: WarmupReport | None) -> None:
+        """The fast warm-up's background compiles ended (report None: they stopped on an error)."""
+        if report is not None:
+            self.map_guard.evictions += report.evictions
+        self.map_guard.warming -= 1
+
+    def _warm_first(self) -> None:
+        """warmup="first": what a first short greedy request runs (`Programs.compile_first`), in parallel, its
+        sampled programs deferred to the first idle second (`compile_deferred`); others compile on first use."""
+        extra = [functools.partial(compile_unpack, self.programs.decode_rows, self.cfg.row_buckets[0],
+                                   self.cfg.page_buckets[0])] if "decode" in self.cfg.phases else []
+        self.programs.compile_first(extra=extra)
+        self.deferred_compiles.append(self.programs.compile_first_sampled)
 
     def compile_deferred(self) -> None:
         """Run the deferred compiles now, in this thread (the loop starts them itself when idle)."""

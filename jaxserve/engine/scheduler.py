@@ -40,6 +40,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import (DecodeRows, SamplingExtras, prefill_batch, rank_rows, sampling_arrays,
                                    sampling_extras)
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.fallback import CompiledShapes, fit
 from jaxserve.engine.output import token_end, top_alternatives
 from jaxserve.engine.placement import Placement
 from jaxserve.engine.prefix_cache import PrefixCache, engine_salt
@@ -87,6 +88,7 @@ class Scheduler(RemoteSteps):
         self.grammar = grammar
         self.transfers, self.puller = transfers, puller
         self.ranks = cfg.dp_ranks
+        self.shapes: CompiledShapes | None = None  # --warmup fast: steps pad to compiled shapes (engine.fallback)
         self.prefill_alloc = PageAllocator(cfg.num_prefill_pages, shards=self.ranks)
         self.decode_alloc = PageAllocator(cfg.num_decode_pages, shards=self.ranks)
         self.rows = DecodeRows(cfg.max_batch, cfg.max_pages_per_seq, cfg.page_size)
@@ -232,6 +234,7 @@ class Scheduler(RemoteSteps):
             B, place = rank_rows([s.rank for s, _, _ in rows], self.ranks, cfg.row_buckets)
             T = cfg.pick(cfg.chunk_buckets, widest)
             M = cfg.pick(cfg.prefill_page_buckets, max(self.place.pages_for(s + n) for _, s, n in rows))
+            B, place, M, T = fit(self.shapes, "prefill", [s.rank for s, _, _ in rows], self.ranks, B, place, M, T)
             batch = prefill_batch(rows, place, B, T, M, ps)
             by_row: list[Sequence | None] = [None] * B
             for i, (seq, _, _) in zip(place, rows):
@@ -371,6 +374,7 @@ class Scheduler(RemoteSteps):
         B, place = rank_rows(ranks, self.ranks, cfg.row_buckets)
         idx = np.fromiter((s.slot for s in ready), np.int64, n)
         M = cfg.pick(cfg.page_buckets, int(self.rows.num_pages[idx].max()))
+        B, place, M, _ = fit(self.shapes, "decode", ranks, self.ranks, B, place, M)
         self.programs.sync_tags(self.prefill_alloc, self.decode_alloc)
         batch, cols = self.rows.upload(idx, np.asarray(ranks, np.int64), self.ranks, B, M, self.programs.decode_rows,
                                        ahead, src, None if prev is None else prev.pending[0].tokens)

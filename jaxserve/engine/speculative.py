@@ -28,6 +28,7 @@ import numpy as np
 from jaxserve.cache import PageAllocator
 from jaxserve.engine.batch import DecodeRows, SamplingExtras, rank_rows, sampling_arrays
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.fallback import fit
 from jaxserve.engine.mtp_draft import MTPDrafts
 from jaxserve.engine.ngram import ngram_drafts
 from jaxserve.engine.programs import Programs
@@ -146,6 +147,7 @@ class Speculation:
         B, place = rank_rows([x.rank for x in seqs], s.ranks, cfg.row_buckets)
         idx = np.fromiter((x.slot for x in seqs), np.int64, len(seqs))
         M = cfg.pick(cfg.page_buckets, int(s.rows.num_pages[idx].max()))
+        B, place, M, _ = fit(s.shapes, "verify", [x.rank for x in seqs], s.ranks, B, place, M)
         by_row: list[Sequence | None] = [None] * B
         for i, seq in zip(place, seqs):
             by_row[i] = seq

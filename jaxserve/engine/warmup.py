@@ -22,8 +22,11 @@ from the persistent compilation cache.
     cache and compile (seen in a test), so the warm-up clears only with its own jobs settled; a request served
     before ready can still race it. After ready the engine keeps the same bound (`MapGuard`): between steps,
     on the thread that steps, past `max_maps` it drops the compiled programs again (with the persistent cache on).
-  * "fast": what a first short request runs (`Programs.compile_first`, greedy), its sampled programs deferred to
-    the first idle second (`Engine.compile_deferred`).
+  * "fast": the largest shape of each program kind in both forms, the largest unpacking, every hand-off size and
+    the tag syncs; then, after ready, the rest of "full" in one background thread while a step whose shape is not
+    compiled yet runs padded in the smallest compiled shape covering it (`engine.fallback`): nothing compiles on
+    the engine thread. (`Engine(warmup="first")` is the older, smaller set: what a first short request runs,
+    `Programs.compile_first`, its sampled programs deferred to the first idle second, the rest on first use.)
   * "none": nothing; each program compiles on first use, inside the engine loop.
 """
 from __future__ import annotations
@@ -116,23 +119,36 @@ def _pow2_upto(n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+Key = tuple[str, int, int, int, str]  # (kind, rows, pages, chunk tokens, sampling form or ""): one job of a plan
+
+
+def plan_keys(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODES) -> list[Key]:
+    """The keys of `full_plan`'s jobs, in its order (a tag sync's "rows" is its phase's index)."""
+    c = programs.cfg
+    shapes = programs.program_shapes()
+    model = ("prefill", "decode", "verify")
+    keys: list[Key] = [(kind, b, m, t, mode) for kind, b, m, t in shapes if kind in model for mode in modes]
+    keys += [(kind, b, m, t, "") for kind, b, m, t in shapes if kind not in model]
+    if programs.decode_phase is not None:
+        keys += [("unpack", b, m, 0, "") for b in c.row_buckets for m in c.page_buckets]
+    return keys + [("tag sync", i, 0, 0, "") for i, _ in enumerate(programs.phases())]
+
+
+def job_of(programs: Programs, key: Key) -> Job:
+    """The compile job of one plan key."""
+    kind, b, m, t, mode = key
+    if kind == "unpack":
+        return kind, functools.partial(compile_unpack, programs.decode_rows, b, m, tuple(programs.cfg.row_buckets))
+    if kind == "tag sync":
+        tags = programs.phases()[b].pages.tags
+        return kind, functools.partial(compile_tag_sync, tags, _pow2_upto(tags.shape[0]))
+    return kind, functools.partial(programs._compile, kind, b, m, t, **({"mode": mode} if mode else {}))
+
+
 def full_plan(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODES) -> list[Job]:
     """Every program the configuration can select for a request without prompt logprobs (see the module
     docstring), smallest shapes first."""
-    c = programs.cfg
-    shapes = programs.program_shapes()
-    jobs: list[Job] = [(kind, functools.partial(programs._compile, kind, b, m, t, mode=mode))
-                       for kind, b, m, t in shapes if kind in ("prefill", "decode", "verify") for mode in modes]
-    jobs += [(kind, functools.partial(programs._compile, kind, b, m, t)) for kind, b, m, t in shapes
-             if kind not in ("prefill", "decode", "verify")]
-    rows = programs.decode_rows
-    for b in c.row_buckets if programs.decode_phase is not None else ():
-        for m in c.page_buckets:
-            jobs.append(("unpack", functools.partial(compile_unpack, rows, b, m, tuple(c.row_buckets))))
-    for ph in programs.phases():
-        jobs.append(("tag sync", functools.partial(compile_tag_sync, ph.pages.tags,
-                                                   _pow2_upto(ph.pages.tags.shape[0]))))
-    return jobs
+    return [job_of(programs, key) for key in plan_keys(programs, modes)]
 
 
 def map_count() -> int | None:

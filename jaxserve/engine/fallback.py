@@ -1,0 +1,126 @@
+"""The padded fallback of `--warmup fast`: which bucketed shapes are compiled, the smallest compiled shape that
+covers one that is not, and the background thread that compiles the rest of the grid.
+
+Before ready, "fast" compiles the largest shape of each program kind the scheduler can select (decode and verify:
+the most rows x the widest block table; prefill: each maximal (rows, chunk) pair of `EngineConfig.prefill_shapes`
+x the widest block table), in every sampling form, with the decode-batch unpacking of that shape, every hand-off
+size and the tag syncs. After ready one thread compiles the rest of `warmup.full_plan`, small (likely-first)
+shapes first. Meanwhile a step whose own shape is not compiled yet is padded to the smallest compiled shape that
+covers it (`fit`: more rows, pages and chunk tokens are padding the bucketed programs already handle), so the
+engine thread never compiles; once its own shape (every form, and for decode its unpacking) is compiled, it is used.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from jaxserve.engine.batch import rank_rows
+from jaxserve.engine.sampling_forms import SERVING_MODES
+from jaxserve.engine.warmup import Job, Key, WarmupReport, job_of, plan_keys, run_jobs
+
+if TYPE_CHECKING:
+    from jaxserve.engine.programs import Programs
+
+Shape = tuple[str, int, int, int]  # (kind, rows, pages, chunk tokens)
+MODEL_KINDS = ("prefill", "decode", "verify")
+log = logging.getLogger("jaxserve.warmup")
+
+
+def _size(x: Key | Shape) -> int:
+    """Padded rows x pages x chunk of a key or shape (its step's work, roughly)."""
+    return max(x[1], 1) * max(x[2], 1) * max(x[3], 1)
+
+
+def largest_keys(programs: Programs, keys: list[Key]) -> list[Key]:
+    """The keys "fast" compiles before ready: the model programs of each kind's maximal shapes (no other shape of
+    that kind has rows, pages and chunk all >=), the unpacking of the largest decode shape, every other job."""
+    c = programs.cfg
+    shapes = {k[:4] for k in keys if k[0] in MODEL_KINDS}
+    maximal = {s for s in shapes if not any(o != s and o[0] == s[0] and all(o[i] >= s[i] for i in (1, 2, 3))
+                                            for o in shapes)}
+    big_unpack = ("unpack", c.row_buckets[-1], c.page_buckets[-1], 0, "")
+    return [k for k in keys if k[:4] in maximal or k == big_unpack or k[0] not in (*MODEL_KINDS, "unpack")]
+
+
+class CompiledShapes:
+    """The plan keys compiled so far (`done`), the shapes usable from them (every sampling form compiled, and for
+    decode its unpacking), and the cover of a shape not usable yet. Thread-safe: the background thread adds."""
+
+    def __init__(self, programs: Programs) -> None:
+        self.programs = programs
+        self.done: set[Key] = set()
+        self.usable: set[Shape] = set()
+        self.thread: threading.Thread | None = None
+        self.report: WarmupReport | None = None  # the background compiles', once finished
+        self._lock = threading.Lock()
+
+    def add(self, key: Key) -> None:
+        """Record a compiled plan key; its shape (and for an unpacking, its decode shape) may become usable."""
+        with self._lock:
+            self.done.add(key)
+            kind, b, m, t, _ = key
+            shape = ("decode", b, m, t) if kind == "unpack" else (kind, b, m, t)
+            if shape[0] in MODEL_KINDS and all((*shape, mode) in self.done for mode in SERVING_MODES) and \
+                    (shape[0] != "decode" or ("unpack", b, m, 0, "") in self.done):
+                self.usable.add(shape)
+
+    def cover(self, kind: str, b: int, m: int, t: int = 0) -> tuple[int, int, int]:
+        """(rows, pages, chunk) to run a (kind, b, m, t) step in: its own shape when usable, else the smallest
+        usable one with rows, pages and chunk all >= (its own when none is: it compiles on first use)."""
+        with self._lock:
+            if (kind, b, m, t) in self.usable:
+                return b, m, t
+            over = [s for s in self.usable if s[0] == kind and s[1] >= b and s[2] >= m and s[3] >= t]
+        best = min(over, key=lambda s: (_size(s), s), default=(kind, b, m, t))
+        return best[1], best[2], best[3]
+
+    def warm(self, level: str, progress: bool, max_maps: int | None) -> list[Key]:
+        """Compile the largest shapes (`largest_keys`) now, in parallel; -> the keys left, likely-first."""
+        keys = plan_keys(self.programs)
+        first = largest_keys(self.programs, keys)
+        self.report = run_jobs(level, self._jobs(first), progress, max_maps=max_maps)
+        done = set(first)
+        return sorted((k for k in keys if k not in done), key=_size)  # stable: full_plan's order within a size
+
+    def start(self, keys: list[Key], hold: threading.Event | None = None, max_maps: int | None = None,
+              done: Callable[[WarmupReport | None], None] | None = None) -> threading.Thread:
+        """Compile `keys` in one background thread (started and returned; it waits for `hold` first, a test hook),
+        one job at a time, never on the engine thread; then `done(its report)` (None if it stopped on an error)."""
+        def run() -> None:
+            if hold is not None:
+                hold.wait()
+            report = None
+            try:
+                report = self.report = run_jobs("fast, background", self._jobs(keys), False, threads=1,
+                                                max_maps=max_maps)
+            except Exception:  # noqa: BLE001 - the shapes not compiled stay padded; serving goes on
+                log.exception("background compiles stopped: shapes not compiled yet run padded")
+            finally:
+                if done is not None:
+                    done(report)
+
+        self.thread = threading.Thread(target=run, name="jaxserve-compile-background", daemon=True)
+        self.thread.start()
+        return self.thread
+
+    def _jobs(self, keys: list[Key]) -> list[Job]:
+        """Each key's compile job, recording the key once it is compiled."""
+        def marked(key: Key, job: Callable[[], None]) -> None:
+            job()
+            self.add(key)
+
+        return [(k[0], lambda k=k, job=job_of(self.programs, k)[1]: marked(k, job)) for k in keys]
+
+
+def fit(shapes: CompiledShapes | None, kind: str, ranks: list[int], n_ranks: int, B: int, place: list[int], M: int,
+        T: int = 0) -> tuple[int, list[int], int, int]:
+    """A step's bucket (B rows with rows `place` for items on DP ranks `ranks`, M pages, T chunk tokens) moved to
+    `shapes.cover`'s (unchanged with no fallback: `--warmup` full or none). -> (B, place, M, T)."""
+    if shapes is None:
+        return B, place, M, T
+    b, m, t = shapes.cover(kind, B, M, T)
+    if b != B:
+        B, place = rank_rows(ranks, n_ranks, [b])  # the same layout over b rows (padding rows on every rank)
+    return B, place, m, t

@@ -1,0 +1,89 @@
+"""`--warmup fast`'s padded fallback (engine/fallback.py): with only the largest shapes compiled (the background
+thread held before its first job), a mixed workload compiles nothing on the engine thread and gives the tokens of
+an engine with no warm-up; released, the background thread compiles the rest of the grid and steps use their own
+buckets again."""
+from __future__ import annotations
+
+import threading
+
+import jax
+
+from engine_util import prompts, small_config, tiny_model
+from jaxserve.engine import Engine, SamplingParams
+from jaxserve.engine.fallback import MODEL_KINDS, largest_keys
+from jaxserve.engine.warmup import plan_keys
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+# rows 1, 2, 4; decode pages 8, 12, 16; prefill pages 8, 16; chunks 16, 32 (rows x chunk <= 32)
+CFG = small_config(kv_dtype="fp8", max_batch=4, max_model_len=64, prefill_chunk=32, max_prefill_tokens=32)
+
+
+def _params() -> list[SamplingParams]:
+    kinds = [dict(), dict(temperature=1.0, seed=7), dict(presence_penalty=0.5, repetition_penalty=1.3),
+             dict(temperature=0.8, top_k=5, seed=3, logprobs=True, top_logprobs=3), dict(frequency_penalty=0.4)]
+    return [SamplingParams(max_tokens=3 + 4 * (i % 3), ignore_eos=True, **kinds[i % len(kinds)]) for i in range(7)]
+
+
+def _workload(e: Engine) -> list[tuple[list[int], int]]:
+    """One row, then 7 mixed rows (short and multi-chunk prompts), then two: -> (token ids, finish reason) each."""
+    outs = e.generate(prompts(1, seed=1, lengths=(5,)), SamplingParams(max_tokens=4))
+    outs += e.generate(prompts(7, seed=2, lengths=(3, 40, 9, 17, 33, 2, 12)), _params())
+    outs += e.generate(prompts(2, seed=3, lengths=(20, 6)), _params()[1:3])
+    return [(o.token_ids, o.finish_reason) for o in outs]
+
+
+def _on_engine_thread(e: Engine) -> tuple[list, list[str]]:
+    """Run `_workload` on a thread named as the engine's loop -> (its outputs, the threads of every XLA compile)."""
+    threads: list[str] = []
+    out: list = []
+
+    def listener(event: str, seconds: float, **_: object) -> None:
+        if event == BACKEND_COMPILE:
+            threads.append(threading.current_thread().name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        t = threading.Thread(target=lambda: out.extend(_workload(e)), name="jaxserve-engine")
+        t.start()
+        t.join()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return out, threads
+
+
+def test_fast_serves_padded_until_the_background_compiles_its_shape():
+    e = Engine(tiny_model(), CFG, start=False)
+    hold = threading.Event()
+    try:
+        report = e.warm_up("fast", hold=hold)
+        shapes = e.scheduler.shapes
+        keys = plan_keys(e.programs)
+        assert report.jobs and sum(report.jobs.values()) == len(largest_keys(e.programs, keys)) < len(keys)
+        first = set(shapes.usable)
+        assert {s[0] for s in first} == {"prefill", "decode"} and ("decode", 4, 16, 0) in first
+        assert ("decode", 1, 8, 0) not in first and shapes.cover("decode", 1, 8) == (4, 16, 0)
+
+        got, threads = _on_engine_thread(e)
+        assert "jaxserve-engine" not in threads, threads  # every step ran padded in a compiled shape
+        assert shapes.usable == first  # nothing compiled meanwhile: the background thread is held
+
+        ref = Engine(tiny_model(), CFG, start=False)  # no warm-up: every step in its own bucket
+        try:
+            want = _workload(ref)
+        finally:
+            ref.close()
+        assert got == want
+
+        hold.set()
+        shapes.thread.join()
+        grid = {k[:4] for k in keys if k[0] in MODEL_KINDS}
+        assert shapes.usable == grid and shapes.done == set(keys)
+        assert shapes.cover("decode", 1, 8) == (1, 8, 0)
+        rows: list[int] = []
+        dispatch = e.programs.dispatch_decode
+        e.programs.dispatch_decode = lambda batch, samp: (rows.append(batch.tokens.shape[0]), dispatch(batch, samp))[1]
+        again, threads = _on_engine_thread(e)
+        assert "jaxserve-engine" not in threads, threads  # its own shapes, compiled in the background
+        assert again == got and 1 in rows and min(rows) < 4
+    finally:
+        e.close()
