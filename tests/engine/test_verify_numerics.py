@@ -106,6 +106,7 @@ def trace():
     return np.stack(ref), np.stack(a), np.stack(b)
 
 
+@pytest.mark.slow  # the 40-step bf16 trace (~100 s): the two cheap facts below stay in CI
 def test_the_verify_chunk_rounds_differently_from_decode_in_bf16(trace):
     ref, verify, _ = trace
     windows = np.stack([ref[s:s + K + 1] for s in range(STEPS)])  # decode's logits at each verify column
@@ -116,6 +117,7 @@ def test_the_verify_chunk_rounds_differently_from_decode_in_bf16(trace):
     assert diff[:, 0].max() <= 0.25
 
 
+@pytest.mark.slow  # the 40-step bf16 trace (~100 s): the two cheap facts below stay in CI
 def test_the_decode_body_at_each_position_is_bit_exact(trace):
     ref, _, per_position = trace
     for s in range(STEPS):
