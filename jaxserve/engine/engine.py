@@ -412,6 +412,8 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.scheduler.shapes is not None:  # the fast warm-up's background compiles end with the engine
+            self.scheduler.shapes.stop(timeout=60)
         self.map_guard.close()
 
     def pool_status(self) -> dict[str, int]:

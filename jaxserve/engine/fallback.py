@@ -54,6 +54,7 @@ class CompiledShapes:
         self.usable: set[Shape] = set()
         self.thread: threading.Thread | None = None
         self.report: WarmupReport | None = None  # the background compiles', once finished
+        self.stopped = threading.Event()  # set by `stop`: the jobs left are skipped
         self._lock = threading.Lock()
 
     def add(self, key: Key) -> None:
@@ -89,8 +90,9 @@ class CompiledShapes:
         """Compile `keys` in one background thread (started and returned; it waits for `hold` first, a test hook),
         one job at a time, never on the engine thread; then `done(its report)` (None if it stopped on an error)."""
         def run() -> None:
-            if hold is not None:
-                hold.wait()
+            while hold is not None and not hold.wait(0.05):
+                if self.stopped.is_set():
+                    break
             report = None
             try:
                 report = self.report = run_jobs("fast, background", self._jobs(keys), False, threads=1,
@@ -105,9 +107,17 @@ class CompiledShapes:
         self.thread.start()
         return self.thread
 
+    def stop(self, timeout: float) -> None:
+        """Skip the background jobs not started yet and wait up to `timeout` s for the one in flight."""
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
     def _jobs(self, keys: list[Key]) -> list[Job]:
         """Each key's compile job, recording the key once it is compiled."""
         def marked(key: Key, job: Callable[[], None]) -> None:
+            if self.stopped.is_set():  # the engine is closing: no compile may outlive it
+                return
             job()
             self.add(key)
 

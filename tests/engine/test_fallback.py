@@ -10,7 +10,7 @@ import jax
 
 from engine_util import prompts, small_config, tiny_model
 from jaxserve.engine import Engine, SamplingParams
-from jaxserve.engine.fallback import MODEL_KINDS, largest_keys
+from jaxserve.engine.fallback import MODEL_KINDS, CompiledShapes, largest_keys
 from jaxserve.engine.warmup import plan_keys
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -87,3 +87,15 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
         assert again == got and 1 in rows and min(rows) < 4
     finally:
         e.close()
+
+
+def test_close_ends_the_background_compiles():
+    """Engine.close() stops the fast warm-up's background thread: the jobs it has not started are skipped (none here:
+    it is held before its first), and no thread is left compiling after the engine."""
+    e = Engine(tiny_model(), CFG, start=False)
+    shapes = CompiledShapes(e.programs)
+    e.scheduler.shapes = shapes
+    thread = shapes.start(plan_keys(e.programs), hold=threading.Event())
+    assert thread.is_alive()
+    e.close()
+    assert not thread.is_alive() and shapes.done == set()
