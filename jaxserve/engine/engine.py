@@ -276,8 +276,7 @@ class Engine:
             return None
         ev = text.token(ev)
         if text.stopped:
-            self.scheduler.abort(ev.request_id, "stop")
-            self._wake.set()
+            self.abort(ev.request_id, "stop")
         return ev
 
     def _emit(self, ev: TokenEvent) -> bool:
@@ -297,8 +296,9 @@ class Engine:
         q.put(ev)
         return False
 
-    def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request (reason "stop": a stop string the consumer found; Scheduler.abort)."""
+        self.scheduler.abort(request_id, reason)
         self._wake.set()
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
