@@ -19,6 +19,7 @@ from aot import sds
 from pallas_kernels import paged_attention as gpu
 from pallas_kernels import paged_attention_tpu as tpu
 from pallas_kernels.paged_prefill import paged_prefill_gqa, paged_prefill_mla
+from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 
 F8 = jnp.float8_e4m3fn
 POOL_PAGES = 4096  # per-device pool: any size, the kernels never loop over it
@@ -41,6 +42,7 @@ GEOMETRIES = (
     Geometry("glm4.5-dp", False, 96, 8, 128, 8, 131_072),
 )
 RANK = 512
+GLM52_LAYERS, GLM52_TOPK = 78, 2048  # the sparse decode reads the whole pool: every main layer, > 2**32 bytes
 PREFILL_ROWS, PREFILL_CHUNK = 2, 256  # EngineConfig: 512 prompt tokens per step, 256 per request
 
 def pools(target: str, geo: Geometry, page_size: int, kv_dtype, **layout) -> list:
@@ -102,3 +104,18 @@ def gpu_decode_blocks(geo: Geometry, page_size: int, kv_dtype) -> tuple[gpu.Deco
                      n_scales=2 * fp8)
         rows = geo.q_heads // geo.kv_heads
     return gpu.choose_blocks(page_size, geo.context // page_size, rows, **tiles), tiles
+
+
+def sparse_decode_program(geo: Geometry, page_size: int, kv_dtype, **tiling):
+    """(fn, args) of the DSA sparse MLA decode attention="pallas" selects on GLM-5.2 (h200), as dsa.py calls it:
+    the whole pool's stored bits [layers, pages, ps, 576] (uint8 for fp8, uint16 for bf16) + a layer, the row's
+    top-k token indices."""
+    t, b = "h200", geo.decode_rows
+    bits = jnp.uint8 if kv_dtype == F8 else jnp.uint16
+    lead = (GLM52_LAYERS, POOL_PAGES, page_size)
+    args = [sds(t, (b, geo.q_heads, geo.head_dim), jnp.float32), sds(t, (*lead, geo.head_dim), bits),
+            sds(t, (b, geo.context // page_size), jnp.int32), sds(t, (b, GLM52_TOPK), jnp.int32),
+            sds(t, lead, jnp.float32) if kv_dtype == F8 else None, sds(t, (), jnp.int32)]
+    fn = functools.partial(sparse_mla_decode, kv_lora_rank=RANK, softmax_scale=0.07, value_dtype=kv_dtype,
+                           out_dtype=jnp.float32, **tiling)
+    return (lambda q, p, bt, idx, sc, layer: fn(q, p, bt, idx, sc, layer=layer)), args
