@@ -8,7 +8,9 @@ A selection is (positions [B, T, K] int32 token indices within the row, valid [B
 context cannot fill are invalid and masked out of the softmax. IndexShare ("shared") layers reuse the selection of
 the last full layer before them.
 
-Attention (`sparse_attention`): per shard on a mesh, inside one shard_map with the selection (no collective), and
+Attention (`sparse_attention`): in decode (one query per row) under attention="pallas" the Triton kernel
+`sparse_mla_decode` reads the selected rows in place from the whole FP8/BF16 pool (no f32 [B, K, r + dr] gather);
+otherwise XLA gathers them (f32) and attends. Per shard on a mesh, inside one shard_map with the selection (no collective), and
 blockwise over queries (`QUERY_BLOCK` at a time: selection, gathered rows and attention), so a prefill chunk never
 holds every query's K gathered latent rows at once.
 
@@ -26,7 +28,9 @@ import jax.numpy as jnp
 from jaxserve.cache import KVPages, gather_index_keys, gather_latent_rows
 from jaxserve.models import sharded
 from jaxserve.models.attention import index_scores, masked_softmax
+from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.sharding import POOL_AXES, Parallel
+from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 
 Selection = tuple[jax.Array, jax.Array]  # (positions [B, T, K] int32, valid [B, T, K] bool)
 BLOCK_TOKENS = 2048  # keys scored per step of the blockwise top-k (bounds the [B, T, nh, block] scores)
@@ -107,23 +111,42 @@ def latent_attention(q: jax.Array, rows: jax.Array, valid: jax.Array, *, softmax
     return jnp.einsum("bntk,btkr->btnr", p, rows[..., :kv_lora_rank])
 
 
+def kernel_attention(q: jax.Array, pages: KVPages, layer: int, block_tables: jax.Array, sel: Selection, *,
+                     softmax_scale: float, interpret: bool) -> jax.Array:
+    """`latent_attention` of one query per row by the Triton kernel, over the selected rows of the whole pool's
+    bits (no per-layer slice, no gathered copy). q [B, 1, N, r + dr] f32 -> [B, 1, N, r] f32."""
+    idx, valid = sel
+    lay = pages.layout
+    o = sparse_mla_decode(q[:, 0], pages.latent, block_tables, jnp.where(valid[:, 0], idx[:, 0], -1),
+                          pages.latent_scale, layer=layer, kv_lora_rank=lay.kv_lora_rank,
+                          softmax_scale=softmax_scale, value_dtype=lay.jnp_dtype, interpret=interpret,
+                          out_dtype=jnp.float32)
+    return o[:, None]
+
+
 def attend(q: jax.Array, index_q: tuple[jax.Array, jax.Array] | None, prev: Selection | None, pages: KVPages,
            layer: int, index_layer: int, tables: tuple[jax.Array, jax.Array, jax.Array], *, topk: int,
-           softmax_scale: float, block: int = QUERY_BLOCK) -> tuple[jax.Array, Selection]:
+           softmax_scale: float, block: int = QUERY_BLOCK, attention: AttentionBackend = AttentionBackend()
+           ) -> tuple[jax.Array, Selection]:
     """One device's DSA attention, blockwise over queries: for each block of at most `block` queries, the top-k
     selection (by `index_q`, the indexer's (q [B, T, nh, hd], w [B, T, nh]) f32; or the block of `prev`, the
     selection an IndexShare layer reuses), its latent rows and absorbed attention over them, so the gathered rows
     are [B, block, K, r + dr], never [B, T, K, r + dr].
+    One query per row under attention="pallas": `kernel_attention` instead of the gather and XLA attention.
     q [B, T, N, r + dr] f32 (absorbed); tables (block_tables [B, M], positions [B, T], ctx_lens [B]) int32.
     -> (softmax-weighted c_kv [B, T, N, r] f32, the selection [B, T, K])."""
     bt, positions, ctx_lens = tables
     B, T = q.shape[:2]
     rank = pages.layout.kv_lora_rank
+    kernel = attention.implementation == "pallas" and T == 1
 
     def one(xs: tuple) -> tuple[jax.Array, Selection]:
         qb, iq, sel, pos = xs
         if iq is not None:
             sel = select_topk(iq[0], iq[1], pages, index_layer, bt, pos, ctx_lens, topk)
+        if kernel:
+            return kernel_attention(qb, pages, layer, bt, sel, softmax_scale=softmax_scale,
+                                    interpret=attention.interpret), sel
         rows = sparse_rows(pages, layer, bt, sel)
         return latent_attention(qb, rows, sel[1], softmax_scale=softmax_scale, kv_lora_rank=rank), sel
 
@@ -139,8 +162,8 @@ def attend(q: jax.Array, index_q: tuple[jax.Array, jax.Array] | None, prev: Sele
 
 def sparse_attention(par: Parallel | None, q: jax.Array, index_q: tuple[jax.Array, jax.Array] | None,
                      prev: Selection | None, pages: KVPages, layer: int, index_layer: int,
-                     tables: tuple[jax.Array, jax.Array, jax.Array], *, topk: int, softmax_scale: float
-                     ) -> tuple[jax.Array, Selection]:
+                     tables: tuple[jax.Array, jax.Array, jax.Array], *, topk: int, softmax_scale: float,
+                     attention: AttentionBackend = AttentionBackend()) -> tuple[jax.Array, Selection]:
     """`attend` over the whole pool (every layer: the layer is picked inside the gathers, so no per-layer slice is
     materialized), per shard on a mesh: TP attention splits q's heads and every device scores the indexer's heads
     over the replicated index keys itself (the keys it must read are the same either way, and a split would add
@@ -150,7 +173,8 @@ def sparse_attention(par: Parallel | None, q: jax.Array, index_q: tuple[jax.Arra
 
     def body(acts: tuple, pools: tuple, tables: tuple) -> tuple[jax.Array, Selection]:
         local = KVPages(pages.layout, **dict(zip(_POOLS, pools)))
-        return attend(*acts, local, layer, index_layer, tables, topk=topk, softmax_scale=softmax_scale)
+        return attend(*acts, local, layer, index_layer, tables, topk=topk, softmax_scale=softmax_scale,
+                      attention=attention)
 
     if par is None:
         return body((q, index_q, prev), arrays, tables)

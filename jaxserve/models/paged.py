@@ -270,20 +270,21 @@ def _dsa_decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages,
         o_lat = attention.decode(model.parallel, q, pages, i, bt, lengths, softmax_scale=cfg.softmax_scale)
         return attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype), pages, None
     o, sel = _dsa_sparse(model, i, x, q_nope, q_rope, q_resid, cos, sin, prev, pages,
-                         (bt, batch.positions[:, None], lengths))
+                         (bt, batch.positions[:, None], lengths), attention)
     return mask_outputs(ok, o), pages, sel
 
 
 def _dsa_sparse(model: CausalLM, i: int, x: jax.Array, q_nope: jax.Array, q_rope: jax.Array, q_resid: jax.Array,
-                cos: jax.Array, sin: jax.Array, prev: dsa.Selection | None, pages: KVPages, tables: tuple
-                ) -> tuple[jax.Array, dsa.Selection]:
+                cos: jax.Array, sin: jax.Array, prev: dsa.Selection | None, pages: KVPages, tables: tuple,
+                attention: AttentionBackend = AttentionBackend()) -> tuple[jax.Array, dsa.Selection]:
     """GLM-5 layer i's sparse attention (per shard: `dsa.sparse_attention`) over each query's top-k rows, by its
-    own indexer or `prev` (IndexShare). tables: (block_tables [B, M], positions [B, T], ctx_lens [B]) int32.
+    own indexer or `prev` (IndexShare); one query per row under attention="pallas" by the sparse decode kernel.
+    tables: (block_tables [B, M], positions [B, T], ctx_lens [B]) int32.
     x [B, T, H] -> (o [B, T, N, dv] x.dtype, the selection [B, T, K])."""
     cfg, attn = model.cfg, decoder_layer(model, i).attn
     full = attn.indexer is not None
     index_q = attn.indexer.query(x, q_resid, cos, sin) if full else None
     o_lat, sel = dsa.sparse_attention(model.parallel, attn.absorb_query(q_nope, q_rope), index_q,
                                       None if full else prev, pages, i, cfg.index_slot(i) if full else 0, tables,
-                                      topk=cfg.index_topk, softmax_scale=cfg.softmax_scale)
+                                      topk=cfg.index_topk, softmax_scale=cfg.softmax_scale, attention=attention)
     return attn.absorb_output(o_lat, q_nope.dtype), sel
