@@ -166,16 +166,12 @@ def sparse_mla_decode(q: jax.Array, pool: jax.Array, block_tables: jax.Array, in
     if fp8:
         in_specs.append(pl.BlockSpec(scales.shape, lambda i, j, k: (0, 0, 0)))
         args.append(scales.astype(jnp.float32))
+    stat = pl.BlockSpec((None, None, bh), lambda i, j, k: (k, i, j))  # l and m: [splits, B, hp]
     o, l, m = pl.pallas_call(
-        kernel,
-        grid=(b, hp // bh, s),
-        in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, bh, kv_lora_rank), lambda i, j, k: (k, i, j, 0)),
-                   pl.BlockSpec((None, None, bh), lambda i, j, k: (k, i, j)),
-                   pl.BlockSpec((None, None, bh), lambda i, j, k: (k, i, j))],
-        out_shape=[jax.ShapeDtypeStruct((s, b, hp, kv_lora_rank), jnp.float32),
-                   jax.ShapeDtypeStruct((s, b, hp), jnp.float32),
-                   jax.ShapeDtypeStruct((s, b, hp), jnp.float32)],
+        kernel, grid=(b, hp // bh, s), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, bh, kv_lora_rank), lambda i, j, k: (k, i, j, 0)), stat, stat],
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((s, b, hp, kv_lora_rank), (s, b, hp),
+                                                                         (s, b, hp))],
         interpret=interpret,
         # Triton, not Mosaic GPU: the whole pool is one BlockSpec, gathered by (layer, page, slot) in the kernel
         compiler_params=pl_triton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
