@@ -135,8 +135,9 @@ def sparse_mla_decode(q: jax.Array, pool: jax.Array, block_tables: jax.Array, in
     q = q.astype(compute_dtype or q.dtype)
     b, h, dl = q.shape
     n_layers, num_pages, page_size, dl_p = pool.shape
-    if dl != dl_p or not 0 < kv_lora_rank < dl:
-        raise ValueError(f"q latent dim {dl}, pool latent dim {dl_p}, kv_lora_rank {kv_lora_rank}")
+    if dl != dl_p or not 0 < kv_lora_rank < dl or kv_lora_rank % (dl - kv_lora_rank):
+        raise ValueError(f"q latent dim {dl}, pool latent dim {dl_p}, kv_lora_rank {kv_lora_rank} (a multiple of "
+                         "the rope dim: q's rope part is one block)")
     if jnp.issubdtype(pool.dtype, jnp.integer) != (value_dtype is not None):
         raise ValueError(f"pool dtype {pool.dtype}: pass value_dtype exactly when the pool holds bits")
     fp8 = scales is not None
@@ -157,12 +158,13 @@ def sparse_mla_decode(q: jax.Array, pool: jax.Array, block_tables: jax.Array, in
         pl.BlockSpec((1,), lambda i, j, k: (0,)),  # layer
         pl.BlockSpec((None, block_tables.shape[1]), lambda i, j, k: (i, 0)),  # the row's block table
         pl.BlockSpec((None, per_split), lambda i, j, k: (i, k)),  # this split's selected indices
-        pl.BlockSpec((None, bh, kv_lora_rank), lambda i, j, k: (i, j, 0)),  # q value part
-        pl.BlockSpec((None, bh, dr), lambda i, j, k: (i, j, 0)),  # q rope part
+        # q's two parts as two blocks of the one padded array (no sliced copies): [0, r) and [r, r + dr)
+        pl.BlockSpec((None, bh, kv_lora_rank), lambda i, j, k: (i, j, 0)),
+        pl.BlockSpec((None, bh, dr), lambda i, j, k: (i, j, kv_lora_rank // dr)),
         pl.BlockSpec(pool.shape, lambda i, j, k: (0, 0, 0, 0)),  # whole pool: gathered by (layer, page, slot)
     ]
     args = [jnp.asarray(layer, jnp.int32).reshape(1), block_tables.astype(jnp.int32), idx,
-            qp[..., :kv_lora_rank], qp[..., kv_lora_rank:], pool]
+            qp, qp, pool]
     if fp8:
         in_specs.append(pl.BlockSpec(scales.shape, lambda i, j, k: (0, 0, 0)))
         args.append(scales.astype(jnp.float32))

@@ -1,8 +1,9 @@
 """GLM-5.x DeepSeek Sparse Attention over a paged KV cache: the indexer's top-k over the cached indexer keys, and
 attention over only the selected tokens' latent rows (read by (page, slot)).
 
-Selection: each query keeps the `index_topk` causal keys with the highest index score (`attention.index_scores`),
-computed blockwise over the row's pages (a running top-k merged with each block's scores), so memory grows with
+Selection: each query keeps the `index_topk` causal keys with the highest index score (`attention.index_scores`;
+`block_scores`: keys in their stored precision, scales on the products), computed blockwise over the row's
+pages (a running top-k merged with each block's scores), so memory grows with
 `index_topk + block`, not with the context. Ties go to the earlier token, as one `lax.top_k` over the whole row.
 A selection is (positions [B, T, K] int32 token indices within the row, valid [B, T, K] bool): slots a short
 context cannot fill are invalid and masked out of the softmax. IndexShare ("shared") layers reuse the selection of
@@ -25,9 +26,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.cache import KVPages, gather_index_keys, gather_latent_rows
+from jaxserve.cache import KVPages, gather_latent_rows
+from jaxserve.cache.pool import from_bits
 from jaxserve.models import sharded
-from jaxserve.models.attention import index_scores, masked_softmax
+from jaxserve.models.attention import masked_softmax
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.sharding import POOL_AXES, Parallel
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
@@ -52,6 +54,21 @@ def block_pages(num_pages: int, page_size: int, block_tokens: int = BLOCK_TOKENS
     return b
 
 
+def block_scores(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, block_tables: jax.Array
+                 ) -> jax.Array:
+    """`attention.index_scores` of the cached indexer keys of the pages `block_tables` [B, m] names, the keys read
+    in their stored precision and widened only as the dot's operand (which XLA fuses into the dot), an FP8 key's
+    per-key scale applied to its f32 products rather than to every element. q [B, T, nh, hd] f32, w [B, T, nh]
+    f32 -> [B, T, m * ps] f32 (unmasked)."""
+    il = pages.layout.index_layout
+    b, m = block_tables.shape
+    keys = from_bits(pages.index_k[index_layer][block_tables], il).reshape(b, -1, q.shape[-1])
+    s = jnp.einsum("btnd,bsd->btns", q, keys.astype(jnp.float32), preferred_element_type=jnp.float32)
+    if pages.index_k_scale is not None:
+        s = s * pages.index_k_scale[index_layer][block_tables].reshape(b, 1, 1, -1)
+    return jnp.einsum("btn,btns->bts", w, jax.nn.relu(s * q.shape[-1] ** -0.5))
+
+
 def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, block_tables: jax.Array,
                 positions: jax.Array, ctx_lens: jax.Array, topk: int, *, block_tokens: int = BLOCK_TOKENS
                 ) -> Selection:
@@ -74,7 +91,7 @@ def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, bl
         j, bt = xs
         kpos = j * sb + jnp.arange(sb, dtype=jnp.int32)
         allowed = (kpos[None, None, :] <= positions[:, :, None]) & (kpos[None, None, :] < ctx_lens[:, None, None])
-        s = jnp.where(allowed, index_scores(q, w, gather_index_keys(pages, index_layer, bt)), -jnp.inf)
+        s = jnp.where(allowed, block_scores(q, w, pages, index_layer, bt), -jnp.inf)
         # running top-k first: among equal scores the earlier token wins, as in one top_k over the whole row
         cat_v = jnp.concatenate([vals, s], axis=-1)
         cat_i = jnp.concatenate([idx, jnp.broadcast_to(kpos, (B, T, sb))], axis=-1)
