@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as pl_triton
 from pallas_kernels.paged_attention import _LOG2E, MASK_VALUE, _merge_splits, _next_pow2
 
 TARGET_PROGRAMS = 128  # split the selection until batch x head blocks x splits reaches ~ one program per SM (132)
+MAX_SPLIT_ROWS = 128  # block_h x splits at most: a row's split outputs <= f32 [128, 512] (256 KB; 2048 FP8 rows: 1.2 MB)
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,14 @@ def choose_blocks(batch: int, heads: int, topk: int, *, block_h: int | None = No
     """Default tiling; any argument given overrides it. block_h: power of two >= 16 (Triton's dot minimum), <= 64.
     block_k: 32 tokens per step for 16-head blocks, 16 for wider ones (a 576-wide f32 operand per token, as the
     paged MLA decode's compiled shared memory allows), at most the selection rounded up to 16. k_splits: doubled
-    until batch x head blocks x splits >= TARGET_PROGRAMS, keeping >= 2 steps per split."""
+    until batch x head blocks x splits >= TARGET_PROGRAMS, keeping >= 2 steps per split and block_h x splits <=
+    MAX_SPLIT_ROWS (the split outputs are written, then read by the merge in XLA)."""
     bh = block_h or min(64, max(16, _next_pow2(heads)))
     bk = block_k or min(32 if bh <= 16 else 16, max(16, _next_pow2(topk)))
     steps = -(-topk // bk)
     ks = k_splits or 1
-    while k_splits is None and batch * (-(-heads // bh)) * ks < TARGET_PROGRAMS and steps // (2 * ks) >= 2:
+    while (k_splits is None and batch * (-(-heads // bh)) * ks < TARGET_PROGRAMS and steps // (2 * ks) >= 2
+           and bh * 2 * ks <= MAX_SPLIT_ROWS):
         ks *= 2
     return SparseBlocks(bh, bk, ks, num_warps or 4, num_stages or 2)
 

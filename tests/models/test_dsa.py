@@ -193,6 +193,35 @@ def test_sparse_prefill_blockwise_over_queries_equals_one_shot_and_shrinks_the_g
     assert temp_all >= rows > temp_blk
 
 
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_decode_attend_by_the_sparse_kernel_equals_the_xla_path(kv):
+    """`dsa.attend` for one query per row under attention="pallas_interpret" (the sparse MLA decode kernel over the
+    whole pool, layer 1 of 2) gives the XLA path's selection and outputs (within f32 rounding), rows whose context
+    fills the top-k and one that leaves slots invalid."""
+    rng = np.random.default_rng(3)
+    B, N, r, dr, nh, hd, M, ps, K = 3, 4, 32, 16, 4, 16, 8, 4, 16
+    lay = KVLayout.mla(2, r, dr, page_size=ps, dtype=kv, index_layers=1, index_head_dim=hd)
+    bt = jnp.asarray(rng.permutation(np.arange(1, 1 + B * M)).reshape(B, M), jnp.int32)
+    slots = (bt[:, :, None] * ps + jnp.arange(ps)).reshape(-1)
+    pages = write_index_keys(init_pages(lay, 1 + B * M), 0, jnp.asarray(rng.normal(size=(B * M * ps, hd))), slots)
+    for layer in (0, 1):
+        rows = jnp.asarray(rng.normal(size=(B * M * ps, r + dr)), jnp.float32)
+        pages = jaxserve.cache.write_tokens(pages, layer, rows, slots)
+    ctx = jnp.asarray([M * ps, 21, 9], jnp.int32)  # the last row's 9 tokens leave 7 of 16 slots invalid
+    tables = (bt, ctx[:, None] - 1, ctx)
+    q = jnp.asarray(rng.normal(size=(B, 1, N, r + dr)), jnp.float32)
+    index_q = (jnp.asarray(rng.normal(size=(B, 1, nh, hd)), jnp.float32),
+               jnp.asarray(rng.normal(size=(B, 1, nh)), jnp.float32))
+    out = {name: jax.jit(lambda q, iq, pages, tables, a=AttentionBackend.parse(name): dsa.attend(
+        q, iq, None, pages, 1, 0, tables, topk=K, softmax_scale=0.1, attention=a))(q, index_q, pages, tables)
+        for name in ("xla", "pallas_interpret")}
+    (o_x, (i_x, v_x)), (o_k, (i_k, v_k)) = out.values()
+    np.testing.assert_array_equal(np.asarray(i_k), np.asarray(i_x))
+    np.testing.assert_array_equal(np.asarray(v_k), np.asarray(v_x))
+    assert not np.asarray(v_x)[2].all()
+    np.testing.assert_allclose(np.asarray(o_k), np.asarray(o_x), rtol=1e-5, atol=1e-5)
+
+
 # ---- the model over pages against transformers -------------------------------------------------------------------
 @nnx.jit(static_argnames=("all_logits",))
 def _prefill(model, pages, batch, all_logits):
@@ -247,7 +276,8 @@ def test_paged_logits_match_transformers_at_every_position(tiny, n_prompt, n_pag
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("kv", ["fp8", pytest.param("bf16", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 30-40 s: test_decode_attend_by_the_sparse_kernel_equals_the_xla_path checks the same path cheaply
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
 def test_sparse_decode_kernel_greedy_equals_the_xla_path(tiny, kv):
     """Decode on the sparse path (block tables of 32 pages > index_topk 8) under attention="pallas_interpret" (the
     sparse MLA decode kernel reads each row's top-k rows from the whole pool) and "xla" (gathered f32 rows): two
