@@ -16,7 +16,10 @@ with `value_dtype`: the bits are viewed as values inside the kernel, so no XLA o
 Replaces, for the decode step, the XLA path's gather of the top-k rows widened to f32 ([B, K, 576] f32 per layer:
 379 MB at 64 rows x 2048) and its f32 attention dots. Checked: interpret mode against reference_sparse.py
 (tests/kernels/test_sparse_mla_decode.py) and compiled for an H200 (sm_90a) at GLM-5.2's per-device shapes
-(tests/compile/test_compile_sparse.py). NOT run on a GPU: no speed or register-pressure figures.
+(tests/compile/test_compile_sparse.py): shared memory Triton allocates (f32 q, the default blocks) TP 16-head
+blocks x 32-token steps 75,904 B (BF16 pool) / 106,880 B (FP8), DP 64-head blocks x 16-token steps 198,720 /
+189,568 B, all within the H200's 232,448; 256-token steps of 64 heads are refused. NOT run on a GPU: no speed or
+register-pressure figures; block sizes and launch parameters are untuned starting points.
 """
 from __future__ import annotations
 
