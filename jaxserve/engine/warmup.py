@@ -11,8 +11,9 @@ from the persistent compilation cache.
     single form, `scoring.SCORING_MODE`). `full_plan` lists them; `EngineConfig.program_count` counts the model
     shapes among them.
     Memory: each XLA:CPU program holds ~3 memory mappings per compiled kernel (its JIT code, constants and data:
-    ~500 for one decode program of the embedded model), so the default grid's 717 programs would need ~370k
-    mappings, 6x the kernel's per-process limit (`vm.max_map_count`, 65,530 by default): the mmap that passes it
+    ~500 for one decode program of the embedded model), so the default grid's 817 programs would need over ~370k
+    mappings (measured for its 717 before the scoring prefill), 6x the kernel's per-process limit
+    (`vm.max_map_count`, 65,530 by default): the mmap that passes it
     fails, and LLVM reports "Cannot allocate memory". `run_jobs` therefore keeps the process under `max_maps`
     (default half that limit): past it, it waits for the jobs in flight and drops every compiled program from
     memory (`jax.clear_caches`), which the persistent compile cache (`compile_cache.py`) has already stored. Such a
@@ -23,10 +24,11 @@ from the persistent compilation cache.
     before ready can still race it. After ready the engine keeps the same bound (`MapGuard`): between steps,
     on the thread that steps, past `max_maps` it drops the compiled programs again (with the persistent cache on).
   * "fast": the largest shape of each program kind in both forms, the largest unpacking, every hand-off size and
-    the tag syncs, and what a lone short request runs (`fallback.lone_keys`); then, after ready, the rest of "full"
-    (the scoring prefill included) in one background thread while a step whose shape is not compiled yet runs
-    padded in the smallest compiled shape covering it (`engine.fallback`): nothing compiles on the engine thread
-    (but a scoring prefill before any scoring shape covering it is compiled: it compiles its own). (`Engine(warmup="first")` is the older, smaller set: what a first short request runs,
+    the tag syncs, and what a lone short request runs (`fallback.lone_shapes`); then, after ready, the rest of
+    "full" (the scoring prefill included) in one background thread while a step whose shape is not compiled yet
+    runs padded in the smallest compiled shape covering it (`engine.fallback`): nothing compiles on the engine
+    thread (but a scoring prefill before any scoring shape covering it is compiled: it compiles its own).
+    (`Engine(warmup="first")` is the older, smaller set: what a first short request runs,
     `Programs.compile_first`, its sampled programs deferred to the first idle second, the rest on first use.)
   * "none": nothing; each program compiles on first use, inside the engine loop.
 """
