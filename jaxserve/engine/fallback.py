@@ -4,7 +4,7 @@ covers one that is not, and the background thread that compiles the rest of the 
 Before ready, "fast" compiles the largest shape of each program kind the scheduler can select (decode and verify:
 the most rows x the widest block table; prefill: each maximal (rows, chunk) pair of `EngineConfig.prefill_shapes`
 x the widest block table), in every sampling form, with the decode-batch unpacking of that shape, every hand-off
-size and the tag syncs; and the shapes a lone short request runs (`lone_keys`: one row in the smallest block
+size and the tag syncs; and the shapes a lone short request runs (`lone_shapes`: one row in the smallest block
 tables), so a single stream never pays a large bucket's step while the rest compiles beside it. After ready one
 thread compiles the rest of `warmup.full_plan` (the scoring prefill's grid included), small (likely-first)
 shapes first. Meanwhile a step whose own shape is not compiled yet is padded to the smallest compiled shape that
