@@ -163,6 +163,8 @@ def row(streams: list[Stream], seconds: float, concurrency: int) -> dict:
             "completion_tokens": tokens, "output_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "finish_reasons": sorted({str(s.finish_reason) for s in ok}),
             "ttft": p50_p99([s.chunk_times[0] - s.sent for s in ok]), "itl": p50_p99([x for g in gaps for x in g]),
+            "ttft_ms_by_send": [round((s.chunk_times[0] - s.sent) * 1000.0, 1)
+                                for s in sorted(ok, key=lambda s: s.sent)],
             "max_gap_ms": max_gap * 1000.0, "gaps_over_1s": sum(x > GOAL_MAX_GAP_S for g in gaps for x in g)}
 
 

@@ -1,6 +1,7 @@
 """What `--warmup fast`'s padded fallback (engine/fallback.py) costs: the time to ready of "fast" before it (what a
 first short request runs, `Programs.compile_first`: `Engine(warmup="first")`) and with it (the largest shape of
-each kind, both sampling forms, every hand-off size, the tag syncs; the background thread held), each cold (its own
+each kind and a lone short request's, both sampling forms, every hand-off size, the tag syncs; the background thread
+held), and the lone short request's shapes alone (`fallback.lone_shapes`: what they add), each cold (its own
 empty compile cache) in its own process; and one decode step of one row (c = 1) in the largest decode bucket, as it
 runs until its own shape is compiled, against its own bucket.
 
@@ -40,6 +41,13 @@ t0 = time.monotonic()
 if sys.argv[2] == "before":
     engine._warm_first()
     jobs = 0
+elif sys.argv[2] == "lone":
+    from jaxserve.engine.fallback import lone_shapes
+    from jaxserve.engine.warmup import job_of, plan_keys, run_jobs
+    lone = lone_shapes(engine.programs)
+    keys = [k for k in plan_keys(engine.programs)
+            if k[:4] in lone or (k[0] == "unpack" and ("decode", *k[1:4]) in lone)]
+    jobs = sum(run_jobs("lone", [job_of(engine.programs, k) for k in keys], False).jobs.values())
 else:
     jobs = sum(engine.warm_up("fast", hold=threading.Event()).jobs.values())
 print(json.dumps({"seconds": time.monotonic() - t0, "jobs": jobs}))
@@ -48,7 +56,7 @@ print(json.dumps({"seconds": time.monotonic() - t0, "jobs": jobs}))
 
 def ready_times(flags: list[str]) -> dict:
     out = {}
-    for name in ("before", "after"):
+    for name in ("before", "lone", "after"):
         with tempfile.TemporaryDirectory() as td:
             load = os.getloadavg()[0]
             proc = subprocess.run([sys.executable, "-c", _READY, td, name, *flags], cwd=ROOT, check=True,
@@ -120,13 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out", type=Path, required=True)
     args = ap.parse_args(argv)
     flags = shlex.split(args.serve_flags)
-    out: dict = {"bench": "warmup_fallback", "machine": common.machine(), "serve_flags": flags,
+    out: dict = {"bench": "warmup_fallback", "command": shlex.join(["python", "bench/warmup_fallback.py",
+                                                                    *(sys.argv[1:] if argv is None else argv)]),
+                 "machine": common.machine(), "serve_flags": flags,
                  "load_before": os.getloadavg()[0]}
     out["ready"] = r = ready_times(flags)
     out["decode_c1"] = d = step_costs(flags, args.reps, args.calls)
     out["load_after"] = os.getloadavg()[0]
     text = (f"fast to ready (cold, {' '.join(flags)}): before {r['before']['seconds']:.1f} s, after "
-            f"{r['after']['seconds']:.1f} s ({r['after']['jobs']} jobs); c=1 decode step: own bucket "
+            f"{r['after']['seconds']:.1f} s ({r['after']['jobs']} jobs; the lone request's {r['lone']['jobs']} alone "
+            f"{r['lone']['seconds']:.1f} s); c=1 decode step: own bucket "
             f"{d['own']['rows_pages']} {d['own']['wall']['median'] * 1e3:.2f} ms, largest {d['largest']['rows_pages']} "
             f"{d['largest']['wall']['median'] * 1e3:.2f} ms ({d['ratio_median']:.2f}x, median of {args.reps}); "
             f"load {out['load_before']:.1f}..{out['load_after']:.1f}")

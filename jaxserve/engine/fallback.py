@@ -4,7 +4,9 @@ covers one that is not, and the background thread that compiles the rest of the 
 Before ready, "fast" compiles the largest shape of each program kind the scheduler can select (decode and verify:
 the most rows x the widest block table; prefill: each maximal (rows, chunk) pair of `EngineConfig.prefill_shapes`
 x the widest block table), in every sampling form, with the decode-batch unpacking of that shape, every hand-off
-size and the tag syncs. After ready one thread compiles the rest of `warmup.full_plan`, small (likely-first)
+size and the tag syncs; and the shapes a lone short request runs (`lone_shapes`: one row in the smallest block
+tables), so a single stream never pays a large bucket's step while the rest compiles beside it. After ready one
+thread compiles the rest of `warmup.full_plan` (the scoring prefill's grid included), small (likely-first)
 shapes first. Meanwhile a step whose own shape is not compiled yet is padded to the smallest compiled shape that
 covers it (`fit`: more rows, pages and chunk tokens are padding the bucketed programs already handle), so the
 engine thread never compiles; once its own shape (every form, and for decode its unpacking) is compiled, it is used.
@@ -18,13 +20,15 @@ from typing import TYPE_CHECKING
 
 from jaxserve.engine.batch import rank_rows
 from jaxserve.engine.sampling_forms import SERVING_MODES
+from jaxserve.engine.scoring import SCORING_MODE
 from jaxserve.engine.warmup import Job, Key, WarmupReport, job_of, plan_keys, run_jobs
 
 if TYPE_CHECKING:
     from jaxserve.engine.programs import Programs
 
 Shape = tuple[str, int, int, int]  # (kind, rows, pages, chunk tokens)
-MODEL_KINDS = ("prefill", "decode", "verify")
+MODEL_KINDS = ("prefill", "decode", "verify", "prefill_scored")
+FORMS = {"prefill_scored": (SCORING_MODE,)}  # a kind's sampling forms, where not SERVING_MODES
 log = logging.getLogger("jaxserve.warmup")
 
 
@@ -33,15 +37,27 @@ def _size(x: Key | Shape) -> int:
     return max(x[1], 1) * max(x[2], 1) * max(x[3], 1)
 
 
+def lone_shapes(programs: Programs) -> set[Shape]:
+    """What a lone short request (one that fits the smallest prefill block table) runs: prefill of one row in that
+    table with the widest chunk such a prompt can need (it covers every shorter chunk), decode and verify of the
+    smallest row bucket at each decode table up to it."""
+    c = programs.cfg
+    pages = c.prefill_page_buckets[0]
+    chunk = c.pick(c.chunk_buckets, min(c.prefill_chunk, pages * c.page_size))
+    out = {("prefill", c.row_buckets[0], pages, chunk)}
+    return out | {(kind, c.row_buckets[0], m, 0) for kind in ("decode", "verify") for m in c.page_buckets if m <= pages}
+
+
 def largest_keys(programs: Programs, keys: list[Key]) -> list[Key]:
     """The keys "fast" compiles before ready: the model programs of each kind's maximal shapes (no other shape of
-    that kind has rows, pages and chunk all >=), the unpacking of the largest decode shape, every other job."""
-    c = programs.cfg
+    that kind has rows, pages and chunk all >=) and of `lone_shapes`, the unpacking of those decode shapes, every
+    other job (hand-off, tag syncs); not the scoring prefill (few requests use it: it compiles in the background)."""
     shapes = {k[:4] for k in keys if k[0] in MODEL_KINDS}
     maximal = {s for s in shapes if not any(o != s and o[0] == s[0] and all(o[i] >= s[i] for i in (1, 2, 3))
                                             for o in shapes)}
-    big_unpack = ("unpack", c.row_buckets[-1], c.page_buckets[-1], 0, "")
-    return [k for k in keys if k[:4] in maximal or k == big_unpack or k[0] not in (*MODEL_KINDS, "unpack")]
+    first = (maximal | lone_shapes(programs)) - {s for s in shapes if s[0] == "prefill_scored"}
+    unpacks = {("unpack", b, m, 0, "") for kind, b, m, _ in first if kind == "decode"}
+    return [k for k in keys if k[:4] in first or k in unpacks or k[0] not in (*MODEL_KINDS, "unpack")]
 
 
 class CompiledShapes:
@@ -63,7 +79,8 @@ class CompiledShapes:
             self.done.add(key)
             kind, b, m, t, _ = key
             shape = ("decode", b, m, t) if kind == "unpack" else (kind, b, m, t)
-            if shape[0] in MODEL_KINDS and all((*shape, mode) in self.done for mode in SERVING_MODES) and \
+            forms = FORMS.get(shape[0], SERVING_MODES)
+            if shape[0] in MODEL_KINDS and all((*shape, form) in self.done for form in forms) and \
                     (shape[0] != "decode" or ("unpack", b, m, 0, "") in self.done):
                 self.usable.add(shape)
 

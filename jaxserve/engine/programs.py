@@ -35,7 +35,7 @@ from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.layouts import PhaseLayouts, in_format, weight_layout
 from jaxserve.engine.eagle3_programs import draft_layouts, drafter_programs, load_draft
-from jaxserve.engine.sampling import Sampled, SamplingArrays, SamplingMode, sample
+from jaxserve.engine.sampling import TOP_LOGPROBS_MAX, Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.engine.sampling_forms import SamplingForms, host_outputs, without_tops
 from jaxserve.engine.scoring import PromptScores, prompt_scores
 from jaxserve.engine.verify import Verified, dummy_verify, verify_step
@@ -274,7 +274,8 @@ class Programs:
                     top: int = 0) -> tuple[Sampled, np.ndarray, PromptScores | None]:
         """-> (Sampled with numpy fields, ok [B] bool: the row's pages passed the tag check, the prompt logprobs
         of `targets` [B, T] int32 (`scoring.score_targets`) with `top` alternatives: None without targets)."""
-        ph, s = self.prefill_phase, self.forms.form(samp, self.prefill_rows)
+        ph = self.prefill_phase
+        s = (self.forms.form if targets is None else self.forms.general)(samp, self.prefill_rows)  # SCORING_MODE
         if targets is None:
             sampled, ok, ph.pages = self._prefill(ph.params, ph.pages, batch, s)
             return host_outputs(sampled, samp), np.asarray(ok), None
@@ -461,10 +462,11 @@ class Programs:
             batch, drafts, samp = jax.device_put(dummy_verify(b, self.cfg.speculative.k, m), self.decode_rows)
             self._verify.lower(d_ph.params, spec(d_ph.pages), batch, drafts,
                                self.forms.compiled(samp, mode, self.decode_rows)).compile()
-        elif kind == "prefill":
+        elif kind in ("prefill", "prefill_scored"):  # scored: prompt logprobs, in SCORING_MODE (scoring.py)
             batch, samp = dummy_prefill(b, t, m)
-            self._prefill.lower(p_ph.params, spec(p_ph.pages), batch, self.forms.compiled(samp, mode, self.prefill_rows)
-                                ).compile()
+            args = (p_ph.params, spec(p_ph.pages), batch, self.forms.compiled(samp, mode, self.prefill_rows))
+            scored = (np.full((b, t), -1, np.int32), TOP_LOGPROBS_MAX) if kind == "prefill_scored" else ()
+            (self._prefill_scored if scored else self._prefill).lower(*args, *scored).compile()
         else:
             self._compile_move(kind, m, spec)
 

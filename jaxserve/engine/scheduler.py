@@ -234,7 +234,8 @@ class Scheduler(RemoteSteps):
             B, place = rank_rows([s.rank for s, _, _ in rows], self.ranks, cfg.row_buckets)
             T = cfg.pick(cfg.chunk_buckets, widest)
             M = cfg.pick(cfg.prefill_page_buckets, max(self.place.pages_for(s + n) for _, s, n in rows))
-            B, place, M, T = fit(self.shapes, "prefill", [s.rank for s, _, _ in rows], self.ranks, B, place, M, T)
+            kind = "prefill_scored" if wants_scores(rows[0][0]) else "prefill"  # its own program (scoring.py)
+            B, place, M, T = fit(self.shapes, kind, [s.rank for s, _, _ in rows], self.ranks, B, place, M, T)
             batch = prefill_batch(rows, place, B, T, M, ps)
             by_row: list[Sequence | None] = [None] * B
             for i, (seq, _, _) in zip(place, rows):

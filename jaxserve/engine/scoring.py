@@ -5,6 +5,8 @@ log-softmax of every chunk position's logits gathered at the next prompt token, 
 
 Only a batch whose rows all ask runs the scoring prefill (the scheduler never mixes them), so requests without
 prompt logprobs keep the program that runs the last layer's tail and the head at each row's last token only.
+The scoring prefill has one program per shape (so the warm-up can hold its grid, `warmup.plan_keys`): always the
+general sampling form (`SCORING_MODE`) and `TOP_LOGPROBS_MAX` alternatives, sliced to what each row asked for.
 A scoring request bypasses the prefix cache (the skipped positions would have no logits); it still fills it.
 """
 from __future__ import annotations
@@ -16,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.request import PromptLogprobs
-from jaxserve.engine.sampling import TOP_LOGPROBS_MAX
+from jaxserve.engine.sampling import TOP_LOGPROBS_MAX, SamplingMode
 from jaxserve.engine.sequence import Sequence
+
+SCORING_MODE: SamplingMode = "any"  # the sampling form of every scoring prefill (`SamplingForms.general`)
 
 
 @jax.tree_util.register_dataclass
@@ -55,8 +59,8 @@ def wants_scores(seq: Sequence) -> bool:
 def score_targets(rows: list[tuple[Sequence, int, int]], place: list[int], b: int, t: int
                   ) -> tuple[np.ndarray | None, int]:
     """A prefill batch's scoring inputs: (targets [b, t] int32: prompt token start + j + 1 of each row's chunk,
-    -1 past the prompt or for padding; None when no row asks), and the static top-k width (0 or
-    TOP_LOGPROBS_MAX)."""
+    -1 past the prompt or for padding; None when no row asks), and the static top-k width (TOP_LOGPROBS_MAX: one
+    program whatever the rows ask; `take_scores` keeps each row's own)."""
     if not rows or not wants_scores(rows[0][0]):
         return None, 0
     targets = np.full((b, t), -1, np.int32)
@@ -64,8 +68,7 @@ def score_targets(rows: list[tuple[Sequence, int, int]], place: list[int], b: in
         prompt = seq.req.prompt
         end = min(start + n + 1, len(prompt))
         targets[i, : max(end - start - 1, 0)] = prompt[start + 1: end]
-    top = TOP_LOGPROBS_MAX if any(s.req.params.prompt_logprobs for s, _, _ in rows) else 0
-    return targets, top
+    return targets, TOP_LOGPROBS_MAX
 
 
 def take_scores(seq: Sequence, scores: PromptScores, i: int, start: int, n: int) -> None:

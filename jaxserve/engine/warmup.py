@@ -5,14 +5,15 @@ from the persistent compilation cache.
     (rows x pages), speculative verify (rows x pages, when on) and prefill ((rows, chunk) x pages) in both sampling
     forms (`sampling_forms.SERVING_MODES`: "greedy", and the general "any" that serves every other batch, penalties,
     logit_bias, min_tokens, grammars, forced tokens and top logprobs included, as data), the hand-off sizes, the
-    decode-batch unpacking (rows x pages, and after an overlapped step rows x previous rows x pages), and each pool's
-    tag syncs (every power-of-two length up to its page count). `full_plan` lists them;
-    `EngineConfig.program_count` counts the model shapes among them.
-    Not in it (compiles on first use, once per shape): the prefill that returns prompt logprobs
-    (`SamplingParams.prompt_logprobs`, `scoring`), a second prefill grid that few requests use.
+    decode-batch unpacking (rows x pages, and after an overlapped step rows x previous rows x pages), each pool's
+    tag syncs (every power-of-two length up to its page count), and the prefill that returns prompt logprobs
+    (`SamplingParams.prompt_logprobs`: lm-eval's echo + logprobs; `scoring`), one program per prefill shape (its
+    single form, `scoring.SCORING_MODE`). `full_plan` lists them; `EngineConfig.program_count` counts the model
+    shapes among them.
     Memory: each XLA:CPU program holds ~3 memory mappings per compiled kernel (its JIT code, constants and data:
-    ~500 for one decode program of the embedded model), so the default grid's 717 programs would need ~370k
-    mappings, 6x the kernel's per-process limit (`vm.max_map_count`, 65,530 by default): the mmap that passes it
+    ~500 for one decode program of the embedded model), so the default grid's 817 programs would need over ~370k
+    mappings (measured for its 717 before the scoring prefill), 6x the kernel's per-process limit
+    (`vm.max_map_count`, 65,530 by default): the mmap that passes it
     fails, and LLVM reports "Cannot allocate memory". `run_jobs` therefore keeps the process under `max_maps`
     (default half that limit): past it, it waits for the jobs in flight and drops every compiled program from
     memory (`jax.clear_caches`), which the persistent compile cache (`compile_cache.py`) has already stored. Such a
@@ -23,9 +24,11 @@ from the persistent compilation cache.
     before ready can still race it. After ready the engine keeps the same bound (`MapGuard`): between steps,
     on the thread that steps, past `max_maps` it drops the compiled programs again (with the persistent cache on).
   * "fast": the largest shape of each program kind in both forms, the largest unpacking, every hand-off size and
-    the tag syncs; then, after ready, the rest of "full" in one background thread while a step whose shape is not
-    compiled yet runs padded in the smallest compiled shape covering it (`engine.fallback`): nothing compiles on
-    the engine thread. (`Engine(warmup="first")` is the older, smaller set: what a first short request runs,
+    the tag syncs, and what a lone short request runs (`fallback.lone_shapes`); then, after ready, the rest of
+    "full" (the scoring prefill included) in one background thread while a step whose shape is not compiled yet
+    runs padded in the smallest compiled shape covering it (`engine.fallback`): nothing compiles on the engine
+    thread (but a scoring prefill before any scoring shape covering it is compiled: it compiles its own).
+    (`Engine(warmup="first")` is the older, smaller set: what a first short request runs,
     `Programs.compile_first`, its sampled programs deferred to the first idle second, the rest on first use.)
   * "none": nothing; each program compiles on first use, inside the engine loop.
 """
@@ -50,6 +53,7 @@ from jaxserve.cache.pool import compile_tag_sync
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.sampling import SamplingMode
 from jaxserve.engine.sampling_forms import SERVING_MODES
+from jaxserve.engine.scoring import SCORING_MODE
 from jaxserve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -128,6 +132,7 @@ def plan_keys(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODE
     shapes = programs.program_shapes()
     model = ("prefill", "decode", "verify")
     keys: list[Key] = [(kind, b, m, t, mode) for kind, b, m, t in shapes if kind in model for mode in modes]
+    keys += [("prefill_scored", b, m, t, SCORING_MODE) for kind, b, m, t in shapes if kind == "prefill"]
     keys += [(kind, b, m, t, "") for kind, b, m, t in shapes if kind not in model]
     if programs.decode_phase is not None:
         keys += [("unpack", b, m, 0, "") for b in c.row_buckets for m in c.page_buckets]
@@ -146,8 +151,8 @@ def job_of(programs: Programs, key: Key) -> Job:
 
 
 def full_plan(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODES) -> list[Job]:
-    """Every program the configuration can select for a request without prompt logprobs (see the module
-    docstring), smallest shapes first."""
+    """Every program the configuration can select for a request (see the module docstring), smallest shapes
+    first."""
     return [job_of(programs, key) for key in plan_keys(programs, modes)]
 
 

@@ -1,7 +1,7 @@
 """`--warmup fast`'s padded fallback (engine/fallback.py): with only the largest shapes compiled (the background
 thread held before its first job), a mixed workload compiles nothing on the engine thread and gives the tokens of
-an engine with no warm-up; released, the background thread compiles the rest of the grid and steps use their own
-buckets again."""
+an engine with no warm-up (a lone short request runs its own shapes, compiled before ready too); released, the
+background thread compiles the rest of the grid and steps use their own buckets again."""
 from __future__ import annotations
 
 import threading
@@ -61,7 +61,10 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
         assert report.jobs and sum(report.jobs.values()) == len(largest_keys(e.programs, keys)) < len(keys)
         first = set(shapes.usable)
         assert {s[0] for s in first} == {"prefill", "decode"} and ("decode", 4, 16, 0) in first
-        assert ("decode", 1, 8, 0) not in first and shapes.cover("decode", 1, 8) == (4, 16, 0)
+        assert ("decode", 2, 8, 0) not in first and shapes.cover("decode", 2, 8) == (4, 16, 0)
+        # a lone short request runs its own decode shape, and one prefill covering every chunk of such a prompt
+        assert shapes.cover("decode", 1, 8) == (1, 8, 0) and shapes.cover("prefill", 1, 8, 16) == (1, 8, 32)
+        assert not any(s[0] == "prefill_scored" for s in first)  # the scoring prefill waits for the background
 
         got, threads = _on_engine_thread(e)
         assert "jaxserve-engine" not in threads, threads  # every step ran padded in a compiled shape

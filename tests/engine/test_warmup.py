@@ -1,7 +1,8 @@
 """`Engine.warm_up` levels (engine/warmup.py): after "full", a mixed workload (greedy, seeded, top-k, top-p;
 penalties, logit_bias, min_tokens, a JSON-schema grammar, a thinking budget's forced token, top logprobs; n > 1;
-prefix hits; short and multi-chunk prompts; rows joining and leaving; preemption) compiles nothing on the engine
-thread. The embedded checkpoint, for its tokenizer (grammars need one)."""
+prefix hits; short and multi-chunk prompts; rows joining and leaving; preemption; a prompt scored with its logprobs,
+lm-eval's echo + logprobs) compiles nothing on the engine thread. The embedded checkpoint, for its tokenizer
+(grammars need one)."""
 from __future__ import annotations
 
 import collections
@@ -57,6 +58,9 @@ def _workload(e: Engine) -> None:
     assert all(evs[-1].finish_reason == "length" and all(len(ev.top_logprobs) == 2 for ev in evs[:-1])
                for evs in group)
     assert second[3].cached_tokens > 0  # the group's prompt, a prefix-cache hit
+    # lm-eval's echo + logprobs: the prompt scored in two chunks with its top alternative, nothing generated
+    scored = e.generate(prompts(1, seed=9, lengths=(21,)), [SamplingParams(max_tokens=0, prompt_logprobs=1)])[0]
+    assert len(scored.prompt_logprobs.logprobs) == 21 and all(len(top) == 1 for top in scored.prompt_logprobs.top[1:])
 
 
 def test_full_warmup_leaves_nothing_to_compile_on_the_engine_thread():
@@ -68,6 +72,7 @@ def test_full_warmup_leaves_nothing_to_compile_on_the_engine_thread():
         assert report.jobs["decode"] == c["decode"] * len(SERVING_MODES)
         assert report.jobs["prefill"] == c["prefill"] * len(SERVING_MODES)
         assert report.jobs["handoff"] == c["handoff"]
+        assert report.jobs["prefill_scored"] == c["prefill"]  # prompt logprobs: one program per prefill shape
         assert sum(report.jobs.values()) == len(full_plan(e.programs))
         assert report.backend_compiles >= sum(report.jobs.values())  # an unpack or tag-sync job compiles several
         traced = dict(e.programs.compiles)
@@ -96,4 +101,6 @@ def test_fast_and_none_levels():
     first = collections.Counter(k[0] for k in largest_keys(e.programs, plan_keys(e.programs)))
     # the largest shape of each kind in both sampling forms, every hand-off size; the rest waits for the background
     assert dict(e.programs.compiles) == {k: first[k] for k in ("prefill", "decode", "handoff")}
-    assert report.backend_compiles > 0 and first["decode"] == len(SERVING_MODES) and first["unpack"] == 1
+    assert report.backend_compiles > 0 and "prefill_scored" not in first  # the scoring prefill: in the background
+    # decode: the largest shape and a lone short request's (1 row x 8 pages), each with its unpacking
+    assert first["decode"] == 2 * len(SERVING_MODES) and first["unpack"] == 2
