@@ -49,8 +49,26 @@ def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None, fmt: str, *, use
         out = moe_gmm(x2, w[None], scale[None], group_sizes, fmt="fp8", backend=backend, interpret=interpret)
     else:
         wd = _dense_weight(w, scale, fmt, x.dtype)
-        out = jnp.matmul(x2, wd, preferred_element_type=jnp.float32)
+        out = _matmul_f32(x2, wd)
     return out.astype(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+# XLA:GPU's DotStrengthReduction turns a vector-matrix dot of (N + 1) * K under this many elements into a multiply
+# and a reduce (xla/service/gpu/transforms/dot_strength_reduction.cc)
+XLA_GPU_DOT_TO_REDUCE_ELEMENTS = 10_000_000
+
+
+def _matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N] f32 (f32 accumulation). On GPU, one row under XLA's strength-reduction size is
+    computed as two: the multiply-and-reduce XLA:GPU makes of a vector-matrix dot writes the f32 product of the
+    whole weight to HBM and reads it back (Kimi's q_b at c = 1: 9.4 MB twice a layer), where a 2-row dot stays a
+    GEMM that reads the weight once in its stored dtype. Other platforms keep the plain dot (CPU numerics)."""
+    dot = lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)  # noqa: E731
+    k, n = w.shape
+    if x.shape[0] != 1 or (n + 1) * k >= XLA_GPU_DOT_TO_REDUCE_ELEMENTS:
+        return dot(x, w)
+    return jax.lax.platform_dependent(x, w, cuda=lambda a, b: dot(jnp.pad(a, ((0, 1), (0, 0))), b)[:1],
+                                      default=dot)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "use_kernel", "interpret", "backend"))
