@@ -15,6 +15,7 @@ the packed weight and never write a dequantized copy to HBM. All paths accumulat
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -59,16 +60,24 @@ XLA_GPU_DOT_TO_REDUCE_ELEMENTS = 10_000_000
 
 
 def _matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] @ w [K, N] -> [M, N] f32 (f32 accumulation). On GPU, one row under XLA's strength-reduction size is
-    computed as two: the multiply-and-reduce XLA:GPU makes of a vector-matrix dot writes the f32 product of the
-    whole weight to HBM and reads it back (Kimi's q_b at c = 1: 9.4 MB twice a layer), where a 2-row dot stays a
-    GEMM that reads the weight once in its stored dtype. Other platforms keep the plain dot (CPU numerics)."""
+    """x [M, K] @ w [K, N] -> [M, N] f32 (f32 accumulation); one row under XLA's strength-reduction size is
+    computed as two on GPU (`one_row_as_two`: Kimi's q_b at c = 1 wrote and read 9.4 MB a layer)."""
     dot = lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)  # noqa: E731
     k, n = w.shape
     if x.shape[0] != 1 or (n + 1) * k >= XLA_GPU_DOT_TO_REDUCE_ELEMENTS:
         return dot(x, w)
-    return jax.lax.platform_dependent(x, w, cuda=lambda a, b: dot(jnp.pad(a, ((0, 1), (0, 0))), b)[:1],
-                                      default=dot)
+    return one_row_as_two(dot, x, w)
+
+
+def one_row_as_two(f: Callable[..., jax.Array], x: jax.Array, *rest: jax.Array) -> jax.Array:
+    """f(x, *rest) for x [1, ...] whose rows are independent in f. On GPU x is padded to two rows and row 0 of f's
+    result kept: XLA:GPU strength-reduces a one-row (vector-matrix) dot into a multiply and a reduce, and unless
+    they fuse the f32 product of the whole weight is written to HBM and read back; a 2-row dot stays a GEMM that
+    reads the weight once in its stored dtype. Other platforms run f(x, *rest) as it is (CPU numerics unchanged)."""
+    def padded(a: jax.Array, *r: jax.Array) -> jax.Array:
+        return f(jnp.pad(a, ((0, 1),) + ((0, 0),) * (a.ndim - 1)), *r)[:1]
+
+    return jax.lax.platform_dependent(x, *rest, cuda=padded, default=f)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "use_kernel", "interpret", "backend"))
