@@ -198,7 +198,7 @@ def _gmm_fp8_kernel(meta_ref, rows_ref, x_ref, w_ref, s_ref, o_ref, *, k_blocks:
 
 def _gmm_gpu(x: jax.Array, row_src: jax.Array, tile_group: jax.Array, w: jax.Array, scale: jax.Array, fmt: str,
              blocks: GmmBlocks, interpret: bool) -> jax.Array:
-    """x [M, K] sorted rows, row_src [T*bm] int32 (the row of x each tile row reads) -> y_pad [T*bm, N] x.dtype
+    """x [X, K], row_src [T*bm] int32 (the row of x each tile row reads) -> y_pad [T*bm, N] x.dtype
     (unused tiles' rows undefined). The kernel gathers its tile's rows of x by row_src (a vector load, as the MLA
     decode kernel gathers pages): no padded copy of x is written."""
     m, k = x.shape
@@ -377,24 +377,31 @@ def _check_shapes(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax
 @functools.partial(jax.jit, static_argnames=("fmt", "blocks", "backend", "interpret"))
 def moe_gmm(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array, *, fmt: str,
             blocks: GmmBlocks | None = None, backend: str = "gpu",
-            interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
+            interpret: bool | pltpu.InterpretParams = False, rows: jax.Array | None = None) -> jax.Array:
     """Expert-sorted x [M, K] bf16 (or f32) x expert weights in `fmt` ("int4" | "fp8") -> [M, N] x.dtype.
 
     Row r uses expert g where cumsum(group_sizes)[g-1] <= r < cumsum(group_sizes)[g]; rows past the sum are 0.
+    rows [M] int32 (optional): the sorted row r is x[rows[r]] (x then [X, K], any X), so the caller's tokens are
+    read in place (the gpu kernel gathers them; tpu gathers them in XLA) rather than copied in sorted order.
     Precondition (not checkable under jit): sum(group_sizes) <= M. backend: "gpu" (Triton) or "tpu" (Mosaic);
     interpret: True (legacy, either tiling) or, for "tpu", `pltpu.InterpretParams()` to run on CPU.
     """
     check_backend(backend)
     _check_shapes(x, w, scale, group_sizes, fmt)
-    m, k = x.shape
+    if rows is not None and (rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer)):
+        raise KernelShapeError(f"rows must be a 1-D integer array, got {rows.dtype}{list(rows.shape)}",
+                               value=tuple(rows.shape), param="rows")
+    m = x.shape[0] if rows is None else rows.shape[0]
+    k = x.shape[1]
     n_experts, _, n = w.shape
     g = k // scale.shape[1] if fmt == "int4" else FP8_BLOCK
     blocks = blocks or choose_gmm_blocks(m, n, n_experts, k, fmt=fmt, group_size=g, backend=backend,
                                          dtype=x.dtype.name)
     layout = tile_layout(group_sizes, m, blocks.block_m)
+    src = layout.row_src if rows is None else rows.astype(jnp.int32)[layout.row_src]  # [T*bm] rows of x
     if backend == "gpu":
-        y_pad = _gmm_gpu(x, layout.row_src, layout.tile_group, w, scale, fmt, blocks, bool(interpret))
+        y_pad = _gmm_gpu(x, src, layout.tile_group, w, scale, fmt, blocks, bool(interpret))
     else:
-        x_pad = jnp.where(layout.row_valid[:, None], x[layout.row_src], 0).astype(x.dtype)  # [T*bm, K]
+        x_pad = jnp.where(layout.row_valid[:, None], x[src], 0).astype(x.dtype)  # [T*bm, K]
         y_pad = _gmm_tpu(x_pad, layout.tile_group, w, scale, fmt, blocks, interpret)
     return jnp.where(layout.out_valid[:, None], y_pad[layout.row_dst], 0).astype(x.dtype)

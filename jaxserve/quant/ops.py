@@ -82,21 +82,23 @@ def one_row_as_two(f: Callable[..., jax.Array], x: jax.Array, *rest: jax.Array) 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "use_kernel", "interpret", "backend"))
 def grouped_linear(x_sorted: jax.Array, w: jax.Array, scale: jax.Array | None, group_sizes: jax.Array, fmt: str,
-                   *, use_kernel: bool = False, interpret: bool = False, backend: str = "gpu") -> jax.Array:
+                   *, use_kernel: bool = False, interpret: bool = False, backend: str = "gpu",
+                   rows: jax.Array | None = None) -> jax.Array:
     """Expert-sorted x [M, K] bf16/f32, expert weights W [E, K, N] in `fmt`, group_sizes [E] int32 -> [M, N].
 
     Row r uses expert g with cumsum(group_sizes)[g-1] <= r < cumsum(group_sizes)[g]; empty groups are allowed;
     rows at or past sum(group_sizes) (which must be <= M) are 0. Output dtype x.dtype, f32 accumulation.
+    rows [M] int32 (optional): sorted row r is x_sorted[rows[r]] (the kernel reads it in place; XLA gathers it).
     """
     check_fmt(fmt)
-    m, k = x_sorted.shape
+    k = x_sorted.shape[1]
     k_w = 2 * w.shape[1] if fmt == "int4" else w.shape[1]
     if w.ndim != 3 or k_w != k or group_sizes.shape != (w.shape[0],):
         raise ConfigError(f"grouped_linear: x {x_sorted.shape}, group_sizes {group_sizes.shape} do not match "
                           f"{fmt} expert weight {w.shape}", value=tuple(w.shape), param="w")
     if use_kernel and (fmt == "int4" or (fmt == "fp8" and k % FP8_BLOCK == 0)):
-        return moe_gmm(x_sorted, w, scale, group_sizes, fmt=fmt, backend=backend, interpret=interpret)
-    return _grouped_tiles(x_sorted, w, scale, group_sizes, fmt)
+        return moe_gmm(x_sorted, w, scale, group_sizes, fmt=fmt, backend=backend, interpret=interpret, rows=rows)
+    return _grouped_tiles(x_sorted if rows is None else x_sorted[rows], w, scale, group_sizes, fmt)
 
 
 def _bits(a: jax.Array, live: jax.Array) -> jax.Array:
