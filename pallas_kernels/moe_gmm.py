@@ -8,8 +8,9 @@ Rows to tiles (as vLLM's `moe_align_block_size`): each group's rows go to its ow
 sizes padded up to a multiple of block_m; `tile_layout`'s `row_src` names the row of x each tile row reads) and
 `tile_group [T]` names each tile's expert (-1: unused tile). Every tile has exactly one expert, so each output
 tile has exactly one writer: no cross-program accumulation. T = cdiv(M, block_m) + min(E, M) bounds the tiles
-statically; used tiles come first. Rows are gathered back to the input order afterwards (M rows of the padded
-output). Weights are read packed.
+statically; used tiles come first. With `rows` the sorted rows are named in the caller's tokens (row r is
+x[rows[r]]), so no sorted copy of x is made either. Rows are gathered back to the sorted order afterwards (M rows
+of the padded output). Weights are read packed.
 
 - backend="gpu" (Pallas Triton, `plt.CompilerParams` from `int4_matmul.GPU_TUNING`): grid (T, N blocks); each
   program gathers its tile's rows of x by `row_src` (a vector load from the whole x: no padded copy of x is
