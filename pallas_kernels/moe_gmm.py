@@ -21,8 +21,8 @@ of the padded output). Weights are read packed.
   ([2, K/g, M, g/2], M rows); fp8: per 128-row K block `acc += (x_blk @ bf16(w_blk)) * scale[e, kb, nb]` (exact
   cast, one scale per [128, block_n] tile since block_n divides 128). An unused tile writes nothing.
 - backend="tpu" (Mosaic TPU, megablox-style; x copied into its padded tiles in XLA):
-  `pltpu.PrefetchScalarGridSpec` with `tile_group` and `tile_src` in SMEM; grid (N blocks, T, K blocks), K last. The weight BlockSpec is ONE expert's [bk, bn] tile at
-  `(tile_group[t], k, j)`: never the expert stack. int4 dequantizes the block to x.dtype in VMEM
+  `pltpu.PrefetchScalarGridSpec` with `tile_group` and `tile_src` in SMEM; grid (N blocks, T, K blocks), K last.
+  The weight BlockSpec is ONE expert's [bk, bn] tile at `(tile_group[t], k, j)`: never the expert stack. int4 dequantizes the block to x.dtype in VMEM
   (`int4_matmul.dequant_int4_block`, q * scale rounded to bf16 once); fp8 does one K=128 dot per scale row
   block and scales it by a [1, bn] row built from the expert's [K/128, N/128] f32 scales, one full-dim SMEM
   block per expert (Mosaic refuses smaller scale blocks: (8, 128) rule). Unused tiles repeat the last used
