@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out is None:
         ap.error("--json is required")
     r = run(args.preset, args.target, args.devices, tuple(args.rows), args.context, not args.no_progress)
+    r["command"] = "JAX_PLATFORMS=cpu .venv-aot/bin/python bench/roofline_compiled.py " + " ".join(
+        sys.argv[1:] if argv is None else argv)
     return common.write_result(r, table(r), args.json_out)
 
 

@@ -210,18 +210,19 @@ def split_even_odd(x: jax.Array, group_size: int) -> jax.Array:
 
 
 def accumulate_int4_groups(x_ref, w_ref, s_ref, w_prefix: tuple, n_groups: int, half: int,
-                           acc: jax.Array) -> jax.Array:
+                           acc: jax.Array, x_rows: jax.Array | slice = slice(None)) -> jax.Array:
     """acc [bm, bn] f32 += x_tile @ dequant(w_tile), looping over the K groups (gpu tiling).
 
-    x_ref [2, G, bm, half] (even/odd split activations), w_ref [*prefix, G*half, bn] uint8,
-    s_ref [*prefix, G, bn] bf16; `w_prefix` indexes leading axes of w_ref/s_ref (the expert for the GMM).
+    x_ref [2, G, rows, half] (even/odd split activations; x_rows [bm] int32 picks the tile's rows, by default all
+    bm of them), w_ref [*prefix, G*half, bn] uint8, s_ref [*prefix, G, bn] bf16; `w_prefix` indexes leading axes
+    of w_ref/s_ref (the expert for the GMM).
     """
     def body(gi, acc):
         packed = w_ref[(*w_prefix, pl.ds(gi * half, half), slice(None))].astype(jnp.int32)  # [half, bn]
         lo = ((packed & 0xF) - 8).astype(x_ref.dtype)  # k = 2j, exact in bf16
         hi = ((packed >> 4) - 8).astype(x_ref.dtype)  # k = 2j + 1
-        part = (jnp.dot(x_ref[0, gi], lo, preferred_element_type=jnp.float32)
-                + jnp.dot(x_ref[1, gi], hi, preferred_element_type=jnp.float32))
+        part = (jnp.dot(x_ref[0, gi, x_rows], lo, preferred_element_type=jnp.float32)
+                + jnp.dot(x_ref[1, gi, x_rows], hi, preferred_element_type=jnp.float32))
         s = s_ref[(*w_prefix, pl.ds(gi, 1), slice(None))].astype(jnp.float32)  # [1, bn]
         return acc + part * s
 

@@ -4,21 +4,25 @@ x [M, K] bf16, rows sorted by expert; group_sizes [E] int32 (ragged, empty group
 the sum give 0). Weights: int4 `w [E, K//2, N] uint8, scale [E, K//g, N] bf16` or fp8
 `w [E, K, N] float8_e4m3fn, scale [E, K//128, ceil(N/128)] f32` (the layouts of jaxserve.quant.formats).
 
-Rows to tiles (as vLLM's `moe_align_block_size`): in XLA, each group's rows are copied into its own run of whole
-M-tiles (group sizes padded up to a multiple of block_m) and `tile_group [T]` names each tile's expert (-1: unused
-tile). Every tile has exactly one expert, so each output tile has exactly one writer: no cross-program
-accumulation. T = cdiv(M, block_m) + min(E, M) bounds the tiles statically; used tiles come first. Rows are
-gathered back to the input order afterwards. Only activations move in XLA; weights are read packed.
+Rows to tiles (as vLLM's `moe_align_block_size`): each group's rows go to its own run of whole M-tiles (group
+sizes padded up to a multiple of block_m; `tile_layout`'s `row_src` names the row of x each tile row reads) and
+`tile_group [T]` names each tile's expert (-1: unused tile). Every tile has exactly one expert, so each output
+tile has exactly one writer: no cross-program accumulation. T = cdiv(M, block_m) + min(E, M) bounds the tiles
+statically; used tiles come first. With `rows` the sorted rows are named in the caller's tokens (row r is
+x[rows[r]]), so no sorted copy of x is made either. Rows are gathered back to the sorted order afterwards (M rows
+of the padded output). Weights are read packed.
 
-- backend="gpu" (Pallas Triton, `plt.CompilerParams` from `int4_matmul.GPU_TUNING`): grid (T, N blocks); the
-  expert is chosen inside the kernel from `tile_group` by pointer offset (the weight BlockSpec spans all E
-  experts, which costs nothing in Triton: refs are pointers, and shared memory holds only what one K-loop
-  iteration loads, times num_stages: `gmm_stage_plan`). int4: the group loop of int4_matmul (scale on the f32
-  partial); fp8: per 128-row K block `acc += (x_blk @ bf16(w_blk)) * scale[e, kb, nb]` (exact cast, one scale
-  per [128, block_n] tile since block_n divides 128). An unused tile writes zeros.
-- backend="tpu" (Mosaic TPU, megablox-style): `pltpu.PrefetchScalarGridSpec` with `tile_group` and `tile_src`
-  in SMEM; grid (N blocks, T, K blocks), K last. The weight BlockSpec is ONE expert's [bk, bn] tile at
-  `(tile_group[t], k, j)`: never the expert stack. int4 dequantizes the block to x.dtype in VMEM
+- backend="gpu" (Pallas Triton, `plt.CompilerParams` from `int4_matmul.GPU_TUNING`): grid (T, N blocks); each
+  program gathers its tile's rows of x by `row_src` (a vector load from the whole x: no padded copy of x is
+  written, which at Kimi's decode shapes was T*bm = 13x the routed rows) and chooses the expert from
+  `tile_group` by pointer offset (the weight BlockSpec spans all E experts, which costs nothing in Triton: refs
+  are pointers, and shared memory holds only what one K-loop iteration loads, times num_stages:
+  `gmm_stage_plan`). int4: the group loop of int4_matmul (scale on the f32 partial) over x split even/odd once
+  ([2, K/g, M, g/2], M rows); fp8: per 128-row K block `acc += (x_blk @ bf16(w_blk)) * scale[e, kb, nb]` (exact
+  cast, one scale per [128, block_n] tile since block_n divides 128). An unused tile writes nothing.
+- backend="tpu" (Mosaic TPU, megablox-style; x copied into its padded tiles in XLA):
+  `pltpu.PrefetchScalarGridSpec` with `tile_group` and `tile_src` in SMEM; grid (N blocks, T, K blocks), K last.
+  The weight BlockSpec is ONE expert's [bk, bn] tile at `(tile_group[t], k, j)`: never the expert stack. int4 dequantizes the block to x.dtype in VMEM
   (`int4_matmul.dequant_int4_block`, q * scale rounded to bf16 once); fp8 does one K=128 dot per scale row
   block and scales it by a [1, bn] row built from the expert's [K/128, N/128] f32 scales, one full-dim SMEM
   block per expert (Mosaic refuses smaller scale blocks: (8, 128) rule). Unused tiles repeat the last used
@@ -163,74 +167,74 @@ def tile_layout(group_sizes: jax.Array, m: int, block_m: int) -> TileLayout:
 # ----------------------------------------------------------------------------------------------- gpu tiling
 
 
-def _gmm_int4_kernel(meta_ref, x_ref, w_ref, s_ref, o_ref, *, n_groups: int, half: int) -> None:
-    """meta_ref [T] int32, x_ref [2, G, bm, half], w_ref [E, K//2, bn] uint8, s_ref [E, G, bn] bf16."""
+def _gmm_int4_kernel(meta_ref, rows_ref, x_ref, w_ref, s_ref, o_ref, *, n_groups: int, half: int) -> None:
+    """meta_ref [T] int32, rows_ref [bm] int32 (this tile's rows of x), x_ref [2, G, M, half], w_ref [E, K//2, bn]
+    uint8, s_ref [E, G, bn] bf16. An unused tile writes nothing (its rows are never gathered)."""
     e = meta_ref[pl.program_id(0)]
-
-    @pl.when(e < 0)
-    def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
     @pl.when(e >= 0)
     def _():
         acc = jnp.zeros(o_ref.shape, jnp.float32)
-        o_ref[...] = accumulate_int4_groups(x_ref, w_ref, s_ref, (e,), n_groups, half, acc).astype(o_ref.dtype)
+        o_ref[...] = accumulate_int4_groups(x_ref, w_ref, s_ref, (e,), n_groups, half, acc,
+                                            rows_ref[...]).astype(o_ref.dtype)
 
 
-def _gmm_fp8_kernel(meta_ref, x_ref, w_ref, s_ref, o_ref, *, k_blocks: int) -> None:
-    """meta_ref [T] int32, x_ref [bm, K], w_ref [E, K, bn] fp8, s_ref [E, K//128, 1] f32 (this tile's column)."""
+def _gmm_fp8_kernel(meta_ref, rows_ref, x_ref, w_ref, s_ref, o_ref, *, k_blocks: int) -> None:
+    """meta_ref [T] int32, rows_ref [bm] int32 (this tile's rows of x), x_ref [M, K], w_ref [E, K, bn] fp8,
+    s_ref [E, K//128, 1] f32 (this tile's column). An unused tile writes nothing."""
     e = meta_ref[pl.program_id(0)]
-
-    @pl.when(e < 0)
-    def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
     @pl.when(e >= 0)
     def _():
+        rows = rows_ref[...]
+
         def body(kb, acc):
             wt = w_ref[e, pl.ds(kb * FP8_BLOCK, FP8_BLOCK), :].astype(x_ref.dtype)  # exact: e4m3 fits bf16
-            part = jnp.dot(x_ref[:, pl.ds(kb * FP8_BLOCK, FP8_BLOCK)], wt, preferred_element_type=jnp.float32)
+            part = jnp.dot(x_ref[rows, pl.ds(kb * FP8_BLOCK, FP8_BLOCK)], wt, preferred_element_type=jnp.float32)
             return acc + part * s_ref[e, kb, 0]
 
         acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros(o_ref.shape, jnp.float32))
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _gmm_gpu(x_pad: jax.Array, tile_group: jax.Array, w: jax.Array, scale: jax.Array, fmt: str,
+def _gmm_gpu(x: jax.Array, row_src: jax.Array, tile_group: jax.Array, w: jax.Array, scale: jax.Array, fmt: str,
              blocks: GmmBlocks, interpret: bool) -> jax.Array:
-    """x_pad [T*bm, K] (tiles of one expert) -> y_pad [T*bm, N] x.dtype."""
-    k = x_pad.shape[1]
+    """x [X, K], row_src [T*bm] int32 (the row of x each tile row reads) -> y_pad [T*bm, N] x.dtype
+    (unused tiles' rows undefined). The kernel gathers its tile's rows of x by row_src (a vector load, as the MLA
+    decode kernel gathers pages): no padded copy of x is written."""
+    m, k = x.shape
     n_experts, _, n = w.shape
     bm, bn = blocks.block_m, blocks.block_n
     if fmt == "fp8" and FP8_BLOCK % bn:
         raise KernelShapeError(f"fp8 block_n {bn} must divide {FP8_BLOCK}", value=bn, param="blocks")
     n_tiles = tile_group.shape[0]
     meta_spec = pl.BlockSpec((n_tiles,), lambda t, j: (0,))
+    rows_spec = pl.BlockSpec((bm,), lambda t, j: (t,))
     if fmt == "int4":
         n_groups = scale.shape[1]
         g = k // n_groups
         kernel = functools.partial(_gmm_int4_kernel, n_groups=n_groups, half=g // 2)
-        operands = (split_even_odd(x_pad, g), w, scale)
-        in_specs = [pl.BlockSpec((2, n_groups, bm, g // 2), lambda t, j: (0, 0, t, 0)),
+        operands = (split_even_odd(x, g), w, scale)
+        in_specs = [pl.BlockSpec((2, n_groups, m, g // 2), lambda t, j: (0, 0, 0, 0)),
                     pl.BlockSpec((n_experts, k // 2, bn), lambda t, j: (0, 0, j)),
                     pl.BlockSpec((n_experts, n_groups, bn), lambda t, j: (0, 0, j))]
     else:
         k_blocks = k // FP8_BLOCK
         kernel = functools.partial(_gmm_fp8_kernel, k_blocks=k_blocks)
-        operands = (x_pad, w, scale.astype(jnp.float32))
-        in_specs = [pl.BlockSpec((bm, k), lambda t, j: (t, 0)),
+        operands = (x, w, scale.astype(jnp.float32))
+        in_specs = [pl.BlockSpec((m, k), lambda t, j: (0, 0)),
                     pl.BlockSpec((n_experts, k, bn), lambda t, j: (0, 0, j)),
                     # block of width 1 along the scale columns: block index = the 128-column tile of N block j
                     pl.BlockSpec((n_experts, k_blocks, 1), lambda t, j: (0, 0, (j * bn) // FP8_BLOCK))]
     return pl.pallas_call(
         kernel,
         grid=(n_tiles, pl.cdiv(n, bn)),
-        in_specs=[meta_spec, *in_specs],
+        in_specs=[meta_spec, rows_spec, *in_specs],
         out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
-        out_shape=jax.ShapeDtypeStruct((n_tiles * bm, n), x_pad.dtype),
+        out_shape=jax.ShapeDtypeStruct((n_tiles * bm, n), x.dtype),
         compiler_params=triton_params(bm, bn),
         interpret=interpret,
-    )(tile_group, *operands)
+    )(tile_group, row_src, *operands)
 
 
 # ----------------------------------------------------------------------------------------------- tpu tiling
@@ -374,24 +378,31 @@ def _check_shapes(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax
 @functools.partial(jax.jit, static_argnames=("fmt", "blocks", "backend", "interpret"))
 def moe_gmm(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array, *, fmt: str,
             blocks: GmmBlocks | None = None, backend: str = "gpu",
-            interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
+            interpret: bool | pltpu.InterpretParams = False, rows: jax.Array | None = None) -> jax.Array:
     """Expert-sorted x [M, K] bf16 (or f32) x expert weights in `fmt` ("int4" | "fp8") -> [M, N] x.dtype.
 
     Row r uses expert g where cumsum(group_sizes)[g-1] <= r < cumsum(group_sizes)[g]; rows past the sum are 0.
+    rows [M] int32 (optional): the sorted row r is x[rows[r]] (x then [X, K], any X), so the caller's tokens are
+    read in place (the gpu kernel gathers them; tpu gathers them in XLA) rather than copied in sorted order.
     Precondition (not checkable under jit): sum(group_sizes) <= M. backend: "gpu" (Triton) or "tpu" (Mosaic);
     interpret: True (legacy, either tiling) or, for "tpu", `pltpu.InterpretParams()` to run on CPU.
     """
     check_backend(backend)
     _check_shapes(x, w, scale, group_sizes, fmt)
-    m, k = x.shape
+    if rows is not None and (rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer)):
+        raise KernelShapeError(f"rows must be a 1-D integer array, got {rows.dtype}{list(rows.shape)}",
+                               value=tuple(rows.shape), param="rows")
+    m = x.shape[0] if rows is None else rows.shape[0]
+    k = x.shape[1]
     n_experts, _, n = w.shape
     g = k // scale.shape[1] if fmt == "int4" else FP8_BLOCK
     blocks = blocks or choose_gmm_blocks(m, n, n_experts, k, fmt=fmt, group_size=g, backend=backend,
                                          dtype=x.dtype.name)
     layout = tile_layout(group_sizes, m, blocks.block_m)
-    x_pad = jnp.where(layout.row_valid[:, None], x[layout.row_src], 0).astype(x.dtype)  # [T*bm, K]
+    src = layout.row_src if rows is None else rows.astype(jnp.int32)[layout.row_src]  # [T*bm] rows of x
     if backend == "gpu":
-        y_pad = _gmm_gpu(x_pad, layout.tile_group, w, scale, fmt, blocks, bool(interpret))
+        y_pad = _gmm_gpu(x, src, layout.tile_group, w, scale, fmt, blocks, bool(interpret))
     else:
+        x_pad = jnp.where(layout.row_valid[:, None], x[src], 0).astype(x.dtype)  # [T*bm, K]
         y_pad = _gmm_tpu(x_pad, layout.tile_group, w, scale, fmt, blocks, interpret)
     return jnp.where(layout.out_valid[:, None], y_pad[layout.row_dst], 0).astype(x.dtype)

@@ -149,14 +149,16 @@ class Experts(nnx.Module):
         self.up_scale = nnx.data(up_scale)
         self.down_scale = nnx.data(down_scale)
 
-    def __call__(self, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        """x_sorted [M, H] (rows grouped by expert), group_sizes [E] int32 -> [M, H]; rows past the sum give 0."""
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """x [M, H] rows grouped by expert, or x [X, H] and rows [M] int32 (sorted row r is x[rows[r]]: the kernels
+        read x's rows in place, no sorted copy), group_sizes [E] int32 -> [M, H]; rows past the sum give 0."""
 
-        def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None) -> jax.Array:
+        def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None, rows: jax.Array | None = None) -> jax.Array:
             return ops.grouped_linear(x, w[...], None if s is None else s[...], group_sizes, self.fmt,
-                                      use_kernel=self.use_kernel, interpret=self.interpret, backend=self.backend)
+                                      use_kernel=self.use_kernel, interpret=self.interpret, backend=self.backend,
+                                      rows=rows)
 
-        h = jax.nn.silu(mm(x_sorted, self.gate, self.gate_scale)) * mm(x_sorted, self.up, self.up_scale)
+        h = jax.nn.silu(mm(x, self.gate, self.gate_scale, rows)) * mm(x, self.up, self.up_scale, rows)
         return mm(h, self.down, self.down_scale)
 
     def gathered(self, x: jax.Array, expert: jax.Array) -> jax.Array:
@@ -270,9 +272,12 @@ class MoE(nnx.Module):
         # held elsewhere sort last and fall past sum(group_sizes), where the grouped matmul gives 0
         order = jnp.argsort(local, stable=True)
         group_sizes = jnp.bincount(local, length=e_local + 1)[:e_local].astype(jnp.int32)
-        y_sorted = self.experts(flat[token[order]], group_sizes)
-        contrib = y_sorted.astype(jnp.float32) * weight[order][:, None]
-        return jnp.zeros((n, flat.shape[-1]), jnp.float32).at[token[order]].add(contrib)
+        y_sorted = self.experts(flat, group_sizes, token[order])
+        # each pair's row gathered back to (token, slot) order and the k slots summed: one gather-and-reduce pass,
+        # where a scatter-add read, added and wrote an f32 row of the output per pair
+        unsort = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+        y = y_sorted[unsort].astype(jnp.float32).reshape(n, k, -1)
+        return jnp.sum(y * w.astype(jnp.float32)[:, :, None], axis=1)
 
     def local(self, flat: jax.Array) -> jax.Array:
         """The block on this device's shard (inside a shard_map: experts or expert FFN split, shared expert FFN split,

@@ -15,6 +15,7 @@ the packed weight and never write a dequantized copy to HBM. All paths accumulat
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,27 +50,55 @@ def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None, fmt: str, *, use
         out = moe_gmm(x2, w[None], scale[None], group_sizes, fmt="fp8", backend=backend, interpret=interpret)
     else:
         wd = _dense_weight(w, scale, fmt, x.dtype)
-        out = jnp.matmul(x2, wd, preferred_element_type=jnp.float32)
+        out = _matmul_f32(x2, wd)
     return out.astype(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+# XLA:GPU's DotStrengthReduction turns a vector-matrix dot of (N + 1) * K under this many elements into a multiply
+# and a reduce (xla/service/gpu/transforms/dot_strength_reduction.cc)
+XLA_GPU_DOT_TO_REDUCE_ELEMENTS = 10_000_000
+
+
+def _matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N] f32 (f32 accumulation); one row under XLA's strength-reduction size is
+    computed as two on GPU (`one_row_as_two`: Kimi's q_b at c = 1 wrote and read 9.4 MB a layer)."""
+    dot = lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)  # noqa: E731
+    k, n = w.shape
+    if x.shape[0] != 1 or (n + 1) * k >= XLA_GPU_DOT_TO_REDUCE_ELEMENTS:
+        return dot(x, w)
+    return one_row_as_two(dot, x, w)
+
+
+def one_row_as_two(f: Callable[..., jax.Array], x: jax.Array, *rest: jax.Array) -> jax.Array:
+    """f(x, *rest) for x [1, ...] whose rows are independent in f. On GPU x is padded to two rows and row 0 of f's
+    result kept: XLA:GPU strength-reduces a one-row (vector-matrix) dot into a multiply and a reduce, and unless
+    they fuse the f32 product of the whole weight is written to HBM and read back; a 2-row dot stays a GEMM that
+    reads the weight once in its stored dtype. Other platforms run f(x, *rest) as it is (CPU numerics unchanged)."""
+    def padded(a: jax.Array, *r: jax.Array) -> jax.Array:
+        return f(jnp.pad(a, ((0, 1),) + ((0, 0),) * (a.ndim - 1)), *r)[:1]
+
+    return jax.lax.platform_dependent(x, *rest, cuda=padded, default=f)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "use_kernel", "interpret", "backend"))
 def grouped_linear(x_sorted: jax.Array, w: jax.Array, scale: jax.Array | None, group_sizes: jax.Array, fmt: str,
-                   *, use_kernel: bool = False, interpret: bool = False, backend: str = "gpu") -> jax.Array:
+                   *, use_kernel: bool = False, interpret: bool = False, backend: str = "gpu",
+                   rows: jax.Array | None = None) -> jax.Array:
     """Expert-sorted x [M, K] bf16/f32, expert weights W [E, K, N] in `fmt`, group_sizes [E] int32 -> [M, N].
 
     Row r uses expert g with cumsum(group_sizes)[g-1] <= r < cumsum(group_sizes)[g]; empty groups are allowed;
     rows at or past sum(group_sizes) (which must be <= M) are 0. Output dtype x.dtype, f32 accumulation.
+    rows [M] int32 (optional): sorted row r is x_sorted[rows[r]] (the kernel reads it in place; XLA gathers it).
     """
     check_fmt(fmt)
-    m, k = x_sorted.shape
+    k = x_sorted.shape[1]
     k_w = 2 * w.shape[1] if fmt == "int4" else w.shape[1]
     if w.ndim != 3 or k_w != k or group_sizes.shape != (w.shape[0],):
         raise ConfigError(f"grouped_linear: x {x_sorted.shape}, group_sizes {group_sizes.shape} do not match "
                           f"{fmt} expert weight {w.shape}", value=tuple(w.shape), param="w")
     if use_kernel and (fmt == "int4" or (fmt == "fp8" and k % FP8_BLOCK == 0)):
-        return moe_gmm(x_sorted, w, scale, group_sizes, fmt=fmt, backend=backend, interpret=interpret)
-    return _grouped_tiles(x_sorted, w, scale, group_sizes, fmt)
+        return moe_gmm(x_sorted, w, scale, group_sizes, fmt=fmt, backend=backend, interpret=interpret, rows=rows)
+    return _grouped_tiles(x_sorted if rows is None else x_sorted[rows], w, scale, group_sizes, fmt)
 
 
 def _bits(a: jax.Array, live: jax.Array) -> jax.Array:

@@ -9,10 +9,13 @@ and M = 64 (decode) for Kimi EP.
 """
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import pytest
 
 from aot import ALL_TARGETS, check_budget, compile_for, sds
+from jaxserve.quant import ops
 from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.moe_gmm import moe_gmm
 from tests.kernels.test_lowering_matmul import DENSE, MOE_SHARDS  # the per-device shapes the lowering tests use
@@ -50,3 +53,16 @@ def test_moe_gmm_compiles(target, shard, fmt, proj, m):
             sds(target, (shard.experts,), jnp.int32)]
     fn = lambda x, w, s, gs: moe_gmm(x, w, s, gs, fmt=fmt, backend=backend)  # noqa: E731
     check_budget(target, compile_for(target, fn, *args))
+
+
+@pytest.mark.parametrize("k,n", [(1536, 1536), (2048, 2048)])  # Kimi K2.6's / GLM-5.2's q_b per device
+def test_one_row_bf16_linear_reads_its_weight_once_on_h200(k, n):
+    """At one row XLA:GPU would strength-reduce the vector-matrix dot into an f32 [K, N] multiply and a reduce (in
+    the decode step a separate fusion writing the product to HBM); ops.linear keeps it a GEMM: no instruction but
+    the parameter has the weight's shape."""
+    fn = lambda x, w: ops.linear(x, w, None, "bf16")  # noqa: E731
+    hlo = compile_for("h200", fn, sds("h200", (1, k), jnp.bfloat16), sds("h200", (k, n), jnp.bfloat16)).hlo
+    written = [line.strip() for line in hlo.splitlines()
+               if re.search(rf"= \w+\[{k},{n}\]", line) and " parameter(" not in line]
+    assert not written, written
+    assert re.search(r"custom_call_target=\"__cublas|__triton_gemm|kind=kCustom", hlo), "no GEMM in the program"

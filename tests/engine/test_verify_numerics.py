@@ -6,9 +6,10 @@ The verify (`engine.verify`) runs position p of a row inside a [B, k + 1] chunk;
   4-token chunk), decode the paged decode kernel (f32 operands, 128-token blocks);
 - the MoE picks its algorithm by token count (`MoE.routed`): 8 decode rows take `dense_all` (every token through
   every expert, routing weights folded into the down projection in bf16), 8 x 4 verify tokens the grouped tiles;
-- XLA:CPU's own kernels follow the shape: the final RMSNorm over [B, H] vs [B, T, H] and the f32 absorbed-query
-  einsum over B vs B * T rows round differently in their last bits; a matmul of 1 or 2 rows (decode at batch 1)
-  takes other kernels than one of 4 (YNNPACK and Eigen alike), so at c = 1 no batched verify can match decode.
+- XLA:CPU's own kernels follow the shape: the final RMSNorm over [B, H] vs [B, T, H] and the absorbed-query
+  einsum (f32 accumulation) over B vs B * T rows round differently in their last bits; a matmul of 1 or 2 rows
+  (decode at batch 1) takes other kernels than one of 4 (YNNPACK and Eigen alike), so at c = 1 no batched verify
+  can match decode.
 In f32 these are ~1e-6 apart on the logits (greedy never flips on these prompts); bf16 rounding turns them into an ulp
 of bf16 (0.03-0.125 on logits of ~10), which flips a greedy token within 2-14 tokens. Running each position through
 the decode body itself (k + 1 decode-shaped steps in one program) is bit-exact, at ~2.5x the verify's time (8 rows,

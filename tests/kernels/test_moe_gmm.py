@@ -248,3 +248,21 @@ def test_bad_format_and_shapes_raise_typed_errors() -> None:
     with pytest.raises(KernelShapeError) as e:
         moe_gmm(x, wq, scale, gs, fmt="int4", backend="mosaic")
     assert e.value.value == "mosaic" and e.value.param == "backend"
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_rows_read_the_tokens_in_place(backend: str) -> None:
+    """moe_gmm(x, rows=r) equals moe_gmm(x[r]): rows name each sorted row's token (repeats, any order, fewer tokens
+    than rows); grouped_linear's XLA path takes the same rows."""
+    rng = np.random.default_rng(7)
+    gs = np.asarray([3, 0, 5, 2], np.int32)
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.bfloat16)
+    rows = jnp.asarray(rng.integers(0, 4, 11), jnp.int32)  # 11 sorted rows (sum 10: the last is 0)
+    wq, scale = _experts(rng, len(gs), 128, 64, "int4", 32)
+    interp = True if backend == "gpu" else TPU
+    run = functools.partial(moe_gmm, w=wq, scale=scale, group_sizes=jnp.asarray(gs), fmt="int4", backend=backend,
+                            interpret=interp)
+    got, want = run(x, rows=rows), run(x[rows])
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    xla = ops.grouped_linear(x, wq, scale, jnp.asarray(gs), "int4", rows=rows)
+    _check(xla, x[rows], wq, scale, gs, "int4")

@@ -1,4 +1,5 @@
-"""Runtime FP8/INT4 formats: quantization error bounds, saturation, HF layout round trips, the quantizable rule."""
+"""Runtime FP8/INT4 formats: quantization error bounds, saturation, HF layout round trips, the quantizable rule;
+the dense `ops.linear` on CPU."""
 from __future__ import annotations
 
 import jax
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.errors import CheckpointError, ConfigError
-from jaxserve.quant import formats, hf_formats
+from jaxserve.quant import formats, hf_formats, ops
 
 
 def _weights(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -166,3 +167,15 @@ def test_unknown_int4_scope_is_refused() -> None:
     with pytest.raises(ConfigError, match="int4_scope") as e:
         formats.quantizable("layers.3.mlp.experts.gate", "int4", int4_scope="shared")
     assert e.value.value == "shared"
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_dense_linear_on_cpu_is_the_plain_f32_accumulated_dot(rows: int) -> None:
+    """ops.linear computes one row as two only on GPU (XLA:GPU's strength reduction); on CPU every row count is
+    the plain dot, bit for bit."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 384)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((384, 256)), jnp.bfloat16)
+    want = jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    got = ops.linear(x, w, None, "bf16")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
