@@ -148,6 +148,49 @@ def test_gqa_kernel_at_real_dims(dtype):
               num_pages=REAL_PAGES, max_pages=REAL_TABLE, seed=12, interpret=True)
 
 
+LAYER, LAYERS = 2, 3  # the whole-pool form: read a non-zero layer of a 3-layer pool
+_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float8_e4m3fn): jnp.uint8}
+
+
+def _in_pool(x: jax.Array | None) -> jax.Array | None:
+    """One layer's pages (or scales) placed at LAYER of a [LAYERS, ...] pool whose other layers are NaN; pages as
+    the engine's pool stores them (bits: uint16 / uint8), scales f32."""
+    if x is None:
+        return None
+    pool = jnp.full((LAYERS, *x.shape), jnp.nan, x.dtype).at[LAYER].set(x)
+    bits = _BITS.get(jnp.dtype(x.dtype))
+    return pool if bits is None else jax.lax.bitcast_convert_type(pool, bits)
+
+
+def _mla_in_pool(q, pages, bt, lens, scales, **kw):
+    return paged_mla_decode(q, _in_pool(pages), bt, lens, _in_pool(scales), layer=jnp.int32(LAYER), **kw)
+
+
+def _gqa_in_pool(q, kp, vp, bt, lens, ks, vs, **kw):
+    return paged_gqa_decode(q, _in_pool(kp), _in_pool(vp), bt, lens, _in_pool(ks), _in_pool(vs),
+                            layer=jnp.int32(LAYER), **kw)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("page_size,lengths,tiling", [CASES[0], CASES[4]])  # page-id vector / one page in parts
+def test_whole_pool_bits_at_a_layer_match_the_reference(page_size, lengths, tiling, dtype):
+    """The engine's GPU decode hands the kernels the whole pool's bits [L, P, ps, ...] and the layer (no layer slice
+    for XLA:GPU to copy): the output is the reference's on that layer; NaN in the other layers does not leak."""
+    check_mla(_mla_in_pool, page_size=page_size, lengths=lengths, dtype=dtype, seed=5, interpret=True,
+              out_dtype=jnp.float32, **tiling)
+    check_gqa(_gqa_in_pool, page_size=page_size, lengths=lengths, dtype=dtype, seed=6, interpret=True, **tiling)
+
+
+def test_whole_pool_needs_the_layer():
+    q = jnp.zeros((1, H, DV + DR), jnp.bfloat16)
+    bt, lens = jnp.ones((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
+    pool = jnp.zeros((LAYERS, NUM_PAGES, 8, DV + DR), jnp.uint16)
+    with pytest.raises(ValueError, match="layer"):
+        paged_mla_decode(q, pool, bt, lens, kv_lora_rank=DV, softmax_scale=0.1, interpret=True)
+    with pytest.raises(ValueError, match="layer"):
+        paged_mla_decode(q, pool[0], bt, lens, layer=1, kv_lora_rank=DV, softmax_scale=0.1, interpret=True)
+
+
 def test_tail_pages_holding_nan_do_not_leak():
     """Pages past a sequence's length (same block) may hold anything: output must equal the clean reference."""
     page_size, lengths, tiling = CASES[0]
