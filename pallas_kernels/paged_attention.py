@@ -301,7 +301,7 @@ def _prepare_tables(block_tables: jax.Array, lengths: jax.Array, page_size: int,
     return bt, lens, pages_per_split
 
 
-def _with_layer_axis(pages: jax.Array, one_layer_ndim: int, layer: int | jax.Array | None,
+def with_layer_axis(pages: jax.Array, one_layer_ndim: int, layer: int | jax.Array | None,
                      scales: tuple[jax.Array | None, ...]) -> tuple[jax.Array, tuple, jax.Array, jnp.dtype]:
     """One layer (layer None: a free leading unit layer axis on pages and scales) or the whole pool [L, ...] with
     `layer` -> (pages [L, ...], scales [L, ...] f32 | None, layer [1] int32, the pages' value dtype: bits are
@@ -347,7 +347,7 @@ def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, le
     out_dtype = out_dtype or q.dtype
     q = q.astype(compute_dtype or q.dtype)
     b, h, dl = q.shape
-    pages, (scales,), layer, value_dtype = _with_layer_axis(pages, 3, layer, (scales,))
+    pages, (scales,), layer, value_dtype = with_layer_axis(pages, 3, layer, (scales,))
     n_layers, num_pages, page_size, dl_p = pages.shape
     if dl != dl_p or not 0 < kv_lora_rank < dl:
         raise ValueError(f"q latent dim {dl}, pages latent dim {dl_p}, kv_lora_rank {kv_lora_rank}")
@@ -422,8 +422,8 @@ def paged_gqa_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block
         raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} != v_pages {v_pages.shape} {v_pages.dtype}")
     if (k_scales is None) != (v_scales is None):
         raise ValueError("pass both k_scales and v_scales or neither")
-    v_pages = _with_layer_axis(v_pages, 4, layer, ())[0]
-    k_pages, (k_scales, v_scales), layer, value_dtype = _with_layer_axis(k_pages, 4, layer, (k_scales, v_scales))
+    v_pages = with_layer_axis(v_pages, 4, layer, ())[0]
+    k_pages, (k_scales, v_scales), layer, value_dtype = with_layer_axis(k_pages, 4, layer, (k_scales, v_scales))
     n_layers, num_pages, page_size, hkv, d_k = k_pages.shape
     if d != d_k or hq % hkv:
         raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}")

@@ -6,10 +6,10 @@ Names: "xla" (the length-bounded page-block loops, `paged_attention_xla` and `pr
 "pallas" (the GPU-shaped Triton kernels), "pallas_tpu" (the TPU-shaped Mosaic kernels), and either Pallas name
 + "_interpret" (the same kernels run on CPU).
 
-"xla", the TPU MLA decode kernel and the GPU decode kernels (MLA and GQA) read the whole pool's bit patterns (all
-layers; the layer picked inside the gathers, or handed to the kernel, which views the bits as values once loaded): a
-per-layer slice handed to a kernel call is materialized by XLA (302 MB per layer on TPU, 946 MB on H200 at Kimi
-K2.6's pools). The other kernels (TPU GQA decode, the prefill kernels) read the layer's value views
+"xla", the TPU MLA decode kernel and every GPU (Triton) kernel, decode and prefill, MLA and GQA, read the whole
+pool's bit patterns (all layers; the layer picked inside the gathers, or handed to the kernel, which views the bits
+as values once loaded): a per-layer slice handed to a kernel call is materialized by XLA (302 MB per layer on TPU,
+946 MB on H200 at Kimi K2.6's pools). The TPU GQA decode and TPU prefill kernels read the layer's value views
 (`KVPages.layer`). On a mesh each runs per shard (`sharded.attention`): heads split under TP
 attention, rows and pages under DP attention.
 """
@@ -84,7 +84,8 @@ class AttentionBackend:
         def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
             return self._prefill_kernel(q, pools, tables, lay, layer, softmax_scale, dot_dtype)
 
-        return self._per_shard(par, kernel, q, pages, layer, tables, ("batch", None, "heads", None))
+        return self._per_shard(par, kernel, q, pages, layer, tables, ("batch", None, "heads", None),
+                               whole=self.implementation == "pallas")
 
     def _per_shard(self, par: Parallel | None, kernel: Callable, q: jax.Array, pages: KVPages, layer: int,
                    tables: tuple, q_axes: tuple, whole: bool = False) -> jax.Array:
@@ -132,12 +133,17 @@ class AttentionBackend:
                 return prefill_attention_xla.prefill_mla_blockwise(
                     q, lat, bt, positions, ctx_lens, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
                     value_dtype=lay.jnp_dtype, layer=layer, dot_dtype=dot_dtype)
-            return paged_prefill_mla(q, lat, bt, positions, ctx_lens, scale, kv_lora_rank=rank,
-                                     softmax_scale=softmax_scale, backend=self.tiling, interpret=self.interpret)
+            return paged_prefill_mla(q, lat, bt, positions, ctx_lens, scale, layer=self._whole_layer(layer),
+                                     kv_lora_rank=rank, softmax_scale=softmax_scale, backend=self.tiling,
+                                     interpret=self.interpret)
         kp, vp, ks, vs = pools
         if xla:
             return prefill_attention_xla.prefill_gqa_blockwise(
                 q, kp, vp, bt, positions, ctx_lens, ks, vs, softmax_scale=softmax_scale, value_dtype=lay.jnp_dtype,
                 layer=layer, dot_dtype=dot_dtype)
-        return paged_prefill_gqa(q, kp, vp, bt, positions, ctx_lens, ks, vs, softmax_scale=softmax_scale,
-                                 backend=self.tiling, interpret=self.interpret)
+        return paged_prefill_gqa(q, kp, vp, bt, positions, ctx_lens, ks, vs, layer=self._whole_layer(layer),
+                                 softmax_scale=softmax_scale, backend=self.tiling, interpret=self.interpret)
+
+    def _whole_layer(self, layer: int) -> int | None:
+        """The layer a prefill kernel reads from the whole pool (GPU); None: it is handed one layer (TPU)."""
+        return layer if self.implementation == "pallas" else None

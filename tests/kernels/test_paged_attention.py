@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve.cache import quantize_fp8
+from kernel_pools import LAYER, LAYERS, in_pool
 from pallas_kernels.paged_attention import choose_blocks, paged_gqa_decode, paged_mla_decode
 from pallas_kernels.reference_paged import fp8_error_bound, paged_gqa_reference, paged_mla_reference
 
@@ -148,26 +149,12 @@ def test_gqa_kernel_at_real_dims(dtype):
               num_pages=REAL_PAGES, max_pages=REAL_TABLE, seed=12, interpret=True)
 
 
-LAYER, LAYERS = 2, 3  # the whole-pool form: read a non-zero layer of a 3-layer pool
-_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float8_e4m3fn): jnp.uint8}
-
-
-def _in_pool(x: jax.Array | None) -> jax.Array | None:
-    """One layer's pages (or scales) placed at LAYER of a [LAYERS, ...] pool whose other layers are NaN; pages as
-    the engine's pool stores them (bits: uint16 / uint8), scales f32."""
-    if x is None:
-        return None
-    pool = jnp.full((LAYERS, *x.shape), jnp.nan, x.dtype).at[LAYER].set(x)
-    bits = _BITS.get(jnp.dtype(x.dtype))
-    return pool if bits is None else jax.lax.bitcast_convert_type(pool, bits)
-
-
 def _mla_in_pool(q, pages, bt, lens, scales, **kw):
-    return paged_mla_decode(q, _in_pool(pages), bt, lens, _in_pool(scales), layer=jnp.int32(LAYER), **kw)
+    return paged_mla_decode(q, in_pool(pages), bt, lens, in_pool(scales), layer=jnp.int32(LAYER), **kw)
 
 
 def _gqa_in_pool(q, kp, vp, bt, lens, ks, vs, **kw):
-    return paged_gqa_decode(q, _in_pool(kp), _in_pool(vp), bt, lens, _in_pool(ks), _in_pool(vs),
+    return paged_gqa_decode(q, in_pool(kp), in_pool(vp), bt, lens, in_pool(ks), in_pool(vs),
                             layer=jnp.int32(LAYER), **kw)
 
 
