@@ -1,10 +1,14 @@
 """Paged decode attention (one query token per sequence) for MLA (absorbed, MQA over the latent) and GQA, written
 for the Pallas Triton lowering (GPU).
 
-Pages are read through the block table; BF16 or FP8 e4m3 pages are dequantized inside the kernel with the
-per-token (MLA) or per-token-and-head (GQA) f32 scales loaded beside them: K scales multiply the logits, V scales
-multiply the probabilities. Online softmax over blocks of pages, split-K over the sequence (flash-decoding), the
-splits merged by log-sum-exp in XLA. Ragged lengths in one batch; a length of 0 gives an output of 0.
+Pages are read through the block table from the whole pool [layers, pages, page_size, ...] at a layer handed in as
+a [1] int32 input (read as a scalar; a one-layer pool is given a unit layer axis): a layer slice handed to a Triton
+call is copied by XLA:GPU into its own buffer (946 MB per layer and step at Kimi K2.6's H200 pool). Over 2^32 bytes
+Pallas' Triton lowering computes the offsets in 64 bits by itself. Pages may be the pool's bit patterns (uint8 /
+uint16), bitcast to float8_e4m3fn / bfloat16 once loaded. BF16 or FP8 e4m3 pages are dequantized inside the kernel
+with the per-token (MLA) or per-token-and-head (GQA) f32 scales loaded beside them: K scales multiply the logits,
+V scales multiply the probabilities. Online softmax over blocks of pages, split-K over the sequence
+(flash-decoding), the splits merged by log-sum-exp in XLA. Ragged lengths in one batch; a length of 0 gives an output of 0.
 
 Grid: MLA (batch, head block, split); GQA (batch, kv head, split), one kv head's query group per program.
 
@@ -43,7 +47,10 @@ K2.6 / GLM-5.2 / GLM-4.5 per-device and unsharded shapes, page 16 and 64, batch 
 (sm_90a) on the CPU host (tests/compile): Kimi K2.6 / GLM-5.2 MLA TP and DP, GLM-4.5 GQA TP and DP, bf16 and fp8,
 page 16 and 64, all fit; the shared memory Triton allocates is below the model's count (MLA 1.1-1.3x, GQA
 2.3-2.5x over), so `_MEASURED_SMEM` (the compiler's bytes, checked against it in tests/compile) takes precedence
-in choose_blocks. What was NOT checked: running on any GPU, register pressure, speed. No GPU was available.
+in choose_blocks. The whole-pool form: interpret tests at layer 2 of a 3-layer bits pool (NaN in the other layers),
+and an H200 compile over a > 4 GB FP8 bits pool at a traced layer (same shared memory as one layer; the PTX's
+address arithmetic differs from a 0.6 GB pool's: the 64-bit offsets). What was NOT checked: running on any GPU,
+register pressure, speed. No GPU was available.
 """
 from __future__ import annotations
 
@@ -401,7 +408,8 @@ def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, le
                                              "out_dtype"))
 def paged_gqa_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                      lengths: jax.Array, k_scales: jax.Array | None = None, v_scales: jax.Array | None = None, *,
-                     layer: int | jax.Array | None = None, softmax_scale: float, pages_per_compute_block: int | None = None, k_splits: int | None = None,
+                     layer: int | jax.Array | None = None, softmax_scale: float,
+                     pages_per_compute_block: int | None = None, k_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, page_splits: int | None = None,
                      compute_dtype: jnp.dtype | None = None, interpret: bool = False,
                      out_dtype: jnp.dtype | None = None) -> jax.Array:

@@ -21,8 +21,10 @@ chunk follows its real context, not the table width. Slots past ctx_len (tail of
 may hold anything, NaN included: their logits are masked, their V rows and V scales zeroed.
 - backend "gpu" (Triton; `plgpu.CompilerParams(num_warps, num_stages)`): grid (B, Hkv, row blocks); the whole
   pool is one block and a key block's pages are gathered by a vector of page ids (as JAX's GPU paged attention
-  does); K dequant multiplies the logits by the K scales, V dequant the probabilities by the V scales; the
-  latent is loaded as a kv_lora_rank-wide and a rope-wide part (Triton loads need power-of-two widths).
+  does), at a layer of the whole [L, P, ps, ...] pool handed in as a [1] int32 input (as the GPU decode kernels:
+  XLA:GPU copies a layer slice handed to a Triton call), pages as values or the pool's bits; K dequant multiplies
+  the logits by the K scales, V dequant the probabilities by the V scales; the latent is loaded as a
+  kv_lora_rank-wide and a rope-wide part (Triton loads need power-of-two widths).
 - backend "tpu" (Mosaic): grid (B, Hkv, row blocks), all parallel; pages stay in HBM (`memory_space=pl.ANY`);
   each key block's pages are DMA'd one page per copy into a two-slot VMEM buffer, the next block's copies in
   flight while this one computes, page ids read from that batch row's block table held in SMEM (one row, a

@@ -56,6 +56,9 @@ def _fits(d: dict) -> bool:
 
 
 def test_h200_decode_fits_and_copies_no_pool():
+    """No copy of the pool or a layer of it, by a `copy` op or by a fusion (plan_compile.fusion_copies): the Triton
+    decode kernel reads the whole pool's bits at the layer. Handed `pages.layer(i)`, XLA:GPU copied each layer's
+    slice (a `slice` fusion, 946 MB at the deployment's pool) into the kernel's own buffer."""
     d = _decode("h200")
     assert _fits(d)
     assert not [m for m in d["plan"].moves if m["of"].startswith("pool")]
