@@ -150,9 +150,9 @@ def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # 
 
 
 def traffic_rows(rows: list[Row], pool_shapes: list[tuple[int, ...]]) -> list[dict]:
-    """hlo_bytes.traffic's rows as dicts, one per (category, op, what, result) with the mean bytes of its runs; a result of
-    a whole pool's shape (its leading dim the compiled layer count) is written with "L" there, so that compiles at
-    different layer counts match row by row (scaled)."""
+    """hlo_bytes.traffic's rows as dicts, one per (category, op, what, result) with the mean bytes of its runs; a
+    result of a whole pool's shape (its leading dim the compiled layer count) is written with "L" there, so that
+    compiles at different layer counts match row by row (scaled)."""
     whole = {",".join(map(str, s)): ",".join(["L", *map(str, s[1:])]) for s in pool_shapes}
     runs: dict[tuple[str, ...], list[int]] = {}
     for r in rows:

@@ -8,7 +8,8 @@ Pallas' Triton lowering computes the offsets in 64 bits by itself. Pages may be 
 uint16), bitcast to float8_e4m3fn / bfloat16 once loaded. BF16 or FP8 e4m3 pages are dequantized inside the kernel
 with the per-token (MLA) or per-token-and-head (GQA) f32 scales loaded beside them: K scales multiply the logits,
 V scales multiply the probabilities. Online softmax over blocks of pages, split-K over the sequence
-(flash-decoding), the splits merged by log-sum-exp in XLA. Ragged lengths in one batch; a length of 0 gives an output of 0.
+(flash-decoding), the splits merged by log-sum-exp in XLA. Ragged lengths in one batch; a length of 0 gives an
+output of 0.
 
 Grid: MLA (batch, head block, split); GQA (batch, kv head, split), one kv head's query group per program.
 
