@@ -16,7 +16,7 @@ def rows(plans: list[dict]) -> list[str]:
     tp = [p["modes"]["tp"] for p in plans]
     ph = lambda m, phase: m["phases"][phase]  # noqa: E731
     pool_copies = lambda m: sum(x["count"] for p in ("decode", "prefill") for x in ph(m, p)["moves"]  # noqa: E731
-                                if x["of"].startswith("pool") and x["op"] == "copy")
+                                if x["of"].startswith("pool") and x["op"] in ("copy", "fusion"))
     table = [
         ("device (compiler's name), memory", lambda p, m: f"{p['device_kind']}, {p['spec']['memory_bytes'] / 1e9:.0f} GB"),
         ("decode: arguments (weights + pool) / temporaries / code",

@@ -1,8 +1,10 @@
 """One phase's real program (decode step, or one prefill chunk over a long context) lowered and compiled for a plan's
 mesh on abstract weights and pool, and what the compiler reported: `memory_analysis()` (arguments, outputs,
-temporaries, code, aliased) and, from the compiled HLO text, every collective and every copy / transpose /
+temporaries, code, aliased) and, from the compiled HLO text, every collective, every copy / transpose /
 all-gather whose result has the shape of a weight or a page-pool array (a weight or pool moved or relaid out per
-call). Used by `jaxserve plan` (jaxserve/plan.py), which compiles a few layers and scales to the model's count.
+call), and every fusion that writes a whole pool-shaped buffer (a pool or one layer of it copied by a fusion, such
+as the `slice` fusion XLA:GPU made to give a kernel its own layer buffer). Used by `jaxserve plan`
+(jaxserve/plan.py), which compiles a few layers and scales to the model's count.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from jaxserve.hlo import _BYTES, collectives, summarize
-from jaxserve.hlo_bytes import traffic
+from jaxserve.hlo_bytes import Row, _types, traffic
 
 MEMORY_FIELDS = ("argument", "output", "temp", "generated_code", "alias")
 _MOVE = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](\{[^}]*\})? (copy|transpose|all-gather)(?:-start)?\(")
@@ -24,7 +26,8 @@ _MIN_TRACKED = 1 << 20  # weights / pool arrays under 1 MiB are not tracked (the
 @dataclass
 class PhaseCompile:
     """memory: MEMORY_FIELDS -> bytes per device; collectives: hlo.summarize rows; moves: copies / transposes /
-    all-gathers of a weight or pool shape [{op, of, dtype, shape, layout, count, bytes}]; traffic: every
+    all-gathers of a weight or pool shape, and fusions writing a whole pool shape (op "fusion") [{op, of, dtype,
+    shape, layout, count, bytes}]; traffic: every
     instruction that runs, grouped (hlo_bytes.traffic) [{category, op, what, result, count, bytes}], a whole
     pool's leading layer dim written "L" (the roofline's input, jaxserve/roofline.py)."""
 
@@ -71,6 +74,24 @@ def moves(hlo_text: str, tracked: dict[tuple[int, ...], str]) -> list[dict]:
             hits[(m.group(4), tracked[shape], m.group(1), shape, m.group(3) or "")] += 1
     return [{"op": op, "of": of, "dtype": dt, "shape": list(s), "layout": lay, "count": n,
              "bytes": math.prod(s) * _BYTES.get(dt, 4)} for (op, of, dt, s, lay), n in hits.items()]
+
+
+def fusion_copies(rows: list[Row], tracked: dict[tuple[int, ...], str]) -> list[dict]:
+    """Fusions (outside the kernels) whose one result has a tracked pool shape, leading unit dims aside (a layer
+    slice is [1, P, ps, D]), and which write all of it: a copy of the pool or a layer of it, per step (loop trip
+    counts included). An in-place update of the pool writes only its rows (hlo_bytes), so it is not one."""
+    hits: Counter = Counter()
+    for r in rows:
+        t, types = r.traffic, _types(r.traffic.result)
+        if t.category != "outside" or not t.op.startswith("fusion") or len(types) != 1:
+            continue
+        dt, shape = types[0]
+        squeezed = shape[next((i for i, d in enumerate(shape) if d != 1), len(shape)):]
+        of = tracked.get(shape, tracked.get(squeezed, ""))
+        if of.startswith("pool") and t.bytes >= math.prod(shape) * _BYTES.get(dt, 4):
+            hits[(of, dt, shape)] += r.count
+    return [{"op": "fusion", "of": of, "dtype": dt, "shape": list(s), "layout": "", "count": n,
+             "bytes": math.prod(s) * _BYTES.get(dt, 4)} for (of, dt, s), n in hits.items()]
 
 
 def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # noqa: ANN001
@@ -122,18 +143,19 @@ def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # 
     ma = compiled.memory_analysis()
     memory = {f: int(getattr(ma, f"{f}_size_in_bytes")) for f in MEMORY_FIELDS}
     hlo = compiled.as_text()
-    pools = [x for x in jax.tree.leaves(pages) if x.ndim >= 2]
-    return PhaseCompile(seconds, memory, summarize(collectives(hlo)), moves(hlo, _tracked_shapes(state, pages)),
-                        traffic_rows(hlo, [tuple(x.sharding.shard_shape(x.shape)) for x in pools]))
+    pool_shapes = [tuple(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(pages) if x.ndim >= 2]
+    tracked, runs = _tracked_shapes(state, pages), traffic(hlo)
+    return PhaseCompile(seconds, memory, summarize(collectives(hlo)),
+                        moves(hlo, tracked) + fusion_copies(runs, tracked), traffic_rows(runs, pool_shapes))
 
 
-def traffic_rows(hlo_text: str, pool_shapes: list[tuple[int, ...]]) -> list[dict]:
-    """hlo_bytes.traffic as dicts, one per (category, op, what, result) with the mean bytes of its runs; a result of
-    a whole pool's shape (its leading dim the compiled layer count) is written with "L" there, so that compiles at
-    different layer counts match row by row (scaled)."""
+def traffic_rows(rows: list[Row], pool_shapes: list[tuple[int, ...]]) -> list[dict]:
+    """hlo_bytes.traffic's rows as dicts, one per (category, op, what, result) with the mean bytes of its runs; a
+    result of a whole pool's shape (its leading dim the compiled layer count) is written with "L" there, so that
+    compiles at different layer counts match row by row (scaled)."""
     whole = {",".join(map(str, s)): ",".join(["L", *map(str, s[1:])]) for s in pool_shapes}
     runs: dict[tuple[str, ...], list[int]] = {}
-    for r in traffic(hlo_text):
+    for r in rows:
         t = r.traffic
         result = re.sub(r"\[([0-9,]+)\]", lambda m: f"[{whole.get(m.group(1), m.group(1))}]", t.result)
         acc = runs.setdefault((t.category, t.op, t.what, result), [0, 0])

@@ -1,10 +1,15 @@
 """Paged decode attention (one query token per sequence) for MLA (absorbed, MQA over the latent) and GQA, written
 for the Pallas Triton lowering (GPU).
 
-Pages are read through the block table; BF16 or FP8 e4m3 pages are dequantized inside the kernel with the
-per-token (MLA) or per-token-and-head (GQA) f32 scales loaded beside them: K scales multiply the logits, V scales
-multiply the probabilities. Online softmax over blocks of pages, split-K over the sequence (flash-decoding), the
-splits merged by log-sum-exp in XLA. Ragged lengths in one batch; a length of 0 gives an output of 0.
+Pages are read through the block table from the whole pool [layers, pages, page_size, ...] at a layer handed in as
+a [1] int32 input (read as a scalar; a one-layer pool is given a unit layer axis): a layer slice handed to a Triton
+call is copied by XLA:GPU into its own buffer (946 MB per layer and step at Kimi K2.6's H200 pool). Over 2^32 bytes
+Pallas' Triton lowering computes the offsets in 64 bits by itself. Pages may be the pool's bit patterns (uint8 /
+uint16), bitcast to float8_e4m3fn / bfloat16 once loaded. BF16 or FP8 e4m3 pages are dequantized inside the kernel
+with the per-token (MLA) or per-token-and-head (GQA) f32 scales loaded beside them: K scales multiply the logits,
+V scales multiply the probabilities. Online softmax over blocks of pages, split-K over the sequence
+(flash-decoding), the splits merged by log-sum-exp in XLA. Ragged lengths in one batch; a length of 0 gives an
+output of 0.
 
 Grid: MLA (batch, head block, split); GQA (batch, kv head, split), one kv head's query group per program.
 
@@ -43,7 +48,10 @@ K2.6 / GLM-5.2 / GLM-4.5 per-device and unsharded shapes, page 16 and 64, batch 
 (sm_90a) on the CPU host (tests/compile): Kimi K2.6 / GLM-5.2 MLA TP and DP, GLM-4.5 GQA TP and DP, bf16 and fp8,
 page 16 and 64, all fit; the shared memory Triton allocates is below the model's count (MLA 1.1-1.3x, GQA
 2.3-2.5x over), so `_MEASURED_SMEM` (the compiler's bytes, checked against it in tests/compile) takes precedence
-in choose_blocks. What was NOT checked: running on any GPU, register pressure, speed. No GPU was available.
+in choose_blocks. The whole-pool form: interpret tests at layer 2 of a 3-layer bits pool (NaN in the other layers),
+and an H200 compile over a > 4 GB FP8 bits pool at a traced layer (same shared memory as one layer; the PTX's
+address arithmetic differs from a 0.6 GB pool's: the 64-bit offsets). What was NOT checked: running on any GPU,
+register pressure, speed. No GPU was available.
 """
 from __future__ import annotations
 
@@ -56,6 +64,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+
+from pallas_kernels.paged_attention_tpu import BITS_TO_VALUES
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
@@ -195,12 +205,13 @@ def choose_blocks(page_size: int, max_pages: int, heads_per_program: int, *, blo
     return make(ppcb, splits, ks)
 
 
-def _decode_kernel(bt_ref, len_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
-                   pages_per_compute_block: int, page_splits: int, softmax_scale: float):
-    """One (sequence, head block, split) program.
+def _decode_kernel(bt_ref, len_ref, layer_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
+                   pages_per_compute_block: int, page_splits: int, softmax_scale: float, value_dtype):
+    """One (sequence, head block, split) program. layer_ref [1] int32: the pool layer every page ref is read at.
 
-    MLA refs: q [bh, Dv], q_rope [bh, Dr], latent pages [P, ps, Dv+Dr], (scales [P, ps]), outputs.
-    GQA refs: q [bh, D], k pages [P, ps, D], v pages [P, ps, D], (k scales, v scales [P, ps]), outputs.
+    MLA refs: q [bh, Dv], q_rope [bh, Dr], latent pages [L, P, ps, Dv+Dr], (scales [L, P, ps]), outputs.
+    GQA refs: q [bh, D], k pages [L, P, ps, D], v pages [L, P, ps, D], (k scales, v scales [L, P, ps]), outputs.
+    Pages may be bit patterns (uint8 / uint16): bitcast to value_dtype once loaded.
     Outputs: o [bh, Dv] f32 (unnormalized), l [bh] f32 (sum of exp), m [bh] f32 (running max).
     """
     if mla:
@@ -214,6 +225,7 @@ def _decode_kernel(bt_ref, len_ref, *refs, mla: bool, fp8: bool, value_dim: int,
     sub_k = page_size // page_splits  # tokens per page per step (page_splits > 1 only with one page per step)
     block_k = pages_per_compute_block * sub_k
     length = len_ref[0]
+    layer = layer_ref[0]
     first_page = split * pages_per_split
     n_tokens = jnp.clip(length - first_page * page_size, 0, pages_per_split * page_size)
     n_steps = pl.cdiv(n_tokens, block_k)
@@ -223,15 +235,17 @@ def _decode_kernel(bt_ref, len_ref, *refs, mla: bool, fp8: bool, value_dim: int,
     qr = qr_ref[...] if mla else None
 
     def rows(ref, i, *trailing):
-        """Step i's tokens of a [P, ps, ...] ref -> [block_k, ...]: a vector gather of whole pages, or one page
-        (scalar id) sliced into page_splits parts."""
+        """Step i's tokens of layer `layer` of a [L, P, ps, ...] ref -> [block_k, ...] (values): a vector gather of
+        whole pages, or one page (scalar id) sliced into page_splits parts."""
         if page_splits == 1:
             ids = bt_ref[pl.ds(i * pages_per_compute_block, pages_per_compute_block)]
-            x = ref[(ids, slice(None), *trailing)]
-            return x.reshape(block_k, *x.shape[2:])
-        # lax.div / lax.rem: i >= 0, and jnp's floor-mod sign fix-up does not lower to Triton
-        page, part = lax.div(i, page_splits), lax.rem(i, page_splits)
-        return ref[(bt_ref[page], pl.ds(part * sub_k, sub_k), *trailing)]
+            x = ref[(layer, ids, slice(None), *trailing)]
+            x = x.reshape(block_k, *x.shape[2:])
+        else:
+            # lax.div / lax.rem: i >= 0, and jnp's floor-mod sign fix-up does not lower to Triton
+            page, part = lax.div(i, page_splits), lax.rem(i, page_splits)
+            x = ref[(layer, bt_ref[page], pl.ds(part * sub_k, sub_k), *trailing)]
+        return x if x.dtype in (jnp.float32, value_dtype) else lax.bitcast_convert_type(x, value_dtype)
 
     def load(i):
         """-> (logits [bh, bk] f32 before scaling, v [bk, Dv] in q dtype, v_scale [1, bk] f32 | None)."""
@@ -295,11 +309,30 @@ def _prepare_tables(block_tables: jax.Array, lengths: jax.Array, page_size: int,
     return bt, lens, pages_per_split
 
 
+def with_layer_axis(pages: jax.Array, one_layer_ndim: int, layer: int | jax.Array | None,
+                     scales: tuple[jax.Array | None, ...]) -> tuple[jax.Array, tuple, jax.Array, jnp.dtype]:
+    """One layer (layer None: a free leading unit layer axis on pages and scales) or the whole pool [L, ...] with
+    `layer` -> (pages [L, ...], scales [L, ...] f32 | None, layer [1] int32, the pages' value dtype: bits are
+    viewed as float8_e4m3fn / bfloat16 inside the kernel)."""
+    if (layer is None) != (pages.ndim == one_layer_ndim):
+        raise ValueError(f"pages {pages.shape}: pass one layer ({one_layer_ndim} dims), or the pool with a leading "
+                         f"layer axis and `layer`")
+    if layer is None:
+        pages, scales, layer = pages[None], tuple(None if s is None else s[None] for s in scales), 0
+    for s in scales:
+        if s is not None and s.shape != pages.shape[:s.ndim]:
+            raise ValueError(f"scales {s.shape} do not match pages {pages.shape}")
+    scales = tuple(None if s is None else s.astype(jnp.float32) for s in scales)
+    value_dtype = jnp.dtype(BITS_TO_VALUES.get(jnp.dtype(pages.dtype), pages.dtype))
+    return pages, scales, jnp.asarray(layer, jnp.int32).reshape(1), value_dtype
+
+
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_h", "pages_per_compute_block",
                                              "k_splits", "num_warps", "num_stages", "page_splits",
                                              "compute_dtype", "interpret", "out_dtype"))
 def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, lengths: jax.Array,
-                     scales: jax.Array | None = None, *, kv_lora_rank: int, softmax_scale: float,
+                     scales: jax.Array | None = None, *, layer: int | jax.Array | None = None,
+                     kv_lora_rank: int, softmax_scale: float,
                      block_h: int | None = None, pages_per_compute_block: int | None = None,
                      k_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      page_splits: int | None = None, compute_dtype: jnp.dtype | None = None,
@@ -307,7 +340,11 @@ def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, le
     """Absorbed MLA decode attention over paged latents.
 
     q: [batch, heads, latent_dim] bf16|f32 (absorbed nope part then rope part); pages: [num_pages, page_size,
-    latent_dim] bf16|float8_e4m3fn (one layer); scales: [num_pages, page_size] f32 for fp8 pages, else None;
+    latent_dim] bf16|float8_e4m3fn (one layer); scales: [num_pages, page_size] f32 for fp8 pages, else None; or
+    the whole pool [layers, num_pages, page_size, latent_dim] (scales [layers, num_pages, page_size]) with `layer`
+    (int or int32 scalar): the kernel reads that layer from the pool itself, so XLA:GPU materializes no layer slice
+    (it gave a sliced custom-call operand its own buffer: 946 MB per layer at Kimi K2.6's H200 pool). Pages may
+    be the pool's bit patterns (uint8 for float8_e4m3fn, uint16 for bf16), viewed as values once loaded.
     block_tables: [batch, max_pages] int32 (valid ids; padding 0); lengths: [batch] int32 (0 allowed).
     logits = (q . latent) * softmax_scale; value = latent[:kv_lora_rank].
     compute_dtype: dtype of the dot operands (q and the dequantized pages; default q.dtype, e.g. bf16 for an f32
@@ -318,7 +355,8 @@ def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, le
     out_dtype = out_dtype or q.dtype
     q = q.astype(compute_dtype or q.dtype)
     b, h, dl = q.shape
-    num_pages, page_size, dl_p = pages.shape
+    pages, (scales,), layer, value_dtype = with_layer_axis(pages, 3, layer, (scales,))
+    n_layers, num_pages, page_size, dl_p = pages.shape
     if dl != dl_p or not 0 < kv_lora_rank < dl:
         raise ValueError(f"q latent dim {dl}, pages latent dim {dl_p}, kv_lora_rank {kv_lora_rank}")
     fp8 = scales is not None
@@ -326,7 +364,7 @@ def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, le
                            pages_per_compute_block=pages_per_compute_block, k_splits=k_splits, num_warps=num_warps,
                            num_stages=num_stages, page_splits=page_splits,
                            kv_widths=(kv_lora_rank, dl - kv_lora_rank), q_width=dl,
-                           kv_dtype=pages.dtype, q_dtype=q.dtype, n_scales=int(fp8))
+                           kv_dtype=value_dtype, q_dtype=q.dtype, n_scales=int(fp8))
     bt, lens, pps = _prepare_tables(block_tables, lengths, page_size, blocks)
     hp = -(-h // blocks.block_h) * blocks.block_h
     qp = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
@@ -334,18 +372,20 @@ def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, le
     bh, s = blocks.block_h, blocks.k_splits
     kernel = functools.partial(_decode_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
                                pages_per_compute_block=blocks.pages_per_compute_block,
-                               page_splits=blocks.page_splits, softmax_scale=softmax_scale)
+                               page_splits=blocks.page_splits, softmax_scale=softmax_scale, value_dtype=value_dtype)
+    pool = (n_layers, num_pages, page_size)
     in_specs = [
         pl.BlockSpec((None, pps), lambda i, j, k: (i, k)),  # block table slice of this split
         pl.BlockSpec((None, 1), lambda i, j, k: (i, 0)),  # length
+        pl.BlockSpec((1,), lambda i, j, k: (0,)),  # layer
         pl.BlockSpec((None, bh, kv_lora_rank), lambda i, j, k: (i, j, 0)),  # q value part
         pl.BlockSpec((None, bh, dr), lambda i, j, k: (i, j, 0)),  # q rope part
-        pl.BlockSpec((num_pages, page_size, dl), lambda i, j, k: (0, 0, 0)),  # whole pool: gathered by page id
+        pl.BlockSpec((*pool, dl), lambda i, j, k: (0, 0, 0, 0)),  # whole pool: gathered by layer and page id
     ]
-    args = [bt, lens, qp[..., :kv_lora_rank], qp[..., kv_lora_rank:], pages]
+    args = [bt, lens, layer, qp[..., :kv_lora_rank], qp[..., kv_lora_rank:], pages]
     if fp8:
-        in_specs.append(pl.BlockSpec((num_pages, page_size), lambda i, j, k: (0, 0)))
-        args.append(scales.astype(jnp.float32))
+        in_specs.append(pl.BlockSpec(pool, lambda i, j, k: (0, 0, 0)))
+        args.append(scales)
     o, l, m = pl.pallas_call(
         kernel,
         grid=(b, hp // bh, s),
@@ -369,7 +409,8 @@ def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, le
                                              "out_dtype"))
 def paged_gqa_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                      lengths: jax.Array, k_scales: jax.Array | None = None, v_scales: jax.Array | None = None, *,
-                     softmax_scale: float, pages_per_compute_block: int | None = None, k_splits: int | None = None,
+                     layer: int | jax.Array | None = None, softmax_scale: float,
+                     pages_per_compute_block: int | None = None, k_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, page_splits: int | None = None,
                      compute_dtype: jnp.dtype | None = None, interpret: bool = False,
                      out_dtype: jnp.dtype | None = None) -> jax.Array:
@@ -377,6 +418,7 @@ def paged_gqa_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block
 
     q: [batch, q_heads, head_dim] bf16|f32; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
     bf16|float8_e4m3fn (one layer); k_scales, v_scales: [num_pages, page_size, kv_heads] f32 for fp8, else None;
+    or the whole pool (a leading layer axis on all four) with `layer`, and pages as bits, as in paged_mla_decode.
     block_tables: [batch, max_pages] int32; lengths: [batch] int32. q_heads must be a multiple of kv_heads.
     compute_dtype: dtype of the dot operands (default q.dtype). Tiling overrides (pages_per_compute_block,
     k_splits, num_warps, num_stages, page_splits): see choose_blocks.
@@ -385,37 +427,43 @@ def paged_gqa_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block
     out_dtype = out_dtype or q.dtype
     q = q.astype(compute_dtype or q.dtype)
     b, hq, d = q.shape
-    num_pages, page_size, hkv, d_k = k_pages.shape
-    if d != d_k or hq % hkv or k_pages.shape != v_pages.shape:
-        raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}")
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} != v_pages {v_pages.shape} {v_pages.dtype}")
     if (k_scales is None) != (v_scales is None):
         raise ValueError("pass both k_scales and v_scales or neither")
+    v_pages = with_layer_axis(v_pages, 4, layer, ())[0]
+    k_pages, (k_scales, v_scales), layer, value_dtype = with_layer_axis(k_pages, 4, layer, (k_scales, v_scales))
+    n_layers, num_pages, page_size, hkv, d_k = k_pages.shape
+    if d != d_k or hq % hkv:
+        raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}")
     fp8 = k_scales is not None
     group = hq // hkv
     # one program holds a kv head's whole query group (padded to block_h rows)
     blocks = choose_blocks(page_size, block_tables.shape[1], group, pages_per_compute_block=pages_per_compute_block,
                            k_splits=k_splits, num_warps=num_warps, num_stages=num_stages, page_splits=page_splits,
                            kv_widths=(d, d),
-                           q_width=d, kv_dtype=k_pages.dtype, q_dtype=q.dtype, n_scales=2 * int(fp8))
+                           q_width=d, kv_dtype=value_dtype, q_dtype=q.dtype, n_scales=2 * int(fp8))
     bt, lens, pps = _prepare_tables(block_tables, lengths, page_size, blocks)
     gp = max(blocks.block_h, _next_pow2(group))
     qg = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, gp - group), (0, 0)))
     s = blocks.k_splits
     kernel = functools.partial(_decode_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size,
                                pages_per_compute_block=blocks.pages_per_compute_block,
-                               page_splits=blocks.page_splits, softmax_scale=softmax_scale)
-    kv_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda i, j, k: (0, 0, j, 0))  # this kv head, all pages
+                               page_splits=blocks.page_splits, softmax_scale=softmax_scale, value_dtype=value_dtype)
+    pool = (n_layers, num_pages, page_size)
+    kv_spec = pl.BlockSpec((*pool, None, d), lambda i, j, k: (0, 0, 0, j, 0))  # this kv head, all layers and pages
     in_specs = [
         pl.BlockSpec((None, pps), lambda i, j, k: (i, k)),
         pl.BlockSpec((None, 1), lambda i, j, k: (i, 0)),
+        pl.BlockSpec((1,), lambda i, j, k: (0,)),  # layer
         pl.BlockSpec((None, None, gp, d), lambda i, j, k: (i, j, 0, 0)),
         kv_spec, kv_spec,
     ]
-    args = [bt, lens, qg, k_pages, v_pages]
+    args = [bt, lens, layer, qg, k_pages, v_pages]
     if fp8:
-        sc_spec = pl.BlockSpec((num_pages, page_size, None), lambda i, j, k: (0, 0, j))
+        sc_spec = pl.BlockSpec((*pool, None), lambda i, j, k: (0, 0, 0, j))
         in_specs += [sc_spec, sc_spec]
-        args += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+        args += [k_scales, v_scales]
     o, l, m = pl.pallas_call(
         kernel,
         grid=(b, hkv, s),

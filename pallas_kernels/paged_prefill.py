@@ -21,8 +21,10 @@ chunk follows its real context, not the table width. Slots past ctx_len (tail of
 may hold anything, NaN included: their logits are masked, their V rows and V scales zeroed.
 - backend "gpu" (Triton; `plgpu.CompilerParams(num_warps, num_stages)`): grid (B, Hkv, row blocks); the whole
   pool is one block and a key block's pages are gathered by a vector of page ids (as JAX's GPU paged attention
-  does); K dequant multiplies the logits by the K scales, V dequant the probabilities by the V scales; the
-  latent is loaded as a kv_lora_rank-wide and a rope-wide part (Triton loads need power-of-two widths).
+  does), at a layer of the whole [L, P, ps, ...] pool handed in as a [1] int32 input (as the GPU decode kernels:
+  XLA:GPU copies a layer slice handed to a Triton call), pages as values or the pool's bits; K dequant multiplies
+  the logits by the K scales, V dequant the probabilities by the V scales; the latent is loaded as a
+  kv_lora_rank-wide and a rope-wide part (Triton loads need power-of-two widths).
 - backend "tpu" (Mosaic): grid (B, Hkv, row blocks), all parallel; pages stay in HBM (`memory_space=pl.ANY`);
   each key block's pages are DMA'd one page per copy into a two-slot VMEM buffer, the next block's copies in
   flight while this one computes, page ids read from that batch row's block table held in SMEM (one row, a
@@ -64,6 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention import with_layer_axis
 from pallas_kernels.paged_attention_tpu import dot_precision, token_of_row
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -148,13 +151,14 @@ def _tables(block_tables: jax.Array, ctx_lens: jax.Array, page_size: int,
 # GPU (Triton): the whole pool is one block; pages are gathered by a vector of page ids inside the kernel.
 
 
-def _gpu_kernel(bt_ref, len_ref, pos_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
-                block_k: int, softmax_scale: float):
+def _gpu_kernel(bt_ref, len_ref, pos_ref, layer_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
+                block_k: int, softmax_scale: float, value_dtype):
     """One (batch row b, kv head, row block) program.
 
-    bt_ref [Mp] int32 (this row's pages), len_ref [1] int32 (ctx_len), pos_ref [br] int32 (row positions).
-    MLA refs: q [br, Dv], q_rope [br, Dr], latent pool [P, ps, Dv + Dr], (scales [P, ps]), o [br, Dv] f32.
-    GQA refs: q [br, D], k pool [P, ps, D], v pool [P, ps, D] (this kv head), (k, v scales [P, ps]), o [br, D].
+    bt_ref [Mp] int32 (this row's pages), len_ref [1] int32 (ctx_len), pos_ref [br] int32 (row positions),
+    layer_ref [1] int32 (the pool layer read). MLA refs: q [br, Dv], q_rope [br, Dr], latent pool [L, P, ps, Dv +
+    Dr], (scales [L, P, ps]), o [br, Dv] f32. GQA refs: q [br, D], k pool [L, P, ps, D], v pool [L, P, ps, D] (this
+    kv head), (k, v scales [L, P, ps]), o [br, D]. Pages may be bits (uint8 / uint16), viewed as value_dtype.
     """
     if mla:
         q_ref, qr_ref, kv_ref, *rest = refs
@@ -164,6 +168,7 @@ def _gpu_kernel(bt_ref, len_ref, pos_ref, *refs, mla: bool, fp8: bool, value_dim
         ks_ref, vs_ref, o_ref = rest if fp8 else (None, None, *rest)
     ppb = block_k // page_size
     ctx_len = len_ref[0]
+    layer = layer_ref[0]
     pos = pos_ref[...]  # [br]
     q = q_ref[...]
     qr = qr_ref[...] if mla else None
@@ -172,21 +177,27 @@ def _gpu_kernel(bt_ref, len_ref, pos_ref, *refs, mla: bool, fp8: bool, value_dim
     limit = jnp.minimum(jnp.max(pos) + 1, ctx_len)
     n_blocks = pl.cdiv(jnp.maximum(limit, 0), block_k)
 
+    def rows(ref, ids, *trailing):
+        """Pages `ids` of layer `layer` of a [L, P, ps, ...] ref -> [block_k, ...] (values; scales f32)."""
+        x = ref[(layer, ids, slice(None), *trailing)]
+        x = x.reshape(block_k, *x.shape[2:])
+        return x if x.dtype in (jnp.float32, value_dtype) else lax.bitcast_convert_type(x, value_dtype)
+
     def load(ids):
         """-> (logits [br, bk] f32 unscaled, v [bk, Dv] in q dtype, v_scale [1, bk] f32 | None)."""
         if mla:
-            c = kv_ref[ids, :, pl.ds(0, value_dim)].reshape(block_k, value_dim).astype(q.dtype)
-            cr = kv_ref[ids, :, pl.ds(value_dim, qr.shape[-1])].reshape(block_k, qr.shape[-1]).astype(q.dtype)
+            c = rows(kv_ref, ids, pl.ds(0, value_dim)).astype(q.dtype)
+            cr = rows(kv_ref, ids, pl.ds(value_dim, qr.shape[-1])).astype(q.dtype)
             logits = (jnp.dot(q, c.T, preferred_element_type=jnp.float32)
                       + jnp.dot(qr, cr.T, preferred_element_type=jnp.float32))
-            scale = s_ref[ids].reshape(1, block_k) if fp8 else None
+            scale = rows(s_ref, ids).reshape(1, block_k) if fp8 else None
             return (logits if scale is None else logits * scale), c, scale  # K-side dequant on the logits
-        k = k_ref[ids].reshape(block_k, value_dim).astype(q.dtype)
-        v = v_ref[ids].reshape(block_k, value_dim).astype(q.dtype)
+        k = rows(k_ref, ids).astype(q.dtype)
+        v = rows(v_ref, ids).astype(q.dtype)
         logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
         if fp8:
-            logits = logits * ks_ref[ids].reshape(1, block_k)
-        return logits, v, (vs_ref[ids].reshape(1, block_k) if fp8 else None)
+            logits = logits * rows(ks_ref, ids).reshape(1, block_k)
+        return logits, v, (rows(vs_ref, ids).reshape(1, block_k) if fp8 else None)
 
     def body(i, carry):
         acc, m_prev, l_prev = carry
@@ -227,53 +238,58 @@ def _gpu_call(kernel, grid, in_specs, args, out_shape, blocks: PrefillBlocks, in
     )(*args)
 
 
-def _paged_prefill_mla_gpu(q, pages, bt, lens, pos, scales, *, kv_lora_rank, softmax_scale, blocks, interpret):
-    """q rows [B, 1, R, Dl]; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, 1, R, kv_lora_rank] f32."""
+def _paged_prefill_mla_gpu(q, pages, bt, lens, pos, scales, layer, *, value_dtype, kv_lora_rank, softmax_scale,
+                           blocks, interpret):
+    """q rows [B, 1, R, Dl]; pages [L, P, ps, Dl] (values, or bits of value_dtype), scales [L, P, ps] f32 | None,
+    layer [1] int32; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, 1, R, kv_lora_rank] f32."""
     b, _, rp, dl = q.shape
-    num_pages, page_size, _ = pages.shape
+    pool = pages.shape[:3]
     br, mp = blocks.block_r, bt.shape[1]
     fp8 = scales is not None
-    kernel = functools.partial(_gpu_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
-                               block_k=blocks.block_k, softmax_scale=softmax_scale)
+    kernel = functools.partial(_gpu_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=pool[2],
+                               block_k=blocks.block_k, softmax_scale=softmax_scale, value_dtype=value_dtype)
     in_specs = [
         pl.BlockSpec((None, mp), lambda i, j, r: (i, 0)),  # this row's whole block table
         pl.BlockSpec((None, 1), lambda i, j, r: (i, 0)),  # ctx_len
         pl.BlockSpec((None, br), lambda i, j, r: (i, r)),  # row positions
+        pl.BlockSpec((1,), lambda i, j, r: (0,)),  # layer
         pl.BlockSpec((None, None, br, kv_lora_rank), lambda i, j, r: (i, 0, r, 0)),  # q value part
         pl.BlockSpec((None, None, br, dl - kv_lora_rank), lambda i, j, r: (i, 0, r, 0)),  # q rope part
-        pl.BlockSpec((num_pages, page_size, dl), lambda i, j, r: (0, 0, 0)),  # whole pool: gathered by page id
+        pl.BlockSpec((*pool, dl), lambda i, j, r: (0, 0, 0, 0)),  # whole pool: gathered by layer and page id
     ]
     # the latent is read as a kv_lora_rank-wide and a rope-wide part: Triton loads need power-of-two widths
-    args = [bt, lens.reshape(b, 1), pos, q[..., :kv_lora_rank], q[..., kv_lora_rank:], pages]
+    args = [bt, lens.reshape(b, 1), pos, layer, q[..., :kv_lora_rank], q[..., kv_lora_rank:], pages]
     if fp8:
-        in_specs.append(pl.BlockSpec((num_pages, page_size), lambda i, j, r: (0, 0)))
-        args.append(scales.astype(jnp.float32))
+        in_specs.append(pl.BlockSpec(pool, lambda i, j, r: (0, 0, 0)))
+        args.append(scales)
     return _gpu_call(kernel, (b, 1, rp // br), in_specs, args, (b, 1, rp, kv_lora_rank), blocks, interpret,
                      "paged_prefill_mla")
 
 
-def _paged_prefill_gqa_gpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, *, softmax_scale, blocks,
-                           interpret):
-    """q rows [B, Hkv, R, D]; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, Hkv, R, D] f32."""
+def _paged_prefill_gqa_gpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, layer, *, value_dtype,
+                           softmax_scale, blocks, interpret):
+    """q rows [B, Hkv, R, D]; k, v pages [L, P, ps, Hkv, D] (values, or bits of value_dtype), scales [L, P, ps, Hkv]
+    f32 | None, layer [1] int32; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, Hkv, R, D] f32."""
     b, hkv, rp, d = q.shape
-    num_pages, page_size = k_pages.shape[:2]
+    pool = k_pages.shape[:3]
     br, mp = blocks.block_r, bt.shape[1]
     fp8 = k_scales is not None
-    kernel = functools.partial(_gpu_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size,
-                               block_k=blocks.block_k, softmax_scale=softmax_scale)
-    kv_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda i, j, r: (0, 0, j, 0))  # kv head j, all pages
+    kernel = functools.partial(_gpu_kernel, mla=False, fp8=fp8, value_dim=d, page_size=pool[2],
+                               block_k=blocks.block_k, softmax_scale=softmax_scale, value_dtype=value_dtype)
+    kv_spec = pl.BlockSpec((*pool, None, d), lambda i, j, r: (0, 0, 0, j, 0))  # kv head j, all layers and pages
     in_specs = [
         pl.BlockSpec((None, mp), lambda i, j, r: (i, 0)),
         pl.BlockSpec((None, 1), lambda i, j, r: (i, 0)),
         pl.BlockSpec((None, br), lambda i, j, r: (i, r)),
+        pl.BlockSpec((1,), lambda i, j, r: (0,)),  # layer
         pl.BlockSpec((None, None, br, d), lambda i, j, r: (i, j, r, 0)),
         kv_spec, kv_spec,
     ]
-    args = [bt, lens.reshape(b, 1), pos, q, k_pages, v_pages]
+    args = [bt, lens.reshape(b, 1), pos, layer, q, k_pages, v_pages]
     if fp8:
-        sc_spec = pl.BlockSpec((num_pages, page_size, None), lambda i, j, r: (0, 0, j))
+        sc_spec = pl.BlockSpec((*pool, None), lambda i, j, r: (0, 0, 0, j))
         in_specs += [sc_spec, sc_spec]
-        args += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+        args += [k_scales, v_scales]
     return _gpu_call(kernel, (b, hkv, rp // br), in_specs, args, (b, hkv, rp, d), blocks, interpret,
                      "paged_prefill_gqa")
 
@@ -461,28 +477,34 @@ def _compute_dtype(pages_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if jnp.dtype(pages_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
 
 
+def _one_layer(backend: str, layer: int | jax.Array | None) -> None:
+    if layer is not None:
+        raise ValueError(f"backend {backend!r} reads one layer's pages: `layer` is for backend 'gpu'")
+
+
 def _check_mla(q: jax.Array, pages: jax.Array, scales: jax.Array | None, kv_lora_rank: int) -> None:
     if q.ndim != 4 or q.shape[-1] != pages.shape[-1] or not 0 < kv_lora_rank < q.shape[-1]:
         raise ValueError(f"q {q.shape}, pages {pages.shape}, kv_lora_rank {kv_lora_rank}")
-    if scales is not None and scales.shape != pages.shape[:2]:
-        raise ValueError(f"scales {scales.shape} != {pages.shape[:2]}")
+    if scales is not None and scales.shape != pages.shape[:-1]:
+        raise ValueError(f"scales {scales.shape} != {pages.shape[:-1]}")
 
 
 def _check_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array | None,
                v_scales: jax.Array | None) -> None:
     if q.ndim != 4 or k_pages.shape != v_pages.shape or q.shape[-1] != k_pages.shape[-1] \
-            or q.shape[2] % k_pages.shape[2]:
+            or q.shape[2] % k_pages.shape[-2]:
         raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}")
     if (k_scales is None) != (v_scales is None):
         raise ValueError("pass both k_scales and v_scales or neither")
-    if k_scales is not None and not k_scales.shape == v_scales.shape == k_pages.shape[:3]:
-        raise ValueError(f"k_scales {k_scales.shape}, v_scales {v_scales.shape} != {k_pages.shape[:3]}")
+    if k_scales is not None and not k_scales.shape == v_scales.shape == k_pages.shape[:-1]:
+        raise ValueError(f"k_scales {k_scales.shape}, v_scales {v_scales.shape} != {k_pages.shape[:-1]}")
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "backend", "interpret", "block_r",
                                              "block_k"))
 def paged_prefill_mla(q: jax.Array, pages: jax.Array, block_tables: jax.Array, positions: jax.Array,
-                      ctx_lens: jax.Array, scales: jax.Array | None = None, *, kv_lora_rank: int,
+                      ctx_lens: jax.Array, scales: jax.Array | None = None, *, layer: int | jax.Array | None = None,
+                      kv_lora_rank: int,
                       softmax_scale: float, backend: str = "gpu", interpret: bool | pltpu.InterpretParams = False,
                       block_r: int | None = None, block_k: int | None = None) -> jax.Array:
     """Absorbed MLA prefill attention over paged latents (MQA: every head reads the same latent rows).
@@ -492,6 +514,9 @@ def paged_prefill_mla(q: jax.Array, pages: jax.Array, block_tables: jax.Array, p
     accumulate in f32.
     pages: [num_pages, page_size, kv_lora_rank + rope_dim] bf16 | f32 | float8_e4m3fn, one layer, the chunk's own
     latents already written. scales: [num_pages, page_size] f32 for fp8 pages (x ~= q8 * scale), else None.
+    Backend "gpu" also takes the whole pool [layers, num_pages, ...] (scales likewise) with `layer` (int or int32
+    scalar), pages as values or their bits (uint8 / uint16), as paged_attention.paged_mla_decode: no layer slice
+    for XLA:GPU to copy.
     block_tables: [B, M] int32 (prior context + this chunk; padding entries 0, a valid page).
     positions: [B, T] int32 absolute positions. ctx_lens: [B] int32 (prior + chunk tokens; clipped to M * ps).
     Key s is visible to the query at position p iff s <= p and s < ctx_len; a query that sees no key gets 0.
@@ -502,20 +527,25 @@ def paged_prefill_mla(q: jax.Array, pages: jax.Array, block_tables: jax.Array, p
     """
     _check_mla(q, pages, scales, kv_lora_rank)
     b, t, n, _ = q.shape
-    page_size = pages.shape[1]
+    page_size = pages.shape[-2]
     blocks = choose_blocks(backend, mla=True, rows=t * n, page_size=page_size, block_r=block_r, block_k=block_k)
     bt, lens = _tables(block_tables, ctx_lens, page_size, blocks.block_k // page_size)
-    qr, pos = _rows(q.astype(_compute_dtype(pages.dtype)), positions, 1, blocks.block_r)
-    run = _paged_prefill_mla_gpu if backend == "gpu" else _paged_prefill_mla_tpu
-    o = run(qr, pages, bt, lens, pos, scales, kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale,
-            blocks=blocks, interpret=interpret)
-    return _unrows(o, t, n)
+    kw = dict(kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale, blocks=blocks, interpret=interpret)
+    if backend != "gpu":
+        _one_layer(backend, layer)
+        qr, pos = _rows(q.astype(_compute_dtype(pages.dtype)), positions, 1, blocks.block_r)
+        return _unrows(_paged_prefill_mla_tpu(qr, pages, bt, lens, pos, scales, **kw), t, n)
+    pages, (scales,), layer, value_dtype = with_layer_axis(pages, 3, layer, (scales,))
+    qr, pos = _rows(q.astype(_compute_dtype(value_dtype)), positions, 1, blocks.block_r)
+    return _unrows(_paged_prefill_mla_gpu(qr, pages, bt, lens, pos, scales, layer, value_dtype=value_dtype, **kw),
+                   t, n)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "backend", "interpret", "block_r", "block_k"))
 def paged_prefill_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                       positions: jax.Array, ctx_lens: jax.Array, k_scales: jax.Array | None = None,
-                      v_scales: jax.Array | None = None, *, softmax_scale: float, backend: str = "gpu",
+                      v_scales: jax.Array | None = None, *, layer: int | jax.Array | None = None,
+                      softmax_scale: float, backend: str = "gpu",
                       interpret: bool | pltpu.InterpretParams = False, block_r: int | None = None,
                       block_k: int | None = None) -> jax.Array:
     """GQA prefill attention over paged K/V.
@@ -524,17 +554,24 @@ def paged_prefill_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, bloc
     head h // (Hq // Hkv)); k_pages, v_pages: [num_pages,
     page_size, Hkv, D] bf16 | f32 | float8_e4m3fn, one layer, the chunk's own K/V already written; k_scales,
     v_scales: [num_pages, page_size, Hkv] f32 for fp8, else None. block_tables, positions, ctx_lens, the causal
-    rule, backend and interpret as in `paged_prefill_mla`. logits = (q . k) * softmax_scale.
+    rule, backend, interpret and (backend "gpu") the whole pool with `layer` as in `paged_prefill_mla`.
+    logits = (q . k) * softmax_scale.
     Returns [B, T, Hq, D] f32.
     """
     _check_gqa(q, k_pages, v_pages, k_scales, v_scales)
     b, t, hq, _ = q.shape
-    page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    page_size, hkv = k_pages.shape[-3], k_pages.shape[-2]
     blocks = choose_blocks(backend, mla=False, rows=t * (hq // hkv), page_size=page_size, block_r=block_r,
                            block_k=block_k)
     bt, lens = _tables(block_tables, ctx_lens, page_size, blocks.block_k // page_size)
-    qr, pos = _rows(q.astype(_compute_dtype(k_pages.dtype)), positions, hkv, blocks.block_r)
-    run = _paged_prefill_gqa_gpu if backend == "gpu" else _paged_prefill_gqa_tpu
-    o = run(qr, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, softmax_scale=softmax_scale, blocks=blocks,
-            interpret=interpret)
+    kw = dict(softmax_scale=softmax_scale, blocks=blocks, interpret=interpret)
+    if backend != "gpu":
+        _one_layer(backend, layer)
+        qr, pos = _rows(q.astype(_compute_dtype(k_pages.dtype)), positions, hkv, blocks.block_r)
+        return _unrows(_paged_prefill_gqa_tpu(qr, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, **kw), t, hq)
+    v_pages = with_layer_axis(v_pages, 4, layer, ())[0]
+    k_pages, (k_scales, v_scales), layer, value_dtype = with_layer_axis(k_pages, 4, layer, (k_scales, v_scales))
+    qr, pos = _rows(q.astype(_compute_dtype(value_dtype)), positions, hkv, blocks.block_r)
+    o = _paged_prefill_gqa_gpu(qr, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, layer,
+                               value_dtype=value_dtype, **kw)
     return _unrows(o, t, hq)

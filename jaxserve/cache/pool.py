@@ -382,9 +382,14 @@ def gather_index_keys(pages: KVPages, index_layer: int | jax.Array, block_tables
     """The DSA indexer keys of the pages `block_tables` [B, m] int32 names -> [B, m * page_size, index_head_dim]
     f32 (dequantized). Only those pages' bits are read and converted."""
     il = pages.layout.index_layout
-    scale = None if pages.index_k_scale is None else pages.index_k_scale[index_layer]
-    return _gather(pages.index_k[index_layer], scale, block_tables.astype(jnp.int32),
-                   block_tables.shape[1] * il.page_size, jnp.float32, il)
+    b, m = block_tables.shape
+    bt = block_tables.astype(jnp.int32)
+    # the layer inside the gather's indices: `index_k[layer]` first made XLA:TPU copy the whole layer per call
+    x = from_bits(pages.index_k[index_layer, bt], il).astype(jnp.float32)  # [B, m, ps, D]
+    if pages.index_k_scale is not None:  # by (page, slot) as the latent scales: by page rows XLA:TPU relaid it out
+        slot = jnp.arange(il.page_size, dtype=jnp.int32)
+        x = x * pages.index_k_scale[index_layer, bt[..., None], slot][..., None]
+    return x.reshape(b, m * il.page_size, x.shape[-1])
 
 
 def gather_latent_rows(pages: KVPages, layer: int | jax.Array, block_tables: jax.Array, positions: jax.Array
@@ -399,9 +404,10 @@ def gather_latent_rows(pages: KVPages, layer: int | jax.Array, block_tables: jax
     flat = positions.reshape(b, -1).astype(jnp.int32)
     page = jnp.take_along_axis(block_tables.astype(jnp.int32), flat // lay.page_size, axis=1)
     off = flat % lay.page_size
-    x = from_bits(pages.latent[layer][page, off], lay).astype(jnp.float32)
+    # the layer inside the gather's indices: `latent[layer]` first made XLA:TPU copy the whole layer per call
+    x = from_bits(pages.latent[layer, page, off], lay).astype(jnp.float32)
     if pages.latent_scale is not None:
-        x = x * pages.latent_scale[layer][page, off][..., None]
+        x = x * pages.latent_scale[layer, page, off][..., None]
     return x.reshape(*positions.shape, lay.latent_dim)
 
 

@@ -56,6 +56,9 @@ def _fits(d: dict) -> bool:
 
 
 def test_h200_decode_fits_and_copies_no_pool():
+    """No copy of the pool or a layer of it, by a `copy` op or by a fusion (plan_compile.fusion_copies): the Triton
+    decode kernel reads the whole pool's bits at the layer. Handed `pages.layer(i)`, XLA:GPU copied each layer's
+    slice (a `slice` fusion, 946 MB at the deployment's pool) into the kernel's own buffer."""
     d = _decode("h200")
     assert _fits(d)
     assert not [m for m in d["plan"].moves if m["of"].startswith("pool")]
@@ -73,3 +76,20 @@ def test_v5p_decode_copies_no_pool():
     assert not moves, moves
     layer_slice = (ROWS * 8192 // 64 + 1) * 64 * 576  # one layer's latent pages (+ the null page): one old copy
     assert 0 < d["plan"].memory["temp"] < layer_slice  # at 61 layers: the temporaries do not scale with the pool
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,phase", [("glm-4.5", "decode"), ("kimi-k2.6", "prefill")])
+def test_h200_gqa_decode_and_mla_prefill_copy_no_pool_layer(preset, phase):
+    """The other Triton attention kernels the engine hands a pool (GLM-4.5's GQA decode, the paged prefill) read the
+    whole pool's bits at the layer too: 2 layers compiled for 8 x H200 copy no pool or layer of it (handed
+    `pages.layer(i)`, each call's K / V or latent slice was copied by a `slice` fusion)."""
+    t = TARGETS["h200"]
+    spec = PlanSpec(target="h200", memory_bytes=t.memory_bytes, decode_rows=8)
+    par = Parallel(make_mesh(target_devices(t, 8), dp=1), ShardingRules.preset("tp"))
+    cfg = from_hf_config(dict(PRESETS[preset], num_hidden_layers=2))
+    fmt = spec.decode_weights if phase == "decode" else spec.prefill_weights
+    r = compile_phase(cfg, shard_model(_abstract(cfg, fmt, spec), par), par, spec, phase, t.attention, in_mesh=True)
+    kernel = "paged_gqa_decode" if phase == "decode" else "paged_prefill_mla"
+    assert [x for x in r.traffic if x["category"] == "kernel" and kernel in x["what"]]  # the Triton kernel runs
+    assert not [m for m in r.moves if m["of"].startswith("pool")], r.moves

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve.cache import quantize_fp8
+from kernel_pools import LAYER, LAYERS, in_pool
 from pallas_kernels.paged_attention import choose_blocks, paged_gqa_decode, paged_mla_decode
 from pallas_kernels.reference_paged import fp8_error_bound, paged_gqa_reference, paged_mla_reference
 
@@ -146,6 +147,35 @@ def test_mla_kernel_at_real_dims(page_size, q_dtype, dtype):
 def test_gqa_kernel_at_real_dims(dtype):
     check_gqa(paged_gqa_decode, page_size=16, lengths=[37, 64], dtype=dtype, q_heads=12, kv_heads=1, head_dim=128,
               num_pages=REAL_PAGES, max_pages=REAL_TABLE, seed=12, interpret=True)
+
+
+def _mla_in_pool(q, pages, bt, lens, scales, **kw):
+    return paged_mla_decode(q, in_pool(pages), bt, lens, in_pool(scales), layer=jnp.int32(LAYER), **kw)
+
+
+def _gqa_in_pool(q, kp, vp, bt, lens, ks, vs, **kw):
+    return paged_gqa_decode(q, in_pool(kp), in_pool(vp), bt, lens, in_pool(ks), in_pool(vs),
+                            layer=jnp.int32(LAYER), **kw)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("page_size,lengths,tiling", [CASES[0], CASES[4]])  # page-id vector / one page in parts
+def test_whole_pool_bits_at_a_layer_match_the_reference(page_size, lengths, tiling, dtype):
+    """The engine's GPU decode hands the kernels the whole pool's bits [L, P, ps, ...] and the layer (no layer slice
+    for XLA:GPU to copy): the output is the reference's on that layer; NaN in the other layers does not leak."""
+    check_mla(_mla_in_pool, page_size=page_size, lengths=lengths, dtype=dtype, seed=5, interpret=True,
+              out_dtype=jnp.float32, **tiling)
+    check_gqa(_gqa_in_pool, page_size=page_size, lengths=lengths, dtype=dtype, seed=6, interpret=True, **tiling)
+
+
+def test_whole_pool_needs_the_layer():
+    q = jnp.zeros((1, H, DV + DR), jnp.bfloat16)
+    bt, lens = jnp.ones((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
+    pool = jnp.zeros((LAYERS, NUM_PAGES, 8, DV + DR), jnp.uint16)
+    with pytest.raises(ValueError, match="layer"):
+        paged_mla_decode(q, pool, bt, lens, kv_lora_rank=DV, softmax_scale=0.1, interpret=True)
+    with pytest.raises(ValueError, match="layer"):
+        paged_mla_decode(q, pool[0], bt, lens, layer=1, kv_lora_rank=DV, softmax_scale=0.1, interpret=True)
 
 
 def test_tail_pages_holding_nan_do_not_leak():

@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.cache import quantize_fp8
 from jaxserve.models.prefill_attention_xla import prefill_gqa_blockwise, prefill_mla_blockwise
+from kernel_pools import LAYER, in_pool
 from pallas_kernels.paged_prefill import PrefillBlocks, choose_blocks, paged_prefill_gqa, paged_prefill_mla
 from pallas_kernels.reference_prefill import prefill_gqa_dense, prefill_mla_dense
 from tests.kernel_lowering import (H200_SMEM_BYTES, TPU_SCOPED_VMEM_BYTES, TPU_SMEM_BYTES, lower_for, sds,
@@ -152,6 +153,9 @@ def _mla_case(impl, dtype, page_size, ctx_lens, chunk_lens, t, m, dims, blocks, 
         return
     if impl == "blockwise_bf16":
         got = prefill_mla_blockwise(*args, kv_lora_rank=r, softmax_scale=scale, block_pages=2, dot_dtype=jnp.bfloat16)
+    elif impl == "gpu_pool":  # the engine's GPU form: the whole pool's bits and the layer
+        got = paged_prefill_mla(q, in_pool(pages), *args[2:5], in_pool(sc), layer=jnp.int32(LAYER), kv_lora_rank=r,
+                                softmax_scale=scale, backend="gpu", interpret=True, **blocks)
     else:
         got = paged_prefill_mla(*args, kv_lora_rank=r, softmax_scale=scale, backend=impl,
                                 interpret=_interpret(impl), **blocks)
@@ -194,6 +198,9 @@ def _gqa_case(impl, dtype, page_size, ctx_lens, chunk_lens, t, m, dims, blocks, 
         return
     if impl == "blockwise_bf16":
         got = prefill_gqa_blockwise(*args, softmax_scale=scale, block_pages=2, dot_dtype=jnp.bfloat16)
+    elif impl == "gpu_pool":
+        got = paged_prefill_gqa(q, in_pool(kp), in_pool(vp), *args[3:6], in_pool(ks), in_pool(vs),
+                                layer=jnp.int32(LAYER), softmax_scale=scale, backend="gpu", interpret=True, **blocks)
     else:
         got = paged_prefill_gqa(*args, softmax_scale=scale, backend=impl, interpret=_interpret(impl), **blocks)
     rel = BF16_ROUND if (impl == "tpu" and dtype == "fp8") else 0.0
@@ -213,6 +220,23 @@ def test_gqa_toy(impl, case, dtype):
 def test_gqa_real_dims(impl, dtype):
     """GLM-4.5 per-device dims (12 query heads, 1 kv head, head_dim 128), default blocks, few pages."""
     _gqa_case(impl, dtype, 16, [40, 64], [16, 10], 16, 4, GLM45_GQA, {}, seed=7)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_gpu_kernels_read_a_layer_of_the_whole_pool(dtype):
+    """The engine's GPU prefill hands the Triton kernels the whole pool's bits [L, P, ps, ...] and the layer (no layer
+    slice for XLA:GPU to copy): the dense reference's output on that layer; NaN in the other layers does not leak."""
+    _mla_case("gpu_pool", dtype, *CASES[1], TOY_MLA, TOY_BLOCKS, seed=31)
+    _gqa_case("gpu_pool", dtype, *CASES[1], TOY_GQA, TOY_BLOCKS, seed=33)
+
+
+def test_only_the_gpu_backend_takes_a_layer():
+    q, pool = jnp.zeros((1, 4, 4, 48), jnp.bfloat16), jnp.zeros((3, 8, 8, 48), jnp.bfloat16)
+    bt, pos, ctx = jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 4), jnp.int32), jnp.ones((1,), jnp.int32)
+    with pytest.raises(ValueError, match="layer"):
+        paged_prefill_mla(q, pool[0], bt, pos, ctx, layer=1, kv_lora_rank=32, softmax_scale=0.1, backend="tpu")
+    with pytest.raises(ValueError, match="layer"):
+        paged_prefill_mla(q, pool, bt, pos, ctx, kv_lora_rank=32, softmax_scale=0.1, backend="gpu", interpret=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
