@@ -12,8 +12,13 @@ from dataclasses import dataclass
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-# `%name = f32[8,64]{1,0} all-reduce(...)` and the async `-start` forms; tuple-shaped results are skipped
+# `%name = f32[8,64]{1,0} all-reduce(...)` and the async `-start` forms
 _OP = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](?:\{[^}]*\})? (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+# tuple-shaped results: combined collectives (XLA:GPU merges small ones), `= (f32[8], s32[8]) all-reduce(` (every
+# member a result), and async starts, `= (bf16[8,7168], bf16[64,7168]) all-gather-start(` (operand, result, ...) or
+# `= ((u32[1025], u8[8,576]), (u32[8200], u8[64,576])) all-gather-start(` (operands, then results)
+_TUPLE_OP = re.compile(r"= \(((?:[^()=\n]|\([^()=\n]*\))*)\) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 _CONVERT = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](?:\{[^}]*\})? convert\(([a-z0-9]+)\[([0-9,]*)\]")
 
 
@@ -37,8 +42,19 @@ def _shape(dims: str) -> tuple[int, ...]:
 
 
 def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective op in a compiled module's text, with its result type."""
-    return [Collective(m.group(3), m.group(1), _shape(m.group(2))) for m in _OP.finditer(hlo_text)]
+    """Every collective op in a compiled module's text, with its result type (a combined op: one per result)."""
+    ops = [Collective(m.group(3), m.group(1), _shape(m.group(2))) for m in _OP.finditer(hlo_text)]
+    for m in _TUPLE_OP.finditer(hlo_text):
+        inner, kind, start = m.groups()
+        groups = re.findall(r"\(([^()]*)\)", inner)
+        if groups:  # an async start's (operands, results): the results
+            results = _ARRAY.findall(groups[-1])
+        elif start and kind != "all-reduce":  # (operand, result, context scalars)
+            results = _ARRAY.findall(inner)[1:2]
+        else:
+            results = _ARRAY.findall(inner)
+        ops += [Collective(kind, dt, _shape(dims)) for dt, dims in results]
+    return ops
 
 
 def summarize(ops: list[Collective]) -> list[dict[str, object]]:
