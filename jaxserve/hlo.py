@@ -16,7 +16,8 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 _OP = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](?:\{[^}]*\})? (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 # tuple-shaped results: combined collectives (XLA:GPU merges small ones), `= (f32[8], s32[8]) all-reduce(` (every
 # member a result), and async starts, `= (bf16[8,7168], bf16[64,7168]) all-gather-start(` (operand, result, ...) or
-# `= ((u32[1025], u8[8,576]), (u32[8200], u8[64,576])) all-gather-start(` (operands, then results)
+# `= ((u32[1025], u8[8,576]), (u32[8200], u8[64,576])) all-gather-start(` (operands, then results), or
+# `= ((f32[64,7168]), f32[8,7168]) reduce-scatter-start(`
 _TUPLE_OP = re.compile(r"= \(((?:[^()=\n]|\([^()=\n]*\))*)\) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 _CONVERT = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](?:\{[^}]*\})? convert\(([a-z0-9]+)\[([0-9,]*)\]")
@@ -37,6 +38,17 @@ class Collective:
         return self.elements * _BYTES.get(self.dtype, 4)
 
 
+def _top_level(inner: str) -> list[str]:
+    """The members of a tuple type's text (without its outer parentheses), nested tuples, dims and layouts whole."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(inner):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            out.append(inner[start:i].strip())
+            start = i + 1
+    return [*out, inner[start:].strip()]
+
+
 def _shape(dims: str) -> tuple[int, ...]:
     return tuple(int(d) for d in dims.split(",") if d)
 
@@ -46,12 +58,10 @@ def collectives(hlo_text: str) -> list[Collective]:
     ops = [Collective(m.group(3), m.group(1), _shape(m.group(2))) for m in _OP.finditer(hlo_text)]
     for m in _TUPLE_OP.finditer(hlo_text):
         inner, kind, start = m.groups()
-        groups = re.findall(r"\(([^()]*)\)", inner)
-        if groups:  # an async start's (operands, results): the results
-            results = _ARRAY.findall(groups[-1])
-        elif start and kind != "all-reduce":  # (operand, result, context scalars)
-            results = _ARRAY.findall(inner)[1:2]
-        else:
+        members = _top_level(inner)
+        if any(x.startswith("(") for x in members) or (start and kind != "all-reduce"):
+            results = _ARRAY.findall(members[1] if len(members) > 1 else members[-1])  # (operands, results, ...)
+        else:  # a combined op or all-reduce-start: every member a result
             results = _ARRAY.findall(inner)
         ops += [Collective(kind, dt, _shape(dims)) for dt, dims in results]
     return ops
