@@ -57,12 +57,14 @@ def rows(plans: list[dict], dps: list[dict | None] | None = None) -> list[str]:
         ("hand-off export (128 BF16 pages -> FP8 chunk): arguments / temp / aliased",
          lambda p, m: _handoff(m, "export")),
         ("FP8 KV tokens, TP attention (6 GB reserve)", lambda p, m: f"{m['kv_tokens']:,}"),
-        ("FP8 KV tokens, DP attention", lambda p, m: f"{p['modes']['dp']['kv_tokens']:,}"),
-        ("DP attention decode compiled (`--attention dp`): temporaries; collectives per step", None),
+    ]
+    dp_rows = [  # from the DP-attention plan where there is one (its compiled temporaries counted)
+        ("FP8 KV tokens, DP attention", lambda p, d: f"{(d or p)['modes']['dp']['kv_tokens']:,}"),
+        ("DP attention decode compiled (`--attention dp`): temporaries; collectives per step", lambda p, d: _dp(d)),
     ]
     out = []
-    for name, f in table:
-        cells = [_dp(d) for d in dps] if f is None else [f(p, m) for p, m in zip(plans, tp)]
+    for name, f in [*table, *dp_rows]:
+        cells = [f(p, d) for p, d in zip(plans, dps)] if (name, f) in dp_rows else [f(p, m) for p, m in zip(plans, tp)]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     return out
 
