@@ -16,7 +16,8 @@ compiler and its Pallas kernels (attention "pallas" / "pallas_tpu", the quantize
 that compiler's `memory_analysis()` (arguments, outputs, temporaries, code), its collectives, and every copy,
 transpose or all-gather of a weight or pool shape in the compiled HLO (jaxserve/plan_compile.py). A target plan
 compiles the leading dense layers + 1 MoE layer and + one more period of the layer pattern, and scales every
-reported number linearly in the layer count to the model's (`--full-compile`: all layers).
+reported number linearly in the layer count to the model's (`--full-compile`: all layers). A target plan also
+compiles the prefill -> decode hand-off at every layer into the pool it says fits (`handoff`, jaxserve/plan_handoff.py).
 """
 from __future__ import annotations
 
