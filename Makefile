@@ -53,6 +53,10 @@ plan-targets: $(AOT_STAMP)
 	for t in h200 v5p; do for m in $(PLAN_MODELS); do \
 		JAX_PLATFORMS=cpu $(AOT_BIN)/python -m jaxserve.cli plan --preset $$m --devices 8 --target $$t --json \
 			--no-progress > bench/results/plan_$${t}_$$(echo $$m | sed "s/\.//; s/-/_/g").json || exit 1; done; done
+	JAX_PLATFORMS=cpu $(AOT_BIN)/python -m jaxserve.cli plan --preset kimi-k2.6 --devices 8 --target h100 --json \
+		--no-progress > bench/results/plan_h100_kimi_k26.json
+	JAX_PLATFORMS=cpu $(AOT_BIN)/python -m jaxserve.cli plan --preset kimi-k2.6 --devices 8 --target h200 --json \
+		--attention dp --no-progress > bench/results/plan_h200_kimi_k26_dp.json
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

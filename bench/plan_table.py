@@ -1,4 +1,5 @@
-"""README's real-size target table (markdown rows) from `make plan-targets`' bench/results/plan_<target>_<model>.json.
+"""README's real-size target table (markdown rows) from `make plan-targets`' bench/results/plan_<target>_<model>.json
+(and, where present, the DP-attention plan plan_<target>_<model>_dp.json: `--attention dp`).
 
     .venv/bin/python bench/plan_table.py
 """
@@ -8,12 +9,34 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-COLUMNS = ("h200_kimi_k26", "h200_glm_52", "v5p_kimi_k26", "v5p_glm_52")
+COLUMNS = ("h200_kimi_k26", "h200_glm_52", "h100_kimi_k26", "v5p_kimi_k26", "v5p_glm_52")
 
 
-def rows(plans: list[dict]) -> list[str]:
+def _handoff(m: dict, part: str) -> str:
+    """One hand-off program's memory (arguments / temporaries / aliased) and pool copies, or "-" (not compiled)."""
+    h = (m.get("handoff") or {}).get(part)
+    if h is None:
+        return "-"
+    mem, gb = h["memory"], lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    copies = sum(x["count"] for x in h["moves"] if x["of"].startswith("pool") and x["op"] == "copy")
+    coll = sum(c["count"] for c in h["collectives"])
+    return (f"{gb(mem['argument'])} / {gb(mem['temp'])} / {gb(mem['alias'])} GB, {copies} pool copies, "
+            f"{coll} collectives")
+
+
+def _dp(dp: dict | None) -> str:
+    """The compiled DP-attention decode: temporaries and its collectives per step, or "-" (not compiled)."""
+    if dp is None:
+        return "-"
+    ph = dp["modes"]["dp"]["phases"]["decode"]
+    return f"{ph['memory']['temp'] / 1e9:.2f} GB; " + ", ".join(
+        f"{c['count']} {c['kind']} {c['dtype']}{c['shape']}" for c in ph["collectives"] if c["bytes"] > 4096)
+
+
+def rows(plans: list[dict], dps: list[dict | None] | None = None) -> list[str]:
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     tp = [p["modes"]["tp"] for p in plans]
+    dps = dps or [None] * len(plans)
     ph = lambda m, phase: m["phases"][phase]  # noqa: E731
     pool_copies = lambda m: sum(x["count"] for p in ("decode", "prefill") for x in ph(m, p)["moves"]  # noqa: E731
                                 if x["of"].startswith("pool") and x["op"] in ("copy", "fusion"))
@@ -29,11 +52,27 @@ def rows(plans: list[dict]) -> list[str]:
             f"{c['count']} {c['kind']} {c['dtype']}{c['shape']}" for c in ph(m, "decode")["collectives"] if c["bytes"] > 4096)),
         ("pool copies per step (decode + prefill), weight / pool all-gathers", lambda p, m: f"{pool_copies(m)}, " + str(
             sum(x["count"] for q in ("decode", "prefill") for x in ph(m, q)["moves"] if x["op"] == "all-gather"))),
+        ("hand-off import of one 8k request into the plan's pool: arguments / temp / aliased",
+         lambda p, m: _handoff(m, "import")),
+        ("hand-off export (128 BF16 pages -> FP8 chunk): arguments / temp / aliased",
+         lambda p, m: _handoff(m, "export")),
         ("FP8 KV tokens, TP attention (6 GB reserve)", lambda p, m: f"{m['kv_tokens']:,}"),
-        ("FP8 KV tokens, DP attention", lambda p, m: f"{p['modes']['dp']['kv_tokens']:,}"),
     ]
-    return [f"| {name} | " + " | ".join(f(p, m) for p, m in zip(plans, tp)) + " |" for name, f in table]
+    dp_rows = [  # from the DP-attention plan where there is one (its compiled temporaries counted)
+        ("FP8 KV tokens, DP attention", lambda p, d: f"{(d or p)['modes']['dp']['kv_tokens']:,}"),
+        ("DP attention decode compiled (`--attention dp`): temporaries; collectives per step", lambda p, d: _dp(d)),
+    ]
+    out = []
+    for name, f in [*table, *dp_rows]:
+        cells = [f(p, d) for p, d in zip(plans, dps)] if (name, f) in dp_rows else [f(p, m) for p, m in zip(plans, tp)]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"plan_{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 if __name__ == "__main__":
-    print("\n".join(rows([json.loads((RESULTS / f"plan_{c}.json").read_text()) for c in COLUMNS])))
+    print("\n".join(rows([_load(c) for c in COLUMNS], [_load(f"{c}_dp") for c in COLUMNS])))

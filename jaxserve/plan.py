@@ -16,7 +16,8 @@ compiler and its Pallas kernels (attention "pallas" / "pallas_tpu", the quantize
 that compiler's `memory_analysis()` (arguments, outputs, temporaries, code), its collectives, and every copy,
 transpose or all-gather of a weight or pool shape in the compiled HLO (jaxserve/plan_compile.py). A target plan
 compiles the leading dense layers + 1 MoE layer and + one more period of the layer pattern, and scales every
-reported number linearly in the layer count to the model's (`--full-compile`: all layers).
+reported number linearly in the layer count to the model's (`--full-compile`: all layers). A target plan also
+compiles the prefill -> decode hand-off at every layer into the pool it says fits (`handoff`, jaxserve/plan_handoff.py).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from pathlib import Path
 from jaxserve.errors import ConfigError
 from jaxserve.format_names import FORMATS, KV_DTYPES, canonical_format
 from jaxserve.plan_compile import compile_phase, scaled
+from jaxserve.plan_handoff import compile_handoff
 from jaxserve.targets import TARGETS, target, target_devices
 
 # model configs as their config.json files give them (MODEL_FORMATS.md): only the keys the models read
@@ -249,6 +251,11 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
             "kv_index_bytes_per_token": layout.index_bytes_per_token(),
             "kv_tokens_per_device": per_device_tokens,
         }
+        if spec.compile and mode == spec.attention and spec.target != "cpu":  # at the pool the plan says fits
+            pages = per_device_tokens // spec.page_size * (spec.devices if dp_attention else 1)
+            out["modes"][mode]["handoff"] = {
+                k: {"memory": r.memory, "collectives": r.collectives, "moves": r.moves, "compile_s": r.seconds,
+                    "pool_pages": pages} for k, r in compile_handoff(cfg, par, spec, pages, in_mesh=True).items()}
     bar.close()
     out["seed_tokens"] = SEED_TOKENS.get(cfg_or_preset) if isinstance(cfg_or_preset, str) else None
     return out
@@ -271,11 +278,12 @@ def table(p: dict) -> str:
     if p.get("seed_tokens"):
         lines.append(f"seed deployment: ~{p['seed_tokens']:,.0f} FP8 KV tokens")
     for mode, r in p["modes"].items():
-        for phase, ph in r["phases"].items():
+        for phase, ph in [*r["phases"].items(), *(r.get("handoff") or {}).items()]:
             if ph.get("memory"):
                 m = ph["memory"]
                 lines.append(f"{mode} {phase} on {p.get('target', 'cpu')} ({p.get('device_kind', '')}), layers "
-                             f"{ph['compiled_layers']}: arguments {gb(m['argument'])} outputs {gb(m['output'])} "
+                             f"{ph.get('compiled_layers', 'all')}: arguments {gb(m['argument'])} "
+                             f"outputs {gb(m['output'])} "
                              f"temp {gb(m['temp'])} code {gb(m['generated_code'])} aliased {gb(m['alias'])} GB")
             for mv in ph.get("moves", []):
                 lines.append(f"  {mv['count']:>4} x {mv['op']:<15} of {mv['of']} {mv['dtype']}{mv['shape']}"

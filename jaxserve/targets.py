@@ -47,7 +47,8 @@ TARGETS: dict[str, Target] = {
     # ICI: the per-chip figure (all links, both directions) halved per direction
     "v5p": Target("v5p", "tpu", "pallas_tpu", 95e9, {4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4"}, None,
                   2.765e12, 300e9, "Google Cloud TPU v5p spec: 2,765 GB/s HBM, ICI 4,800 Gbps per chip"),
-    "v6e": Target("v6e", "tpu", "pallas_tpu", 32e9, {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4", 16: "v6e:4x4"},
+    "v6e": Target("v6e", "tpu", "pallas_tpu", 32e9, {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4", 16: "v6e:4x4",
+                                                        32: "v6e:4x8", 64: "v6e:8x8"},
                   None, 1.64e12, 224e9, "Google Cloud TPU v6e spec: 1,640 GB/s HBM, ICI 3,584 Gbps per chip"),
 }
 

@@ -148,7 +148,10 @@ def sample(logits: jax.Array, s: SamplingArrays) -> Sampled:
         tokens = jax.lax.cond(jnp.any(s.temperature > 0), lambda: _draw(logits, s, tokens), lambda: tokens)
     elif s.mode != "greedy":
         tokens = _draw(logits, s, tokens)
-    chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    # a masked sum, not a gather: over vocab-split logits a local sum + an all-reduce of [B] (for one prefill row
+    # XLA:GPU all-gathered the whole [V] row to gather from it)
+    vocab = jnp.arange(logprobs_all.shape[-1], dtype=jnp.int32)[None, :]
+    chosen = jnp.sum(jnp.where(vocab == tokens[:, None], logprobs_all, 0.0), axis=-1)
     return Sampled(tokens, chosen, top_ids, top_lp)
 
 

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 
 from jaxserve.cache import (KVPages, check_tags, guard_tables, mask_outputs, page_tags_at,
                            write_index_keys, write_tokens)
-from jaxserve.models import dsa
+from jaxserve.models import dsa, sharded
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.decoder import DecoderLayer
 from jaxserve.models.transformer import CausalLM
+from jaxserve.sharding import Parallel
 
 
 @jax.tree_util.register_dataclass
@@ -84,7 +85,7 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
     indices; num_layers: the last layer's output) that 4th output is instead the residual stream at the input of
     each, concatenated [B, T, len(aux_layers) * H] (an EAGLE-3 draft's input, `jaxserve.models.paged_eagle3`).
     """
-    batch, ok, slot_tags = guard_prefill(pages, batch, integrity)
+    batch, ok, slot_tags = guard_prefill(pages, batch, integrity, model.parallel)
     cos, sin = model.rope(batch.positions)
     h = model.embed_tokens(batch.tokens)
     selected = None  # GLM-5 DSA: the last full indexer layer's selection, reused by IndexShare layers
@@ -106,13 +107,37 @@ def prefill(model: CausalLM, pages: KVPages, batch: PrefillBatch, *, all_logits:
     return (logits, pages, ok, h) if return_hidden else (logits, pages, ok)
 
 
-def guard_prefill(pages: KVPages, batch: PrefillBatch, integrity: bool
+def _check_tags(par: Parallel | None, pages: KVPages, block_tables: jax.Array, expected_tags: jax.Array,
+                num_pages: jax.Array) -> jax.Array:
+    """`cache.check_tags`, per page shard under DP attention (`sharded.check_tags_per_shard`). -> ok [B] bool."""
+    if sharded.pages_split(par):
+        return sharded.check_tags_per_shard(par, pages.tags, block_tables, expected_tags, num_pages)
+    return check_tags(pages.tags, block_tables, expected_tags, num_pages)
+
+
+def _write(par: Parallel | None, write, pages: KVPages, rows, slots: jax.Array,  # noqa: ANN001
+           slot_tags: jax.Array | None) -> KVPages:
+    """write(pages, rows, slots, slot_tags) -> pages (a KV row write), per page shard under DP attention."""
+    if sharded.pages_split(par):
+        return sharded.write_per_shard(par, write, pages, rows, slots, slot_tags)
+    return write(pages, rows, slots, slot_tags)
+
+
+def _rows_of(i: int, rowwise: bool = False, index_slot: int | None = None):  # noqa: ANN202
+    """The write of pool layer i's KV rows (or, with index_slot, of its DSA indexer keys) as `_write` calls it."""
+    if index_slot is not None:
+        return lambda pages, keys, slots, tags: write_index_keys(pages, index_slot, keys, slots, tags, rowwise=rowwise)
+    return lambda pages, rows, slots, tags: write_tokens(pages, i, rows, slots, tags, rowwise=rowwise)
+
+
+def guard_prefill(pages: KVPages, batch: PrefillBatch, integrity: bool, par: Parallel | None = None
                   ) -> tuple[PrefillBatch, jax.Array, jax.Array | None]:
-    """The tag check of a prefill chunk: -> (the batch with a failed row's slots -1 and its table the null page,
-    ok [B] bool, the tags each chunk token's write stamps [B * T] uint32 or None when unchecked)."""
+    """The tag check of a prefill chunk (on `par`'s mesh: per page shard under DP attention): -> (the batch with a
+    failed row's slots -1 and its table the null page, ok [B] bool, the tags each chunk token's write stamps
+    [B * T] uint32 or None when unchecked)."""
     B = batch.tokens.shape[0]
     checked = integrity and batch.expected_tags is not None
-    ok = (check_tags(pages.tags, batch.block_tables, batch.expected_tags, batch.num_pages) if checked
+    ok = (_check_tags(par, pages, batch.block_tables, batch.expected_tags, batch.num_pages) if checked
           else jnp.ones((B,), jnp.bool_))
     batch = replace(batch, slots=jnp.where(ok[:, None], batch.slots, -1),
                     block_tables=guard_tables(ok, batch.block_tables))
@@ -141,15 +166,15 @@ def prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, bat
                                                     attention)
     elif cfg.is_mla:
         q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
-        pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
+        pages = _write(model.parallel, _rows_of(i), pages, latent.reshape(B * T, -1), flat_slots, slot_tags)
         q = attn.absorb_query(q_nope, q_rope)  # [B, T, N, r + dr] f32
         o_lat = attention.prefill(model.parallel, q, pages, i, tables, softmax_scale=cfg.softmax_scale,
                                   act_dtype=x.dtype)
         o = attn.absorb_output(o_lat, x.dtype)
     else:
         q, k, v = attn.project(x, cos, sin)
-        pages = write_tokens(pages, i, (k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])),
-                             flat_slots, slot_tags)
+        pages = _write(model.parallel, _rows_of(i), pages,
+                       (k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])), flat_slots, slot_tags)
         o = attention.prefill(model.parallel, q, pages, i, tables, softmax_scale=cfg.softmax_scale,
                               act_dtype=x.dtype)
         o = o.astype(x.dtype)
@@ -170,7 +195,7 @@ def decode(model: CausalLM, pages: KVPages, batch: DecodeBatch, *, integrity: bo
     to zero, and it is reported. Each write stamps the row's tag of the page it writes.
     -> (logits [B, V] f32, pages, ok [B] bool), then with return_hidden the last decoder layer's output [B, H]
     (before the final norm)."""
-    batch, ok, slot_tags = guard_decode(pages, batch, integrity)
+    batch, ok, slot_tags = guard_decode(pages, batch, integrity, model.parallel)
     cos, sin = model.rope(batch.positions[:, None])
     h = model.embed_tokens(batch.tokens[:, None])  # [B, 1, H]
     selected = None  # GLM-5 DSA: the last full indexer layer's selection, reused by IndexShare layers
@@ -183,11 +208,13 @@ def decode(model: CausalLM, pages: KVPages, batch: DecodeBatch, *, integrity: bo
     return (logits, pages, ok, h[:, 0]) if return_hidden else (logits, pages, ok)
 
 
-def guard_decode(pages: KVPages, batch: DecodeBatch, integrity: bool
+def guard_decode(pages: KVPages, batch: DecodeBatch, integrity: bool, par: Parallel | None = None
                  ) -> tuple[DecodeBatch, jax.Array, jax.Array | None]:
-    """The tag check of a decode step: -> (the batch with a failed row's slot -1, length 0 and table the null page,
-    ok [B] bool, the tag each row's write stamps [B] uint32 or None when unchecked)."""
-    ok = check_tags(pages.tags, batch.block_tables, batch.expected_tags, batch.num_pages, enabled=integrity)
+    """The tag check of a decode step (on `par`'s mesh: per page shard under DP attention): -> (the batch with a
+    failed row's slot -1, length 0 and table the null page, ok [B] bool, the tag each row's write stamps [B] uint32
+    or None when unchecked)."""
+    ok = (_check_tags(par, pages, batch.block_tables, batch.expected_tags, batch.num_pages) if integrity
+          else jnp.ones(batch.slots.shape, jnp.bool_))
     batch = replace(batch, slots=jnp.where(ok, batch.slots, -1), lengths=jnp.where(ok, batch.lengths, 0),
                     block_tables=guard_tables(ok, batch.block_tables))
     slot_tags = page_tags_at(batch.expected_tags, batch.positions, pages.layout.page_size) if integrity else None
@@ -208,14 +235,15 @@ def decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batc
     elif cfg.is_mla:
         q_nope, q_rope, latent, _ = attn.project(x, cos, sin)
         # the TPU kernel's pool: row writes, in place in its tiling (see cache.pool._store_rows)
-        pages = write_tokens(pages, i, latent[:, 0], batch.slots, slot_tags, rowwise=attention.tiling == "tpu")
+        pages = _write(model.parallel, _rows_of(i, rowwise=attention.tiling == "tpu"), pages, latent[:, 0],
+                       batch.slots, slot_tags)
         q = attn.absorb_query(q_nope, q_rope)[:, 0]  # [B, N, r + dr] f32
         o_lat = attention.decode(model.parallel, q, pages, i, batch.block_tables, batch.lengths,
                                  softmax_scale=cfg.softmax_scale)
         o = attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype)
     else:
         q, k, v = attn.project(x, cos, sin)
-        pages = write_tokens(pages, i, (k[:, 0], v[:, 0]), batch.slots, slot_tags)
+        pages = _write(model.parallel, _rows_of(i), pages, (k[:, 0], v[:, 0]), batch.slots, slot_tags)
         o = attention.decode(model.parallel, q[:, 0], pages, i, batch.block_tables, batch.lengths,
                              softmax_scale=cfg.softmax_scale)
         o = mask_outputs(ok, o)[:, None].astype(x.dtype)
@@ -235,10 +263,10 @@ def _dsa_prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages
     B, T = batch.tokens.shape
     bt, flat_slots = batch.block_tables, batch.slots.reshape(-1)
     q_nope, q_rope, latent, q_resid = attn.project(x, cos, sin)
-    pages = write_tokens(pages, i, latent.reshape(B * T, -1), flat_slots, slot_tags)
+    pages = _write(model.parallel, _rows_of(i), pages, latent.reshape(B * T, -1), flat_slots, slot_tags)
     if attn.indexer is not None:
-        pages = write_index_keys(pages, cfg.index_slot(i), attn.indexer.key(x, cos, sin).reshape(B * T, -1),
-                                 flat_slots, slot_tags)
+        pages = _write(model.parallel, _rows_of(i, index_slot=cfg.index_slot(i)), pages,
+                       attn.indexer.key(x, cos, sin).reshape(B * T, -1), flat_slots, slot_tags)
     tables = (bt, batch.positions, batch.ctx_lens)
     if not dsa.is_sparse(bt.shape[1] * pages.layout.page_size, cfg.index_topk):
         o_lat = attention.prefill(model.parallel, attn.absorb_query(q_nope, q_rope), pages, i, tables,
@@ -261,10 +289,10 @@ def _dsa_decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages,
     bt, slots, lengths = batch.block_tables, batch.slots, batch.lengths
     q_nope, q_rope, latent, q_resid = attn.project(x, cos, sin)
     rowwise = attention.tiling == "tpu"  # in place in the TPU pool's tiling, as the MLA decode writes
-    pages = write_tokens(pages, i, latent[:, 0], slots, slot_tags, rowwise=rowwise)
+    pages = _write(model.parallel, _rows_of(i, rowwise), pages, latent[:, 0], slots, slot_tags)
     if attn.indexer is not None:
-        pages = write_index_keys(pages, cfg.index_slot(i), attn.indexer.key(x, cos, sin)[:, 0], slots, slot_tags,
-                                 rowwise=rowwise)
+        pages = _write(model.parallel, _rows_of(i, rowwise, cfg.index_slot(i)), pages,
+                       attn.indexer.key(x, cos, sin)[:, 0], slots, slot_tags)
     if not dsa.is_sparse(bt.shape[1] * pages.layout.page_size, cfg.index_topk):
         q = attn.absorb_query(q_nope, q_rope)[:, 0]
         o_lat = attention.decode(model.parallel, q, pages, i, bt, lengths, softmax_scale=cfg.softmax_scale)

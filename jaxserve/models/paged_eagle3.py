@@ -101,7 +101,7 @@ def eagle3_extend(model: CausalLM, draft: Eagle3Draft, pages: KVPages, batch: Pr
     `batch.slots` after the tag check (a failed row writes nothing; its outputs are meaningless).
     aux [B, T, 3 Ht], next_tokens [B, T] int32 -> (h [B, T, H]: `draft.top1(h)` is the token at position + 2, and
     the next chained step's hidden; pages)."""
-    batch, ok, slot_tags = guard_prefill(pages, batch, integrity)
+    batch, ok, slot_tags = guard_prefill(pages, batch, integrity, model.parallel)
     return _draft_layer(model, draft, pages, draft.project(aux), next_tokens, batch.positions, batch.slots,
                         batch.block_tables, batch.ctx_lens, slot_tags)
 
@@ -111,7 +111,7 @@ def eagle3_step(model: CausalLM, draft: Eagle3Draft, pages: KVPages, batch: Deco
     """One chained draft step per row: the draft row at `batch.positions` (p) from hidden [B, H] (the previous
     draft row's h) and `batch.tokens` (the token at p + 1: the last draft); writes at `batch.slots` and attends over
     `batch.lengths` (p + 1) rows. -> (h [B, H], pages)."""
-    batch, ok, slot_tags = guard_decode(pages, batch, integrity)
+    batch, ok, slot_tags = guard_decode(pages, batch, integrity, model.parallel)
     h, pages = _draft_layer(model, draft, pages, hidden[:, None], batch.tokens[:, None], batch.positions[:, None],
                             batch.slots[:, None], batch.block_tables, batch.lengths, slot_tags)
     return h[:, 0], pages

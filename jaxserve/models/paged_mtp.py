@@ -29,7 +29,7 @@ def mtp_extend(model: CausalLM, pages: KVPages, batch: PrefillBatch, hidden: jax
     hidden [B, T, H], next_tokens [B, T] int32 -> (logits [B, T, V] f32 of the token at position + 2,
     h_mtp [B, T, H] (the MTP layer's output: the next chained step's hidden), pages)."""
     head = model.mtp
-    batch, ok, slot_tags = guard_prefill(pages, batch, integrity)
+    batch, ok, slot_tags = guard_prefill(pages, batch, integrity, model.parallel)
     cos, sin = model.rope(batch.positions)
     layer = head.layer
     h = head.combine(model.embed_tokens(next_tokens), hidden)
@@ -48,7 +48,7 @@ def mtp_step(model: CausalLM, pages: KVPages, batch: DecodeBatch, hidden: jax.Ar
     `batch.slots` (p's slot) in pool layer cfg.num_layers and attends over `batch.lengths` (p + 1) MTP rows.
     hidden [B, H] -> (logits [B, V] f32 of the token at p + 2, h_mtp [B, H], pages)."""
     head = model.mtp
-    batch, ok, slot_tags = guard_decode(pages, batch, integrity)
+    batch, ok, slot_tags = guard_decode(pages, batch, integrity, model.parallel)
     cos, sin = model.rope(batch.positions[:, None])
     layer = head.layer
     h = head.combine(model.embed_tokens(batch.tokens[:, None]), hidden[:, None])  # [B, 1, H]

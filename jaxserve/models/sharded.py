@@ -12,12 +12,16 @@ partitioning rule) only ever sees its own shard and the only collectives are the
 | embedding (vocab split)  | rows of the local vocab slice, others 0       | psum of [tokens, hidden]            |
 | paged attention          | local heads (TP) or local rows + pages (DP)   | none                                |
 | DSA (indexer, top-k)     | every indexer head (TP) or local rows (DP)    | none                                |
+| tag check, KV row writes | local rows into local pages (DP)              | none                                |
 
 With activations replicated over "tp" (TP attention), expert dispatch needs no all-to-all: every device already
 holds every token, selects the pairs routed to its experts and the combine is the same all-reduce TP needs.
 A module built with a `Parallel` (see `jaxserve.models.build`) runs its own per-shard method (`Linear.local`,
 `MoE.local`, the embedding's lookup) through `per_shard`; the paged attention kernels run through `attention`, GLM-5's
-sparse attention (`dsa.sparse_attention`) through `paged`.
+sparse attention (`dsa.sparse_attention`) through `paged`. Under DP attention the tag check and the KV row writes
+run per page shard too (`check_tags_per_shard`, `write_per_shard`): left to the SPMD partitioner, the check gathered
+the whole tag array and each write gathered every row, and on TPU a row write into a page-split pool read and relaid
+out the device's whole pool (Kimi K2.6 DP decode on v5p).
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.sharding import Parallel, state_specs
+from jaxserve.cache import KVPages, check_tags
+from jaxserve.sharding import POOL_AXES, Parallel, state_specs
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -95,3 +100,46 @@ def paged(par: Parallel, fn: Callable, acts: tuple, act_axes: tuple, pools: tupl
     act_specs = tuple(spec(a) for a in act_axes)
     run = par.shard_map(body, (act_specs, pool_specs, table_specs), out_specs)
     return run(tuple(acts), tuple(pools[i] for i in present), tuple(tables))
+
+
+def pages_split(par: Parallel | None) -> bool:
+    """The page pool is split over the mesh (DP attention): each device holds its own rows' pages."""
+    return par is not None and par.axis("pages") is not None
+
+
+def _local(par: Parallel, ids: jax.Array, n_local: int) -> jax.Array:
+    """Global ids (pages, or slots with n_local counted in slots) -> this device's local ids; an id of another
+    shard (or padding) -> -1."""
+    first = jax.lax.axis_index(par.axis("pages")) * n_local
+    return jnp.where((ids >= first) & (ids < first + n_local), ids - first, -1)
+
+
+def check_tags_per_shard(par: Parallel, tags: jax.Array, block_tables: jax.Array, expected_tags: jax.Array,
+                         num_pages: jax.Array) -> jax.Array:
+    """`cache.check_tags` per page shard: each device checks its own rows against its own tags. A page of another
+    shard fails its row (a row's pages all live on its rank). tags [P]; block_tables, expected_tags [B, M]
+    (global page ids); num_pages [B] -> ok [B] bool."""
+    rows = P(par.axis("batch"))
+
+    def body(tags: jax.Array, bt: jax.Array, expected: jax.Array, n: jax.Array) -> jax.Array:
+        return check_tags(tags, _local(par, bt, tags.shape[0]), expected, n)
+
+    return par.shard_map(body, (P(par.axis("pages")), rows, rows, rows), rows)(tags, block_tables, expected_tags,
+                                                                              num_pages)
+
+
+def write_per_shard(par: Parallel, write: Callable, pages: KVPages, rows: object, slots: jax.Array,
+                    slot_tags: jax.Array | None) -> KVPages:
+    """write(pages, rows, slots, slot_tags) -> pages (`cache.write_tokens` and kin) per page shard: each device
+    writes its own rows into its own pages. rows: an array [N, ...] or a tuple of them, split by row like slots
+    [N] int32 (global `page * page_size + offset`; a slot of another shard is dropped there) and slot_tags [N]."""
+    specs = KVPages(pages.layout, **{f: par.spec(POOL_AXES[f]) for f in POOL_AXES if getattr(pages, f) is not None})
+    row = P(par.axis("batch"))
+    n_slots = pages.num_pages // par.size("pages") * pages.layout.page_size
+
+    def body(pages: KVPages, rows: object, slots: jax.Array, slot_tags: jax.Array | None) -> KVPages:
+        return write(pages, rows, _local(par, slots, n_slots), slot_tags)
+
+    row_specs = jax.tree.map(lambda _: row, rows)
+    return par.shard_map(body, (specs, row_specs, row, None if slot_tags is None else row), specs)(
+        pages, rows, slots, slot_tags)

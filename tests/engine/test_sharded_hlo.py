@@ -72,8 +72,8 @@ def test_kernels_per_shard_add_no_collective():
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
 def test_dp_attention_programs_move_no_page(arch):
-    """DP attention (rows and pages split 8 ways): the new tokens' rows and slots, the MoE's token all-gather and
-    psum_scatter and the tags move; never a page of the pool (a collective ending in [page_size, row width]) nor
+    """DP attention (rows and pages split 8 ways): the MoE's token all-gather and psum_scatter move (the tag check and
+    the new tokens' row writes run per page shard: no tags, rows or slots); never a page of the pool (a collective ending in [page_size, row width]) nor
     anything larger than the step's [tokens, hidden] activations. GLM-5's sparse path: its gathered index keys and
     latent rows (once all-gathered / all-reduced outside the shard_map) stay on their rank."""
     m = eight_head_model(arch)
@@ -89,3 +89,5 @@ def test_dp_attention_programs_move_no_page(arch):
             assert c.elements <= tokens * HIDDEN, (phase, c.kind, c.shape)
             assert not any(c.shape[i:i + 2] == (lay.page_size, w) for w in widths for i in range(len(c.shape) - 1)), \
                 (phase, c.kind, c.shape)
+            # the tag check and the row writes run per page shard: no tags and no new KV row cross ranks
+            assert c.dtype != "u32" and c.shape[-1] not in widths, (phase, c.kind, c.dtype, c.shape)
