@@ -76,6 +76,7 @@ def test_roofline(results: Path) -> None:
     assert positive(k["fp8", "int4", 1]["seeds_step_over_8xH200_bound"])
 
 
+@pytest.mark.slow  # a peer bench's smoke run: 34 s of CI for a script the results file already records
 def test_peer_transformers(results: Path) -> None:
     r = run("peer_transformers", results)
     assert [row["concurrency"] for row in r["rows"]] == [1, 2]

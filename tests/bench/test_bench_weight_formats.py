@@ -6,12 +6,15 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 import hf_tiny
 from jaxserve.convert.converter import convert
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "weight_formats.py"
 
 
+@pytest.mark.slow  # 36 s of CI: the bench's quick run, outside the correctness tests
 def test_quick_json_schema(tmp_path):
     spec = importlib.util.spec_from_file_location("weight_formats", BENCH)
     bench = importlib.util.module_from_spec(spec)

@@ -66,7 +66,9 @@ def test_greedy_output_is_unchanged(arch, formats, model):
     assert spec.stats()["verify_rows"] > 0 and spec.programs.compiles["verify"] == 1
 
 
-@pytest.mark.parametrize("attention", ["pallas_interpret", "pallas_tpu_interpret"])
+# the TPU kernels in the slow tier: test_engine runs them without speculation, and the verify takes the same path
+@pytest.mark.parametrize("attention", ["pallas_interpret",
+                                       pytest.param("pallas_tpu_interpret", marks=pytest.mark.slow)])
 def test_greedy_output_is_unchanged_through_the_pallas_attention_kernels(model, attention):
     plain, spec = pair(model, attention=attention, kv_dtype="fp8")
     ps = looping(2, seed=2)
