@@ -62,10 +62,13 @@ def block_scores(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, b
     f32 -> [B, T, m * ps] f32 (unmasked)."""
     il = pages.layout.index_layout
     b, m = block_tables.shape
-    keys = from_bits(pages.index_k[index_layer][block_tables], il).reshape(b, -1, q.shape[-1])
+    bt = block_tables.astype(jnp.int32)
+    # the layer inside the gather's indices, the scales by (page, slot): `index_k[layer]` made XLA:TPU copy the layer
+    keys = from_bits(pages.index_k[index_layer, bt], il).reshape(b, -1, q.shape[-1])
     s = jnp.einsum("btnd,bsd->btns", q, keys.astype(jnp.float32), preferred_element_type=jnp.float32)
     if pages.index_k_scale is not None:
-        s = s * pages.index_k_scale[index_layer][block_tables].reshape(b, 1, 1, -1)
+        slot = jnp.arange(il.page_size, dtype=jnp.int32)
+        s = s * pages.index_k_scale[index_layer, bt[..., None], slot].reshape(b, 1, 1, -1)
     return jnp.einsum("btn,btns->bts", w, jax.nn.relu(s * q.shape[-1] ** -0.5))
 
 
