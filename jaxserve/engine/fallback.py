@@ -64,8 +64,8 @@ def lower_priority() -> bool:
 def short_switch_interval() -> Iterator[None]:
     """Run the block with the interpreter's thread switch interval at BACKGROUND_SWITCH_S: tracing and lowering
     hold the GIL for long stretches, and each time the engine thread (it releases the GIL while XLA runs) wants it
-    back it waits up to that interval, several times a step. Restored after unless changed meanwhile (by another
-    engine's background thread: then the one that changed it restores it)."""
+    back it waits up to that interval, several times a step. Restored after unless changed meanwhile (two engines'
+    background threads overlapping: the first to finish restores it)."""
     before = sys.getswitchinterval()
     sys.setswitchinterval(min(before, BACKGROUND_SWITCH_S))
     ours = sys.getswitchinterval()
