@@ -10,12 +10,20 @@ thread compiles the rest of `warmup.full_plan` (the scoring prefill's grid inclu
 shapes first. Meanwhile a step whose own shape is not compiled yet is padded to the smallest compiled shape that
 covers it (`fit`: more rows, pages and chunk tokens are padding the bucketed programs already handle), so the
 engine thread never compiles; once its own shape (every form, and for decode its unpacking) is compiled, it is used.
+The background thread runs at the lowest CPU priority (`lower_priority`: nice 19, Linux), so on a host with few
+cores the engine and HTTP threads win them; XLA:CPU's own compile pool (threads the client started earlier) keeps
+its priority: a cold compile's codegen runs there, a compile-cache load and the tracing/lowering on the thread. The
+tracing and lowering hold the GIL (about 2/3 of a warm-cache job): while the thread runs, the interpreter hands the
+GIL on every 0.5 ms instead of 5 (`short_switch_interval`), so the engine thread gets it back sooner.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from jaxserve.engine.batch import rank_rows
@@ -29,12 +37,43 @@ if TYPE_CHECKING:
 Shape = tuple[str, int, int, int]  # (kind, rows, pages, chunk tokens)
 MODEL_KINDS = ("prefill", "decode", "verify", "prefill_scored")
 FORMS = {"prefill_scored": (SCORING_MODE,)}  # a kind's sampling forms, where not SERVING_MODES
+BACKGROUND_NICE = 19  # the lowest priority: the background compiles take only the CPU nothing else wants
+BACKGROUND_SWITCH_S = 0.0005  # the interpreter's thread switch interval while they run (CPython's default: 5 ms)
 log = logging.getLogger("jaxserve.warmup")
 
 
 def _size(x: Key | Shape) -> int:
     """Padded rows x pages x chunk of a key or shape (its step's work, roughly)."""
     return max(x[1], 1) * max(x[2], 1) * max(x[3], 1)
+
+
+def lower_priority() -> bool:
+    """Set the calling thread's nice value to BACKGROUND_NICE; threads it starts later inherit it. Linux only (nice
+    is per thread there; elsewhere `setpriority` would lower the whole process). -> whether it was set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except OSError as err:  # e.g. a seccomp profile forbids it: compile at normal priority
+        log.warning("background compiles keep normal priority: %s", err)
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def short_switch_interval() -> Iterator[None]:
+    """Run the block with the interpreter's thread switch interval at BACKGROUND_SWITCH_S: tracing and lowering
+    hold the GIL for long stretches, and each time the engine thread (it releases the GIL while XLA runs) wants it
+    back it waits up to that interval, several times a step. Restored after unless changed meanwhile (two engines'
+    background threads overlapping: the first to finish restores it)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, BACKGROUND_SWITCH_S))
+    ours = sys.getswitchinterval()
+    try:
+        yield
+    finally:
+        if sys.getswitchinterval() == ours:
+            sys.setswitchinterval(before)
 
 
 def lone_shapes(programs: Programs) -> set[Shape]:
@@ -105,20 +144,23 @@ class CompiledShapes:
     def start(self, keys: list[Key], hold: threading.Event | None = None, max_maps: int | None = None,
               done: Callable[[WarmupReport | None], None] | None = None) -> threading.Thread:
         """Compile `keys` in one background thread (started and returned; it waits for `hold` first, a test hook),
-        one job at a time, never on the engine thread; then `done(its report)` (None if it stopped on an error)."""
+        one job at a time, never on the engine thread, at the lowest priority (`lower_priority`) and handing the GIL
+        on sooner (`short_switch_interval`); then `done(its report)` (None if it stopped on an error)."""
         def run() -> None:
+            lower_priority()
             while hold is not None and not hold.wait(0.05):
                 if self.stopped.is_set():
                     break
             report = None
-            try:
-                report = self.report = run_jobs("fast, background", self._jobs(keys), False, threads=1,
-                                                max_maps=max_maps)
-            except Exception:  # noqa: BLE001 - the shapes not compiled stay padded; serving goes on
-                log.exception("background compiles stopped: shapes not compiled yet run padded")
-            finally:
-                if done is not None:
-                    done(report)
+            with short_switch_interval():
+                try:
+                    report = self.report = run_jobs("fast, background", self._jobs(keys), False, threads=1,
+                                                    max_maps=max_maps)
+                except Exception:  # noqa: BLE001 - the shapes not compiled stay padded; serving goes on
+                    log.exception("background compiles stopped: shapes not compiled yet run padded")
+                finally:
+                    if done is not None:
+                        done(report)
 
         self.thread = threading.Thread(target=run, name="jaxserve-compile-background", daemon=True)
         self.thread.start()

@@ -126,8 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what compiles before /ready: full = every program a request without penalties, grammar or "
                         "logprobs can select (nothing compiles after ready; past half of vm.max_map_count memory "
                         "mappings they are dropped to the compile cache and load from it on first use), fast = the "
-                        "largest shape of each kind, the rest in a background thread while smaller steps run padded "
-                        "in a compiled shape, none = nothing (default fast)")
+                        "largest shape of each kind, the rest in a low-priority background thread while smaller steps "
+                        "run padded in a compiled shape, none = nothing (default fast)")
     p.add_argument("--max-maps", type=int, default=None,
                    help="memory mappings the process may hold before compiled programs are dropped to the compile "
                         "cache (full warm-up, and between engine steps after ready; default half of vm.max_map_count)")

@@ -4,13 +4,15 @@ an engine with no warm-up (a lone short request runs its own shapes, compiled be
 background thread compiles the rest of the grid and steps use their own buckets again."""
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import jax
 
 from engine_util import prompts, small_config, tiny_model
 from jaxserve.engine import Engine, SamplingParams
-from jaxserve.engine.fallback import MODEL_KINDS, CompiledShapes, largest_keys
+from jaxserve.engine.fallback import BACKGROUND_NICE, BACKGROUND_SWITCH_S, MODEL_KINDS, CompiledShapes, largest_keys
 from jaxserve.engine.warmup import plan_keys
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -94,11 +96,25 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
 
 def test_close_ends_the_background_compiles():
     """Engine.close() stops the fast warm-up's background thread: the jobs it has not started are skipped (none here:
-    it is held before its first), and no thread is left compiling after the engine."""
+    it is held before its first), and no thread is left compiling after the engine. The thread ran at the lowest
+    priority (on Linux: its nice value, read on its own thread id in its `done` call; its starter's is unchanged) with
+    the short GIL switch interval, restored after."""
     e = Engine(tiny_model(), CFG, start=False)
     shapes = CompiledShapes(e.programs)
     e.scheduler.shapes = shapes
-    thread = shapes.start(plan_keys(e.programs), hold=threading.Event())
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[float] = []
+    switch = sys.getswitchinterval()
+
+    def done(_: object) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        seen.append(sys.getswitchinterval())
+
+    thread = shapes.start(plan_keys(e.programs), hold=threading.Event(), done=done)
     assert thread.is_alive()
     e.close()
     assert not thread.is_alive() and shapes.done == set()
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine and sys.getswitchinterval() == switch
+    assert seen[1] == min(switch, BACKGROUND_SWITCH_S)
+    if sys.platform.startswith("linux"):
+        assert seen[0] == BACKGROUND_NICE and mine < BACKGROUND_NICE
