@@ -73,6 +73,7 @@ _LOG2E = math.log2(math.e)
 
 # H200 (sm_90) opt-in shared memory per thread block.
 SMEM_BUDGET_BYTES = 232_448
+TARGET_PROGRAMS = 128  # split the sequence until the grid reaches ~ one program per SM (H100 / H200: 132)
 # (block_h, loaded width per token, page_size, pages_per_compute_block) -> (num_warps, num_stages). Priors from
 # JAX's Triton decode kernels (4-8 warps, 2 stages) and the smem model; not measured on a GPU.
 _TRITON_TABLE: dict[tuple[int, int, int, int], tuple[int, int]] = {
@@ -172,12 +173,14 @@ def choose_blocks(page_size: int, max_pages: int, heads_per_program: int, *, blo
                   pages_per_compute_block: int | None = None, k_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None, page_splits: int | None = None,
                   kv_widths: tuple[int, ...] = (64,), q_width: int = 64, kv_dtype=jnp.bfloat16,
-                  q_dtype=jnp.bfloat16, n_scales: int = 0) -> DecodeBlocks:
+                  q_dtype=jnp.bfloat16, n_scales: int = 0, batch: int = 1) -> DecodeBlocks:
     """Default tiling; any argument given overrides it.
 
     block_h: power of two >= 16 (Triton's dot minimum), at most 64. Inner step ~64 tokens, halved while the
     shared memory (smem_estimate: the compiler's where measured, else the model) exceeds SMEM_BUDGET_BYTES: first fewer pages per step, then (one page per step) the page
-    read in 2, 4, .. parts of >= 16 tokens. Splits: each split keeps at least 4 inner steps, at most 16 splits.
+    read in 2, 4, .. parts of >= 16 tokens. Splits: each split keeps at least 4 inner steps, at most 16 splits,
+    and no more than it takes batch x head blocks x splits to reach TARGET_PROGRAMS (the GPU is then full; a
+    further split only adds f32 partials for the merge to read). batch: the grid's sequences (GQA: x kv heads).
     num_warps / num_stages: `_TRITON_TABLE`, else (4, 2). kv_widths, q_width, kv_dtype, q_dtype, n_scales: the
     loaded shapes, as in smem_tiles.
     """
@@ -202,20 +205,24 @@ def choose_blocks(page_size: int, max_pages: int, heads_per_program: int, *, blo
         raise ValueError(f"page_splits {splits} must divide page_size {page_size}, with one page per step")
     steps = -(-max_pages // ppcb) * splits
     ks = k_splits or min(16, max(1, _next_pow2(steps // 4 + 1) // 2))
+    while k_splits is None and ks > 1 and batch * -(-heads_per_program // bh) * ks // 2 >= TARGET_PROGRAMS:
+        ks //= 2
     return make(ppcb, splits, ks)
 
 
 def _decode_kernel(bt_ref, len_ref, layer_ref, *refs, mla: bool, fp8: bool, value_dim: int, page_size: int,
-                   pages_per_compute_block: int, page_splits: int, softmax_scale: float, value_dtype):
+                   pages_per_compute_block: int, page_splits: int, softmax_scale: float, value_dtype,
+                   block_h: int = 0):
     """One (sequence, head block, split) program. layer_ref [1] int32: the pool layer every page ref is read at.
 
-    MLA refs: q [bh, Dv], q_rope [bh, Dr], latent pages [L, P, ps, Dv+Dr], (scales [L, P, ps]), outputs.
+    MLA refs: q [B, H, Dv+Dr] (whole: this program gathers its block_h head rows, those past H repeat row H - 1,
+    so no padded copy of q exists), latent pages [L, P, ps, Dv+Dr], (scales [L, P, ps]), outputs.
     GQA refs: q [bh, D], k pages [L, P, ps, D], v pages [L, P, ps, D], (k scales, v scales [L, P, ps]), outputs.
     Pages may be bit patterns (uint8 / uint16): bitcast to value_dtype once loaded.
     Outputs: o [bh, Dv] f32 (unnormalized), l [bh] f32 (sum of exp), m [bh] f32 (running max).
     """
     if mla:
-        q_ref, qr_ref, kv_ref, *rest = refs
+        q_ref, kv_ref, *rest = refs
         s_ref, o_ref, l_ref, m_ref = rest if fp8 else (None, *rest)
     else:
         q_ref, k_ref, v_ref, *rest = refs
@@ -230,9 +237,14 @@ def _decode_kernel(bt_ref, len_ref, layer_ref, *refs, mla: bool, fp8: bool, valu
     n_tokens = jnp.clip(length - first_page * page_size, 0, pages_per_split * page_size)
     n_steps = pl.cdiv(n_tokens, block_k)
 
-    q = q_ref[...]
-    block_h = q.shape[0]
-    qr = qr_ref[...] if mla else None
+    if mla:
+        heads = lax.broadcasted_iota(jnp.int32, (block_h,), 0) + pl.program_id(1) * block_h
+        heads = jnp.minimum(heads, q_ref.shape[1] - 1)
+        q = q_ref[pl.program_id(0), heads, pl.ds(0, value_dim)]
+        qr = q_ref[pl.program_id(0), heads, pl.ds(value_dim, q_ref.shape[2] - value_dim)]
+    else:
+        q, qr = q_ref[...], None
+        block_h = q.shape[0]
 
     def rows(ref, i, *trailing):
         """Step i's tokens of layer `layer` of a [L, P, ps, ...] ref -> [block_k, ...] (values): a vector gather of
@@ -364,25 +376,24 @@ def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, le
                            pages_per_compute_block=pages_per_compute_block, k_splits=k_splits, num_warps=num_warps,
                            num_stages=num_stages, page_splits=page_splits,
                            kv_widths=(kv_lora_rank, dl - kv_lora_rank), q_width=dl,
-                           kv_dtype=value_dtype, q_dtype=q.dtype, n_scales=int(fp8))
+                           kv_dtype=value_dtype, q_dtype=q.dtype, n_scales=int(fp8),
+                           batch=b)
     bt, lens, pps = _prepare_tables(block_tables, lengths, page_size, blocks)
     hp = -(-h // blocks.block_h) * blocks.block_h
-    qp = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
-    dr = dl - kv_lora_rank
     bh, s = blocks.block_h, blocks.k_splits
     kernel = functools.partial(_decode_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
                                pages_per_compute_block=blocks.pages_per_compute_block,
-                               page_splits=blocks.page_splits, softmax_scale=softmax_scale, value_dtype=value_dtype)
+                               page_splits=blocks.page_splits, softmax_scale=softmax_scale, value_dtype=value_dtype,
+                               block_h=bh)
     pool = (n_layers, num_pages, page_size)
     in_specs = [
         pl.BlockSpec((None, pps), lambda i, j, k: (i, k)),  # block table slice of this split
         pl.BlockSpec((None, 1), lambda i, j, k: (i, 0)),  # length
         pl.BlockSpec((1,), lambda i, j, k: (0,)),  # layer
-        pl.BlockSpec((None, bh, kv_lora_rank), lambda i, j, k: (i, j, 0)),  # q value part
-        pl.BlockSpec((None, bh, dr), lambda i, j, k: (i, j, 0)),  # q rope part
+        pl.BlockSpec(q.shape, lambda i, j, k: (0, 0, 0)),  # whole q: each program gathers its head rows
         pl.BlockSpec((*pool, dl), lambda i, j, k: (0, 0, 0, 0)),  # whole pool: gathered by layer and page id
     ]
-    args = [bt, lens, layer, qp[..., :kv_lora_rank], qp[..., kv_lora_rank:], pages]
+    args = [bt, lens, layer, q, pages]
     if fp8:
         in_specs.append(pl.BlockSpec(pool, lambda i, j, k: (0, 0, 0)))
         args.append(scales)
@@ -401,7 +412,8 @@ def paged_mla_decode(q: jax.Array, pages: jax.Array, block_tables: jax.Array, le
         compiler_params=pl_triton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         name="paged_mla_decode",
     )(*args)
-    return _merge_splits(o, l, m)[:, :h].astype(out_dtype)
+    # the padded head rows are dropped before the merge reads the split partials
+    return _merge_splits(o[:, :, :h], l[:, :, :h], m[:, :, :h]).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "pages_per_compute_block", "k_splits", "num_warps",
@@ -442,7 +454,8 @@ def paged_gqa_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block
     blocks = choose_blocks(page_size, block_tables.shape[1], group, pages_per_compute_block=pages_per_compute_block,
                            k_splits=k_splits, num_warps=num_warps, num_stages=num_stages, page_splits=page_splits,
                            kv_widths=(d, d),
-                           q_width=d, kv_dtype=value_dtype, q_dtype=q.dtype, n_scales=2 * int(fp8))
+                           q_width=d, kv_dtype=value_dtype, q_dtype=q.dtype, n_scales=2 * int(fp8),
+                           batch=b * hkv)
     bt, lens, pps = _prepare_tables(block_tables, lengths, page_size, blocks)
     gp = max(blocks.block_h, _next_pow2(group))
     qg = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, gp - group), (0, 0)))

@@ -32,9 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.paged_attention import _LOG2E, MASK_VALUE, _merge_splits, _next_pow2
+from pallas_kernels.paged_attention import _LOG2E, MASK_VALUE, TARGET_PROGRAMS, _merge_splits, _next_pow2
 
-TARGET_PROGRAMS = 128  # split the selection until batch x head blocks x splits reaches ~ one program per SM (132)
 MAX_SPLIT_ROWS = 128  # block_h x splits at most: a row's split outputs <= f32 [128, 512] (256 KB; 2048 FP8 rows: 1.2 MB)
 
 
@@ -68,18 +67,22 @@ def choose_blocks(batch: int, heads: int, topk: int, *, block_h: int | None = No
     return SparseBlocks(bh, bk, ks, num_warps or 4, num_stages or 2)
 
 
-def _kernel(layer_ref, bt_ref, idx_ref, q_ref, qr_ref, kv_ref, *rest, fp8: bool, value_dtype, value_dim: int,
-            page_size: int, block_k: int, softmax_scale: float):
+def _kernel(layer_ref, bt_ref, idx_ref, q_ref, kv_ref, *rest, fp8: bool, value_dtype, value_dim: int,
+            page_size: int, block_h: int, block_k: int, softmax_scale: float):
     """One (row, head block, split) program.
 
     layer_ref [1] int32; bt_ref [M] int32 (the row's block table); idx_ref [n] int32 (this split's selected token
-    indices, < 0: padding); q_ref [bh, r], qr_ref [bh, dr]; kv_ref [L, P, ps, r + dr] (whole pool); s_ref
+    indices, < 0: padding); q_ref [B, H, r + dr] (whole: the program gathers its block_h head rows, those past
+    H repeating row H - 1, so no padded copy of q exists); kv_ref [L, P, ps, r + dr] (whole pool); s_ref
     [L, P, ps] f32 (fp8). Outputs: o [bh, r] f32 (unnormalized), l [bh] f32 (sum of exp), m [bh] f32 (max).
     """
     s_ref, o_ref, l_ref, m_ref = rest if fp8 else (None, *rest)
     layer = layer_ref[0]
-    q, qr = q_ref[...], qr_ref[...]
-    dr = qr.shape[-1]
+    heads = jnp.minimum(lax.broadcasted_iota(jnp.int32, (block_h,), 0) + pl.program_id(1) * block_h,
+                        q_ref.shape[1] - 1)
+    dr = q_ref.shape[2] - value_dim
+    q = q_ref[pl.program_id(0), heads, pl.ds(0, value_dim)]
+    qr = q_ref[pl.program_id(0), heads, pl.ds(value_dim, dr)]
 
     def rows(page, slot, start: int, width: int):
         x = kv_ref[layer, page, slot, pl.ds(start, width)]  # [bk, width], gathered row by row
@@ -141,9 +144,8 @@ def sparse_mla_decode(q: jax.Array, pool: jax.Array, block_tables: jax.Array, in
     q = q.astype(compute_dtype or q.dtype)
     b, h, dl = q.shape
     n_layers, num_pages, page_size, dl_p = pool.shape
-    if dl != dl_p or not 0 < kv_lora_rank < dl or kv_lora_rank % (dl - kv_lora_rank):
-        raise ValueError(f"q latent dim {dl}, pool latent dim {dl_p}, kv_lora_rank {kv_lora_rank} (a multiple of "
-                         "the rope dim: q's rope part is one block)")
+    if dl != dl_p or not 0 < kv_lora_rank < dl:
+        raise ValueError(f"q latent dim {dl}, pool latent dim {dl_p}, kv_lora_rank {kv_lora_rank}")
     if jnp.issubdtype(pool.dtype, jnp.integer) != (value_dtype is not None):
         raise ValueError(f"pool dtype {pool.dtype}: pass value_dtype exactly when the pool holds bits")
     fp8 = scales is not None
@@ -156,21 +158,16 @@ def sparse_mla_decode(q: jax.Array, pool: jax.Array, block_tables: jax.Array, in
     idx = indices.astype(jnp.int32)
     idx = jnp.pad(jnp.where(idx < capacity, idx, -1), ((0, 0), (0, s * per_split - topk)), constant_values=-1)
     hp = -(-h // bh) * bh
-    qp = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
-    dr = dl - kv_lora_rank
     kernel = functools.partial(_kernel, fp8=fp8, value_dtype=value_dtype, value_dim=kv_lora_rank,
-                               page_size=page_size, block_k=bk, softmax_scale=softmax_scale)
+                               page_size=page_size, block_h=bh, block_k=bk, softmax_scale=softmax_scale)
     in_specs = [
         pl.BlockSpec((1,), lambda i, j, k: (0,)),  # layer
         pl.BlockSpec((None, block_tables.shape[1]), lambda i, j, k: (i, 0)),  # the row's block table
         pl.BlockSpec((None, per_split), lambda i, j, k: (i, k)),  # this split's selected indices
-        # q's two parts as two blocks of the one padded array (no sliced copies): [0, r) and [r, r + dr)
-        pl.BlockSpec((None, bh, kv_lora_rank), lambda i, j, k: (i, j, 0)),
-        pl.BlockSpec((None, bh, dr), lambda i, j, k: (i, j, kv_lora_rank // dr)),
+        pl.BlockSpec(q.shape, lambda i, j, k: (0, 0, 0)),  # whole q: each program gathers its head rows
         pl.BlockSpec(pool.shape, lambda i, j, k: (0, 0, 0, 0)),  # whole pool: gathered by (layer, page, slot)
     ]
-    args = [jnp.asarray(layer, jnp.int32).reshape(1), block_tables.astype(jnp.int32), idx,
-            qp, qp, pool]
+    args = [jnp.asarray(layer, jnp.int32).reshape(1), block_tables.astype(jnp.int32), idx, q, pool]
     if fp8:
         in_specs.append(pl.BlockSpec(scales.shape, lambda i, j, k: (0, 0, 0)))
         args.append(scales.astype(jnp.float32))
@@ -185,4 +182,5 @@ def sparse_mla_decode(q: jax.Array, pool: jax.Array, block_tables: jax.Array, in
         compiler_params=pl_triton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         name="sparse_mla_decode",
     )(*args)
-    return _merge_splits(o, l, m)[:, :h].astype(out_dtype)
+    # the padded head rows are dropped before the merge reads the split partials
+    return _merge_splits(o[:, :, :h], l[:, :, :h], m[:, :, :h]).astype(out_dtype)

@@ -73,34 +73,45 @@ def block_scores(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, b
 
 
 def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, block_tables: jax.Array,
-                positions: jax.Array, ctx_lens: jax.Array, topk: int, *, block_tokens: int = BLOCK_TOKENS
+                positions: jax.Array, ctx_lens: jax.Array, topk: int, *, block_tokens: int | None = None
                 ) -> Selection:
     """The top-`topk` cached keys of each query, by index score, blockwise over the row's pages.
 
     q [B, T, nh, hd] f32, w [B, T, nh] f32 (`Indexer.query`); block_tables [B, M] int32; positions [B, T] int32
     (each query's absolute position: it may see keys at positions <= its own); ctx_lens [B] int32 (cached tokens
-    of the row, this step's included: keys at or past it are never selected). -> Selection, K = topk.
+    of the row, this step's included: keys at or past it are never selected). block_tokens: keys per step,
+    default BLOCK_TOKENS x (QUERY_BLOCK // T): T x block stays a prefill query block's, so a decode step (T = 1)
+    scores up to 16 x more keys at once; a row that fits one step takes one top_k, with no running top-k's
+    [B, T, K + block] concatenation. -> Selection, K = topk.
     """
     B, T = q.shape[:2]
     M = block_tables.shape[1]
     ps = pages.layout.page_size
-    pb = block_pages(M, ps, block_tokens)
+    pb = block_pages(M, ps, block_tokens or BLOCK_TOKENS * max(1, QUERY_BLOCK // T))
     nb, sb = M // pb, pb * ps
     blocks = block_tables.reshape(B, nb, pb).transpose(1, 0, 2)  # [nb, B, pb]
+
+    def scores(j: jax.Array | int, bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Block j's key positions [sb] and their causal scores [B, T, sb] (-inf where not allowed)."""
+        kpos = j * sb + jnp.arange(sb, dtype=jnp.int32)
+        allowed = (kpos[None, None, :] <= positions[:, :, None]) & (kpos[None, None, :] < ctx_lens[:, None, None])
+        return kpos, jnp.where(allowed, block_scores(q, w, pages, index_layer, bt), -jnp.inf)
 
     def step(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, jax.Array]
              ) -> tuple[tuple[jax.Array, jax.Array], None]:
         vals, idx = carry
-        j, bt = xs
-        kpos = j * sb + jnp.arange(sb, dtype=jnp.int32)
-        allowed = (kpos[None, None, :] <= positions[:, :, None]) & (kpos[None, None, :] < ctx_lens[:, None, None])
-        s = jnp.where(allowed, block_scores(q, w, pages, index_layer, bt), -jnp.inf)
+        kpos, s = scores(*xs)
         # running top-k first: among equal scores the earlier token wins, as in one top_k over the whole row
         cat_v = jnp.concatenate([vals, s], axis=-1)
         cat_i = jnp.concatenate([idx, jnp.broadcast_to(kpos, (B, T, sb))], axis=-1)
         vals, at = jax.lax.top_k(cat_v, topk)
         return (vals, jnp.take_along_axis(cat_i, at, axis=-1)), None
 
+    if nb == 1:  # one top_k over the whole row (lax.top_k: the earlier token wins a tie)
+        vals, idx = jax.lax.top_k(scores(0, block_tables)[1], min(topk, sb))
+        pad = topk - vals.shape[-1]  # a row shorter than topk: invalid slots, as the running top-k leaves them
+        return (jnp.pad(idx, ((0, 0), (0, 0), (0, pad))),
+                jnp.pad(vals > -jnp.inf, ((0, 0), (0, 0), (0, pad))))
     init = (jnp.full((B, T, topk), -jnp.inf, jnp.float32), jnp.zeros((B, T, topk), jnp.int32))
     (vals, idx), _ = jax.lax.scan(step, init, (jnp.arange(nb, dtype=jnp.int32), blocks))
     return idx, vals > -jnp.inf

@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve.cache import quantize_fp8
 from kernel_pools import LAYER, LAYERS, in_pool
-from pallas_kernels.paged_attention import choose_blocks, paged_gqa_decode, paged_mla_decode
+from pallas_kernels.paged_attention import TARGET_PROGRAMS, choose_blocks, paged_gqa_decode, paged_mla_decode
 from pallas_kernels.reference_paged import fp8_error_bound, paged_gqa_reference, paged_mla_reference
 
 BF16_TOL = 1e-2
@@ -205,3 +205,15 @@ def test_choose_blocks_defaults():
     assert blk.block_h == 64 and blk.pages_per_compute_block * 16 == 64 and blk.k_splits == 16
     blk = choose_blocks(16, 4, 3)
     assert blk.block_h == 16 and blk.k_splits == 1
+
+
+def test_choose_blocks_splits_only_until_the_gpu_is_full():
+    """Kimi K2.6 TP decode (8 heads in one 16-row block, 16K context): 16 splits for one row, and batch x splits
+    stops at the first count reaching TARGET_PROGRAMS (more would only add f32 partials for the merge)."""
+    one = choose_blocks(16, 16384 // 16, 8)
+    assert one.k_splits == 16
+    for batch in (8, 16, 64, 200):
+        ks = choose_blocks(16, 16384 // 16, 8, batch=batch).k_splits
+        assert batch * ks >= TARGET_PROGRAMS or ks == one.k_splits
+        assert ks == 1 or batch * ks // 2 < TARGET_PROGRAMS
+    assert choose_blocks(16, 16384 // 16, 8, batch=64).k_splits == 2
