@@ -10,8 +10,13 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import hf_tiny
+from jaxserve.config import from_hf_config
+from jaxserve.models import CausalLM
+from jaxserve.models.build import shard_model
 from jaxserve.models.layers import Experts, Linear
-from jaxserve.quant.weight_format import MatmulFormat
+from jaxserve.models.transformer import forward
+from jaxserve.quant.weight_format import MatmulFormat, WeightFormat, WeightPlan
 from jaxserve.sharding import Parallel, ShardingRules, make_mesh, param_spec, state_shardings
 
 TP = 8
@@ -58,3 +63,18 @@ def test_sharded_fp8_linear_equals_unsharded(n, axes):
     want = whole(x)
     got = jax.jit(lambda m, x: m(x))(sharded, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # ~12 s CPU each (two model builds, two forwards)
+@pytest.mark.parametrize("rules", ["tp", "ep"])
+def test_fp8_model_on_4_devices_equals_one_device(rules):
+    """A tiny Kimi-architecture model in FP8 (expert FFN 32 -> 8 per device under TP, shared expert likewise:
+    scales kept whole; dense MLP 384 -> 96 per device: the pair kept whole, as Kimi K2.6's over 32 devices) gives
+    one device's logits."""
+    cfg = from_hf_config(dict(hf_tiny.kimi_config().to_dict(), intermediate_size=384))
+    model = CausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), weights=WeightPlan(WeightFormat("fp8")))
+    par = Parallel(make_mesh(jax.devices()[:4]), ShardingRules.preset(rules))
+    placed = shard_model(model, par)
+    tokens = jax.random.randint(jax.random.key(3), (2, 6), 0, cfg.vocab_size, jnp.int32)
+    want = np.asarray(forward(model, tokens))
+    np.testing.assert_allclose(np.asarray(forward(placed, tokens)), want, atol=1e-5 * np.abs(want).max())
