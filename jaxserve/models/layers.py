@@ -92,7 +92,7 @@ class Linear(nnx.Module):
         par = self.parallel
         axes = split_axes(par, "weight", self.weight) if par is not None else (None, None)
         k_ax, n_ax = (None, None) if par is None else (par.axis(axes[0]), par.axis(axes[1]))
-        if k_ax is None and n_ax is None and (par is None or not self.use_kernel):
+        if k_ax is None and n_ax is None and (par is None or not self.use_kernel or self.fmt in DENSE_FORMATS):
             return self.local(x)  # a kernel (no SPMD rule) runs in a shard_map even when nothing is split
         if k_ax is not None and n_ax is not None:
             raise ShardingError(f"a linear with both dims split: {axes}", value=axes, param="axes")
