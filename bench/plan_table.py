@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-COLUMNS = ("h200_kimi_k26", "h200_glm_52", "h100_kimi_k26", "v5p_kimi_k26", "v5p_glm_52")
+COLUMNS = ("h200_kimi_k26", "h200_glm_52", "h100_kimi_k26", "v5p_kimi_k26", "v5p_glm_52", "v6e_kimi_k26", "v6e_glm_52")
 
 
 def _handoff(m: dict, part: str) -> str:
@@ -75,4 +76,6 @@ def _load(name: str) -> dict | None:
 
 
 if __name__ == "__main__":
-    print("\n".join(rows([_load(c) for c in COLUMNS], [_load(f"{c}_dp") for c in COLUMNS])))
+    present = [c for c in COLUMNS if (RESULTS / f"plan_{c}.json").exists()]  # a v6e column once its plan compiled
+    print("columns: " + ", ".join(present), file=sys.stderr)
+    print("\n".join(rows([_load(c) for c in present], [_load(f"{c}_dp") for c in present])))

@@ -155,7 +155,31 @@ def make_mesh(devices: Sequence[jax.Device], dp: int = 1) -> Mesh:
 # ---- parameters -----------------------------------------------------------------------------------------------
 # Each parameter declares its logical axes where it is created (`nnx.Param(value, axes=(...))`); quantized weights
 # and their scales keep the dense weight's axes: INT4 [K//2, N] + scale [K//g, N], FP8 [K, N] + scale
-# [K/128, N/128] split along the same dims.
+# [K/128, N/128], and also carry their block grid (`blocks=Blocks(...)`). Per split dim, with shard size
+# s = n / shards and t stored weight elements per scale entry:
+#   s % t == 0   weight and scale split alike (each shard holds whole blocks);
+#   t % s == 0   weight split, scale kept whole on that dim (each shard lies inside one block: the device slices its
+#                block out with `local_scale`; costs the scale's other shards' bytes, e.g. GLM-5.2's expert scales);
+#   otherwise    weight and scale both kept whole on that dim (a shard would start inside a block, which no kernel
+#                indexes), e.g. Kimi K2.6's dense MLP (18432 = 144 blocks) over 32 devices.
+@dataclass(frozen=True)
+class Blocks:
+    """A quantized weight's block grid: its stored shape, the stored elements per scale entry along each dim, and
+    whether the parameter carrying this is the scale (else the weight)."""
+
+    weight_shape: tuple[int, ...]
+    tile: tuple[int, ...]
+    scale: bool = False
+
+
+def _dim_split(n: int, shards: int, tile: int) -> str:
+    """How a weight dim of n elements (t = tile per scale entry) splits: "both", "weight" or "neither"."""
+    s = n // shards
+    if shards == 1 or tile == 1 or s % tile == 0:
+        return "both"
+    return "weight" if s and tile % s == 0 else "neither"
+
+
 def param_axes(name: str, var: nnx.Variable) -> Axes:
     """The logical axes `var` (the parameter at path `name`) was declared with."""
     axes = var.get_metadata().get("axes")
@@ -165,11 +189,47 @@ def param_axes(name: str, var: nnx.Variable) -> Axes:
     return axes
 
 
+def split_axes(parallel: Parallel, name: str, var: nnx.Variable) -> Axes:
+    """The logical axes `var` is actually split by: its declared axes, with a quantized pair's dims that the block
+    rule above keeps whole set to None."""
+    axes = param_axes(name, var)
+    blocks: Blocks | None = var.get_metadata().get("blocks")
+    if blocks is None:
+        return axes
+    out = []
+    for logical, n, t in zip(axes, blocks.weight_shape, blocks.tile):
+        how = _dim_split(n, parallel.size(logical), t)
+        out.append(logical if how == "both" or (how == "weight" and not blocks.scale) else None)
+    return tuple(out)
+
+
+def local_scale(parallel: Parallel | None, scale: nnx.Variable, weight_shape: Sequence[int]) -> jax.Array:
+    """The scale entries for a weight of `weight_shape` (this device's shard inside a shard_map, or the whole
+    weight): where the scale is kept whole while the weight is split, this device's one block along that dim."""
+    value = scale.get_value()
+    blocks: Blocks | None = scale.get_metadata().get("blocks")
+    if parallel is None or blocks is None:
+        return value
+    for d, (logical, n, t) in enumerate(zip(param_axes("scale", scale), blocks.weight_shape, blocks.tile)):
+        if weight_shape[d] < n and _dim_split(n, parallel.size(logical), t) == "weight":
+            first = jax.lax.axis_index(parallel.axis(logical)) * weight_shape[d] // t
+            value = jax.lax.dynamic_slice_in_dim(value, first, 1, axis=d)
+    return value
+
+
+def param_spec(parallel: Parallel, name: str, var: nnx.Variable) -> P:
+    """PartitionSpec of one parameter; raises ShardingError when a split dim does not divide."""
+    blocks: Blocks | None = var.get_metadata().get("blocks")
+    shape = var.get_value().shape
+    parallel.check(name, shape if blocks is None else blocks.weight_shape, param_axes(name, var))  # as declared
+    split = split_axes(parallel, name, var)
+    parallel.check(name, shape, split)
+    return parallel.spec(split)
+
+
 def param_sharding(parallel: Parallel, name: str, var: nnx.Variable) -> NamedSharding:
     """NamedSharding of one parameter; raises ShardingError when a split dim does not divide."""
-    axes = param_axes(name, var)
-    parallel.check(name, var.get_value().shape, axes)
-    return parallel.sharding(axes)
+    return NamedSharding(parallel.mesh, param_spec(parallel, name, var))
 
 
 def _map_params(fn: Callable[[str, nnx.Variable], object], state: nnx.State) -> nnx.State:
@@ -187,7 +247,7 @@ def state_shardings(parallel: Parallel, state: nnx.State) -> nnx.State:
 
 def state_specs(parallel: Parallel, state: nnx.State) -> nnx.State:
     """The PartitionSpec of every parameter of `state` (a module's own state: names relative to it)."""
-    return _map_params(lambda name, var: parallel.spec(param_axes(name, var)), state)
+    return _map_params(lambda name, var: parallel.spec(split_axes(parallel, name, var)), state)
 
 
 def check_model(parallel: Parallel, heads: int, kv_heads: int, experts: int) -> None:

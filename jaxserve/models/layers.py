@@ -1,6 +1,8 @@
 """Building blocks shared by the three model families: RMSNorm, format-aware Linear, SwiGLU MLP, routed MoE."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,7 +13,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import sharded
 from jaxserve.quant import formats, ops
 from jaxserve.quant.weight_format import MatmulFormat, WeightPlan, dense_format
-from jaxserve.sharding import Axes, Parallel, ShardingError
+from jaxserve.sharding import Axes, Blocks, Parallel, ShardingError, local_scale, split_axes
 
 INIT_STD = 0.02
 DENSE_FORMATS = ("f32", "bf16")
@@ -58,7 +60,8 @@ def _weight(dense: jax.Array, fmt: MatmulFormat, stored: str, dtype: jnp.dtype, 
         to = dtype if stored == dense_format(dtype) else DENSE_DTYPES[stored]
         return nnx.Param(dense.astype(to), axes=axes), None
     w, s = formats.quantize(dense.astype(dtype).astype(jnp.float32), stored, fmt.group_size)
-    return nnx.Param(w, axes=axes), nnx.Param(s, axes=axes)
+    blocks = Blocks(tuple(w.shape), (1,) * (w.ndim - 2) + formats.scale_tile(stored, fmt.group_size))
+    return nnx.Param(w, axes=axes, blocks=blocks), nnx.Param(s, axes=axes, blocks=replace(blocks, scale=True))
 
 
 class Linear(nnx.Module):
@@ -82,14 +85,15 @@ class Linear(nnx.Module):
         """The weight as a dense [din, dout] array (dequantized f32 for quantized formats)."""
         if self.fmt in DENSE_FORMATS:
             return self.weight[...]
-        return formats.dequantize(self.weight[...], self.scale[...], self.fmt)
+        return formats.dequantize(self.weight[...], local_scale(self.parallel, self.scale, self.weight.shape),
+                                  self.fmt)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         par = self.parallel
-        axes = self.weight.get_metadata()["axes"]
+        axes = split_axes(par, "weight", self.weight) if par is not None else (None, None)
         k_ax, n_ax = (None, None) if par is None else (par.axis(axes[0]), par.axis(axes[1]))
-        if k_ax is None and n_ax is None:
-            return self.local(x)
+        if k_ax is None and n_ax is None and (par is None or not self.use_kernel or self.fmt in DENSE_FORMATS):
+            return self.local(x)  # a kernel (no SPMD rule) runs in a shard_map even when nothing is split
         if k_ax is not None and n_ax is not None:
             raise ShardingError(f"a linear with both dims split: {axes}", value=axes, param="axes")
         lead = (par.axis("batch"),) + (None,) * (x.ndim - 2)
@@ -105,7 +109,8 @@ class Linear(nnx.Module):
 
     def local(self, x: jax.Array, *, bias: bool = True) -> jax.Array:
         """The matmul on this module's arrays (one shard's, inside a shard_map): x [..., din] -> [..., dout]."""
-        y = ops.linear(x, self.weight[...], None if self.scale is None else self.scale[...], self.fmt,
+        scale = None if self.scale is None else local_scale(self.parallel, self.scale, self.weight.shape)
+        y = ops.linear(x, self.weight[...], scale, self.fmt,
                        use_kernel=self.use_kernel, interpret=self.interpret, backend=self.backend)
         return y if self.bias is None or not bias else y + self.bias[...].astype(y.dtype)
 
@@ -136,8 +141,9 @@ class Experts(nnx.Module):
     """Stacked routed experts: gate, up [E, H, I], down [E, I, H] in `fmt`, applied by grouped matmul."""
 
     def __init__(self, n: int, hidden: int, inter: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 fmt: MatmulFormat = MatmulFormat()) -> None:
+                 fmt: MatmulFormat = MatmulFormat(), parallel: Parallel | None = None) -> None:
         self.fmt = fmt.resolve(dtype)
+        self.parallel = parallel  # where a scale is kept whole, mm slices this device's block
         self.use_kernel = fmt.use_kernel
         self.interpret = fmt.interpret
         self.backend = fmt.backend
@@ -154,7 +160,8 @@ class Experts(nnx.Module):
         read x's rows in place, no sorted copy), group_sizes [E] int32 -> [M, H]; rows past the sum give 0."""
 
         def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None, rows: jax.Array | None = None) -> jax.Array:
-            return ops.grouped_linear(x, w[...], None if s is None else s[...], group_sizes, self.fmt,
+            scale = None if s is None else local_scale(self.parallel, s, w.shape)
+            return ops.grouped_linear(x, w[...], scale, group_sizes, self.fmt,
                                       use_kernel=self.use_kernel, interpret=self.interpret, backend=self.backend,
                                       rows=rows)
 
@@ -168,7 +175,8 @@ class Experts(nnx.Module):
         e = jnp.where(valid, expert, 0)
 
         def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None) -> jax.Array:
-            wd = w[...][e] if s is None else formats.dequantize(w[...][e], s[...][e], self.fmt)
+            wd = w[...][e] if s is None else formats.dequantize(w[...][e], local_scale(self.parallel, s, w.shape)[e],
+                                                                self.fmt)
             return jnp.einsum("mk,mkn->mn", x, wd.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
         h = jax.nn.silu(mm(x, self.gate, self.gate_scale)) * mm(x, self.up, self.up_scale)
@@ -206,7 +214,7 @@ class MoE(nnx.Module):
         self.router = nnx.Param(_init(rngs, (H, E)), axes=(None, None))
         self.router_bias = nnx.Param(jnp.zeros((E,), jnp.float32), axes=(None,))
         self.experts = Experts(E, H, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs,
-                               fmt=weights.experts(f"{path}.experts"))
+                               fmt=weights.experts(f"{path}.experts"), parallel=parallel)
         self.shared = (
             MLP(H, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype, rngs=rngs, path=f"{path}.shared",
                 weights=weights, parallel=parallel)
@@ -283,9 +291,13 @@ class MoE(nnx.Module):
         """The block on this device's shard (inside a shard_map: experts or expert FFN split, shared expert FFN split,
         rows split under DP attention), with its collectives. flat [N_local, H] -> [N_local, H]."""
         par = self.parallel
-        b_ax, e_ax = par.axis("batch"), par.axis("experts")
-        routed_axes = _axes_tuple(e_ax) + _axes_tuple(par.axis("expert_ffn"))
-        shared_axes = _axes_tuple(par.axis("ffn"))
+        b_ax = par.axis("batch")
+        # the axes the weights are actually split by (a dim the block-scale rule keeps whole sums nothing)
+        e_split, f_split, _ = split_axes(par, "experts.down", self.experts.down)
+        e_ax = par.axis(e_split)
+        routed_axes = _axes_tuple(e_ax) + _axes_tuple(par.axis(f_split))
+        shared_axes = () if self.shared is None else \
+            _axes_tuple(par.axis(split_axes(par, "shared.down.weight", self.shared.down.weight)[0]))
         tokens = flat if b_ax is None else jax.lax.all_gather(flat, b_ax, axis=0, tiled=True)
         w, ids = self.route(tokens)
         first = 0 if e_ax is None else jax.lax.axis_index(e_ax) * self.experts.gate.shape[0]

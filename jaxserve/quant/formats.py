@@ -55,6 +55,12 @@ def int4_group_size(w: Array, scale: Array) -> int:
     return k // groups
 
 
+def scale_tile(fmt: str, group_size: int) -> tuple[int, int]:
+    """Stored weight elements per scale entry along (K, N) of a quantized `fmt`: FP8 128 x 128 tiles; INT4 groups
+    of g along K are g // 2 packed bytes."""
+    return (FP8_BLOCK, FP8_BLOCK) if check_fmt(fmt) == "fp8" else (group_size // 2, 1)
+
+
 # --------------------------------------------------------------------------------------------- quantize
 
 
