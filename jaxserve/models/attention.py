@@ -160,22 +160,35 @@ class MLAttention(nnx.Module):
     def absorb_query(self, q_nope: jax.Array, q_rope: jax.Array) -> jax.Array:
         """q_nope [B,T,N,dn], q_rope [B,T,N,dr] -> absorbed query [B,T,N,r+dr] f32 (MQA against the latent row)."""
         w_uk, _ = self.kv_b_split()
-        q_lat = jnp.einsum("btnd,rnd->btnr", q_nope, w_uk.astype(q_nope.dtype), preferred_element_type=jnp.float32)
+
+        def narrow(qn: jax.Array, w: jax.Array) -> jax.Array:  # XLA:GPU: a bf16 GEMM, no f32 copy of the weight
+            return jnp.einsum("btnd,rnd->btnr", qn, w.astype(qn.dtype), preferred_element_type=jnp.float32)
+
+        def wide(qn: jax.Array, w: jax.Array) -> jax.Array:  # elsewhere f32, as served and tested on CPU
+            return jnp.einsum("btnd,rnd->btnr", qn.astype(jnp.float32), w.astype(jnp.float32))
+
+        q_lat = jax.lax.platform_dependent(q_nope, w_uk, cuda=narrow, default=wide)
         return jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], axis=-1)
 
     def absorb_output(self, o_lat: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        """o_lat [B,T,N,r] (softmax-weighted c_kv, f32) -> [B,T,N,dv] `dtype` through W_UV: o_lat rounded to the
-        weight's dtype, f32 accumulation (a bf16 GEMM: an f32 one widened the weight to f32 every step)."""
+        """o_lat [B,T,N,r] (softmax-weighted c_kv, f32) -> [B,T,N,dv] `dtype` through W_UV. On GPU o_lat is rounded
+        to the weight's dtype, f32 accumulation (a bf16 GEMM: an f32 one widened the weight to f32 every step)."""
         _, w_uv = self.kv_b_split()
         b, t, n, r = o_lat.shape
 
         def up(o: jax.Array, w: jax.Array) -> jax.Array:  # [M, N, r] x [r, N, dv] -> [M, N, dv] f32
             return jnp.einsum("mnr,rnd->mnd", o, w, preferred_element_type=jnp.float32)
 
-        o = o_lat.reshape(b * t, n, r).astype(w_uv.dtype)
-        # one row: per head a vector-matrix dot, which XLA:GPU would turn into an f32 [r, N, dv] product in HBM
-        out = ops.one_row_as_two(up, o, w_uv) if b * t == 1 else up(o, w_uv)
-        return out.reshape(b, t, n, -1).astype(dtype)
+        def narrow(o_lat: jax.Array, w_uv: jax.Array) -> jax.Array:
+            o = o_lat.reshape(b * t, n, r).astype(w_uv.dtype)
+            # one row: per head a vector-matrix dot, which XLA:GPU would turn into an f32 [r, N, dv] product in HBM
+            return (ops.one_row_as_two(up, o, w_uv) if b * t == 1 else up(o, w_uv)).reshape(b, t, n, -1)
+
+        def wide(o_lat: jax.Array, w_uv: jax.Array) -> jax.Array:
+            # elsewhere f32: rounding o_lat to bf16 made a 2-device DP layout's greedy tokens differ from one device's
+            return jnp.einsum("btnr,rnd->btnd", o_lat.astype(jnp.float32), w_uv.astype(jnp.float32))
+
+        return jax.lax.platform_dependent(o_lat, w_uv, cuda=narrow, default=wide).astype(dtype)
 
     def attend_absorbed(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, mask: jax.Array) -> jax.Array:
         """Absorbed form over the latent [B,S,r+dr]: MQA with key = latent row, value = c_kv. -> [B, T, N, dv]."""
