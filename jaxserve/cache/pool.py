@@ -378,18 +378,28 @@ def write_index_keys(pages: KVPages, index_layer: int | jax.Array, keys: jax.Arr
     return replace(pages, index_k=_store(pages.index_k, index_layer, page, off, keys, il, rowwise), tags=tags)
 
 
-def gather_index_keys(pages: KVPages, index_layer: int | jax.Array, block_tables: jax.Array) -> jax.Array:
-    """The DSA indexer keys of the pages `block_tables` [B, m] int32 names -> [B, m * page_size, index_head_dim]
-    f32 (dequantized). Only those pages' bits are read and converted."""
+def index_key_rows(pages: KVPages, index_layer: int | jax.Array, block_tables: jax.Array
+                   ) -> tuple[jax.Array, jax.Array | None]:
+    """The DSA indexer keys of the pages `block_tables` [B, m] int32 names, as stored: (keys [B, m * page_size,
+    index_head_dim] in the layout's value dtype, their per-key f32 scales [B, m * page_size] or None). Only those
+    pages' bits are read."""
     il = pages.layout.index_layout
     b, m = block_tables.shape
     bt = block_tables.astype(jnp.int32)
     # the layer inside the gather's indices: `index_k[layer]` first made XLA:TPU copy the whole layer per call
-    x = from_bits(pages.index_k[index_layer, bt], il).astype(jnp.float32)  # [B, m, ps, D]
-    if pages.index_k_scale is not None:  # by (page, slot) as the latent scales: by page rows XLA:TPU relaid it out
-        slot = jnp.arange(il.page_size, dtype=jnp.int32)
-        x = x * pages.index_k_scale[index_layer, bt[..., None], slot][..., None]
-    return x.reshape(b, m * il.page_size, x.shape[-1])
+    keys = from_bits(pages.index_k[index_layer, bt], il).reshape(b, m * il.page_size, -1)
+    if pages.index_k_scale is None:
+        return keys, None
+    slot = jnp.arange(il.page_size, dtype=jnp.int32)  # by (page, slot) as the latent scales: by page rows XLA:TPU
+    return keys, pages.index_k_scale[index_layer, bt[..., None], slot].reshape(b, -1)  # relaid the scales out
+
+
+def gather_index_keys(pages: KVPages, index_layer: int | jax.Array, block_tables: jax.Array) -> jax.Array:
+    """The DSA indexer keys of the pages `block_tables` [B, m] int32 names -> [B, m * page_size, index_head_dim]
+    f32 (dequantized). Only those pages' bits are read and converted."""
+    keys, scale = index_key_rows(pages, index_layer, block_tables)
+    keys = keys.astype(jnp.float32)
+    return keys if scale is None else keys * scale[..., None]
 
 
 def gather_latent_rows(pages: KVPages, layer: int | jax.Array, block_tables: jax.Array, positions: jax.Array

@@ -11,9 +11,9 @@ the last full layer before them.
 
 Attention (`sparse_attention`): in decode (one query per row) under attention="pallas" the Triton kernel
 `sparse_mla_decode` reads the selected rows in place from the whole FP8/BF16 pool (no f32 [B, K, r + dr] gather);
-otherwise XLA gathers them (f32) and attends. Per shard on a mesh, inside one shard_map with the selection (no collective), and
-blockwise over queries (`QUERY_BLOCK` at a time: selection, gathered rows and attention), so a prefill chunk never
-holds every query's K gathered latent rows at once.
+otherwise XLA gathers them (f32) and attends. Per shard on a mesh, inside one shard_map with the selection (no
+collective), and blockwise over queries (`QUERY_BLOCK` at a time: selection, gathered rows and attention), so a
+prefill chunk never holds every query's K gathered latent rows at once.
 
 When a program's whole block table spans at most `index_topk` tokens every query's context fits in its top-k, so
 the selection is every causal key and DSA is dense attention: callers then keep their dense path (static: the
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.cache import KVPages, gather_latent_rows
-from jaxserve.cache.pool import from_bits
+from jaxserve.cache.pool import index_key_rows
 from jaxserve.models import sharded
 from jaxserve.models.attention import masked_softmax
 from jaxserve.models.attention_backend import AttentionBackend
@@ -60,15 +60,10 @@ def block_scores(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, b
     in their stored precision and widened only as the dot's operand (which XLA fuses into the dot), an FP8 key's
     per-key scale applied to its f32 products rather than to every element. q [B, T, nh, hd] f32, w [B, T, nh]
     f32 -> [B, T, m * ps] f32 (unmasked)."""
-    il = pages.layout.index_layout
-    b, m = block_tables.shape
-    bt = block_tables.astype(jnp.int32)
-    # the layer inside the gather's indices, the scales by (page, slot): `index_k[layer]` made XLA:TPU copy the layer
-    keys = from_bits(pages.index_k[index_layer, bt], il).reshape(b, -1, q.shape[-1])
+    keys, scale = index_key_rows(pages, index_layer, block_tables)
     s = jnp.einsum("btnd,bsd->btns", q, keys.astype(jnp.float32), preferred_element_type=jnp.float32)
-    if pages.index_k_scale is not None:
-        slot = jnp.arange(il.page_size, dtype=jnp.int32)
-        s = s * pages.index_k_scale[index_layer, bt[..., None], slot].reshape(b, 1, 1, -1)
+    if scale is not None:
+        s = s * scale[:, None, None, :]
     return jnp.einsum("btn,btns->bts", w, jax.nn.relu(s * q.shape[-1] ** -0.5))
 
 
