@@ -1,7 +1,8 @@
 """The prefill -> decode hand-off's two programs compiled for a plan's mesh at real pool shapes, and what the compiler
 reported (`jaxserve plan`, jaxserve/plan.py): the export (`cache.pages_to_fp8`: one request's BF16 prefill pages, all
 layers, quantized into a compact FP8 chunk; the prefill pool is read, not donated) and the import
-(`cache.insert_pages`: the chunk written into the FP8 decode pool, donated and returned in its own layout as in
+(`cache.insert_pages` as `models.sharded.import_fn` gives it for the mesh, on TPU per device with the pages DMA'd:
+the chunk written into the FP8 decode pool, donated and returned in its own layout as in
 `engine.programs.Programs`, with the tag check). Neither reads the model: both compile at every layer, at the decode
 pool's real size (the pages the plan says fit), so the copies of a pool shape they report are the real ones.
 """
@@ -27,9 +28,10 @@ def compile_handoff(cfg, par, spec, decode_pages: int, in_mesh: bool = False  # 
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxserve.cache import init_pages, insert_pages, pages_to_fp8
+    from jaxserve.cache import init_pages, pages_to_fp8
     from jaxserve.engine.layouts import kv_layout, prefill_kv_dtype
     from jaxserve.engine.programs import _pool_shardings, bucket
+    from jaxserve.models.sharded import import_fn
 
     dp, ps = par.size("pages"), spec.page_size
     n = bucket(-(-spec.prefill_context // ps), 1 << 30)
@@ -53,7 +55,7 @@ def compile_handoff(cfg, par, spec, decode_pages: int, in_mesh: bool = False  # 
             par.mesh, sh.spec if isinstance(sh, NamedSharding) else P())),
             jax.eval_shape(lambda: init_pages(dst_layout, n)), export.output_shardings)
         t0 = time.perf_counter()
-        insert = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=pools["decode"][1]).lower(
+        insert = jax.jit(import_fn(par), donate_argnums=(0,), out_shardings=pools["decode"][1]).lower(
             pools["decode"][0], chunk, ids, tags, tags, ids).compile()
         out["import"] = _report(insert, time.perf_counter() - t0, pools["decode"][0])
     return out

@@ -89,3 +89,10 @@ def fp8_error_bound(q: np.ndarray, k: np.ndarray, k8: np.ndarray, v: np.ndarray,
         evmax = np.abs(v8[b, :n] - v[b, :n]).max(0)
         out.append(np.expm1(2 * dmax)[..., None] * vmax[:, None, :] + evmax[:, None, :])
     return np.stack(out)
+
+
+def copy_pages_reference(pool: jax.Array, chunk: jax.Array, page_ids: jax.Array) -> jax.Array:
+    """pool [L, P, ...] with pool[:, page_ids[i]] = chunk[:, i] for each i with 0 <= page_ids[i] < P (others
+    skipped); chunk [L, n, ...] (the oracle of `page_copy_tpu.copy_pages_tpu`)."""
+    ids = jnp.where(page_ids < 0, pool.shape[1], page_ids)  # negative ids would wrap, not drop
+    return jnp.asarray(pool).at[:, ids].set(chunk, mode="drop")

@@ -26,6 +26,9 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.page_copy_tpu import copy_pages_tpu
 
 from jaxserve.cache.layout import FP8_DTYPE, FP8_MAX, KVLayout
 from jaxserve.errors import ConfigError
@@ -304,9 +307,10 @@ def pages_to_fp8(src: KVPages, page_ids: jax.Array, index_dtype: KVDtype | None 
     return KVPages.from_values(out, k=kq, v=vq, k_scale=ks, v_scale=vs, tags=tags)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("dma",))
 def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array, expected_src_tags: jax.Array | None = None,
-                 dst_tags: jax.Array | None = None, groups: jax.Array | None = None) -> KVPages:
+                 dst_tags: jax.Array | None = None, groups: jax.Array | None = None, *,
+                 dma: str | None = None) -> KVPages:
     """Prefill -> decode hand-off, step 2 (on the decode device): write chunk's n pages at dst_page_ids [n] int32.
 
     Layouts must match (same dtype). A negative dst page id is padding and writes nothing. Bits are copied as
@@ -318,6 +322,10 @@ def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array, expected
     mismatch: no page of its group is written and the group's destination tags are stamped 0, so the owner's first
     decode check fails closed (no host round trip here). groups [n] int32 in [0, n): the request each page belongs
     to, so one hand-off can carry several requests and a mismatch fails only its own (None: one group).
+
+    dma "tpu" (one device's pool: in a shard_map, `models.sharded.import_fn`) or "interpret" (the same, in TPU
+    interpret mode: tests): the value pages (latent, k, v, indexer keys) are DMA'd in place by `copy_pages_tpu`;
+    XLA:TPU's scatter relaid out a whole 8-bit pool around the write. Scales and tags scatter as with None.
     """
     if dst.layout != chunk.layout:
         raise ConfigError("insert_pages: chunk layout differs from the pool's", value=(chunk.layout, dst.layout),
@@ -333,10 +341,13 @@ def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array, expected
         tags = stamp_tags(tags, ids, jnp.where(ok, dst_tags.astype(tags.dtype), 0))
         ids = jnp.where(ok, ids, dst.num_pages)  # a failed chunk writes no KV
     put = lambda pool, c: None if pool is None else pool.at[:, ids].set(c, mode="drop")  # noqa: E731
-    return KVPages(dst.layout, latent=put(dst.latent, chunk.latent), latent_scale=put(dst.latent_scale,
-                   chunk.latent_scale), k=put(dst.k, chunk.k), v=put(dst.v, chunk.v),
+    interpret = pltpu.InterpretParams() if dma == "interpret" else False
+    dma_put = lambda pool, c: None if pool is None else copy_pages_tpu(pool, c, ids, interpret=interpret)  # noqa: E731
+    copy = put if dma is None else dma_put
+    return KVPages(dst.layout, latent=copy(dst.latent, chunk.latent), latent_scale=put(dst.latent_scale,
+                   chunk.latent_scale), k=copy(dst.k, chunk.k), v=copy(dst.v, chunk.v),
                    k_scale=put(dst.k_scale, chunk.k_scale), v_scale=put(dst.v_scale, chunk.v_scale), tags=tags,
-                   index_k=put(dst.index_k, chunk.index_k),
+                   index_k=copy(dst.index_k, chunk.index_k),
                    index_k_scale=put(dst.index_k_scale, chunk.index_k_scale))
 
 

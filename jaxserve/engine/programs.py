@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, init_pages, insert_pages, pages_to_fp8
+from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, init_pages, pages_to_fp8
 from jaxserve.cache.checksum import page_checksums
 from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
@@ -43,6 +43,7 @@ from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
+from jaxserve.models.sharded import import_fn
 from jaxserve.models.build import dtype_of, shard_model
 from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_format, state_shardings
 from jaxserve.quant.apply import compute_layout
@@ -223,7 +224,7 @@ class Programs:
         self._verify = jax.jit(self._verify_fn, donate_argnums=(1,),
                                in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d,
                                              rows_d), out_shardings=(rows_d, rows_d, dh.pages_sharding))
-        self._import = jax.jit(insert_pages, donate_argnums=(0,), out_shardings=dh.pages_sharding)
+        self._import = jax.jit(import_fn(self.decode_parallel), donate_argnums=(0,), out_shardings=dh.pages_sharding)
 
     def _phase(self, model: CausalLM, par: Parallel, layout: KVLayout, num_pages: int) -> Phase:
         """Put a phase's model on its mesh (already-placed arrays stay where they are) and create its pool."""

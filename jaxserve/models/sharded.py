@@ -13,6 +13,7 @@ partitioning rule) only ever sees its own shard and the only collectives are the
 | paged attention          | local heads (TP) or local rows + pages (DP)   | none                                |
 | DSA (indexer, top-k)     | every indexer head (TP) or local rows (DP)    | none                                |
 | tag check, KV row writes | local rows into local pages (DP)              | none                                |
+| hand-off import (TPU)    | the chunk's pages of the local page shard     | none                                |
 
 With activations replicated over "tp" (TP attention), expert dispatch needs no all-to-all: every device already
 holds every token, selects the pairs routed to its experts and the combine is the same all-reduce TP needs.
@@ -25,6 +26,7 @@ out the device's whole pool (Kimi K2.6 DP decode on v5p).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, TypeVar
 
 import jax
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.cache import KVPages, check_tags
+from jaxserve.cache import KVPages, check_tags, insert_pages
 from jaxserve.sharding import POOL_AXES, Parallel, state_specs
 
 M = TypeVar("M", bound=nnx.Module)
@@ -143,3 +145,36 @@ def write_per_shard(par: Parallel, write: Callable, pages: KVPages, rows: object
     row_specs = jax.tree.map(lambda _: row, rows)
     return par.shard_map(body, (specs, row_specs, row, None if slot_tags is None else row), specs)(
         pages, rows, slots, slot_tags)
+
+
+def import_fn(par: Parallel) -> Callable:
+    """The hand-off's import (`cache.insert_pages`' signature) for a decode mesh: as is, or on TPU per device with
+    the value pages DMA'd in place (`insert_pages(dma="tpu")`: a Mosaic kernel has no partitioning rule, so it
+    runs in a shard_map). XLA:TPU's scatter relaid out a whole 8-bit pool around the write (Kimi K2.6 on v5p)."""
+    if par.mesh.devices.flat[0].platform != "tpu":
+        return insert_pages
+    return functools.partial(insert_per_shard, par)
+
+
+def insert_per_shard(par: Parallel, dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array,
+                     expected_src_tags: jax.Array | None = None, dst_tags: jax.Array | None = None,
+                     groups: jax.Array | None = None, *, dma: str = "tpu") -> KVPages:
+    """`insert_pages(dma=dma)` ("tpu"; "interpret" in tests) per page shard: every device gets the whole chunk (split
+    like its pool but not by page) and the tags, checks every page's tag (the same verdict on every shard) and
+    writes the pages its shard holds; dst_page_ids [n] int32 global (negative: padding). A page of another shard
+    is live (its tag is checked) but dropped here."""
+    pool_specs = {f: par.spec(POOL_AXES[f]) for f in POOL_AXES if getattr(dst, f) is not None}
+    unpaged = lambda axes: tuple(None if a == "pages" else a for a in axes)  # noqa: E731
+    chunk_specs = KVPages(chunk.layout, **{f: par.spec(unpaged(POOL_AXES[f])) for f in POOL_AXES
+                                           if getattr(chunk, f) is not None})
+    n_local = dst.num_pages // par.size("pages")
+
+    def body(dst: KVPages, chunk: KVPages, ids: jax.Array, *tags: jax.Array | None) -> KVPages:
+        first = 0 if par.axis("pages") is None else jax.lax.axis_index(par.axis("pages")) * n_local
+        local = jnp.where((ids >= first) & (ids < first + n_local), ids - first, n_local)
+        return insert_pages(dst, chunk, jnp.where(ids < 0, -1, local), *tags, dma=dma)
+
+    tags = (expected_src_tags, dst_tags, groups)
+    specs = KVPages(dst.layout, **pool_specs)
+    return par.shard_map(body, (specs, chunk_specs, P(), *(None if t is None else P() for t in tags)), specs)(
+        dst, chunk, dst_page_ids, *tags)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.cache import KVLayout, KVPages, check_tags, init_pages, write_tokens
+from jaxserve.cache import KVLayout, KVPages, check_tags, init_pages, insert_pages, write_tokens
 from jaxserve.hlo import collectives
 from jaxserve.models import sharded
 from jaxserve.sharding import Parallel, ShardingRules, make_mesh, pool_sharding
@@ -66,3 +66,26 @@ def test_write_per_shard_equals_global_write(setup):
     assert set(np.flatnonzero(np.asarray(out.tags != pages.tags))) == set(live // PS)  # each rank its own pages
     text = got.lower(pages, rows, slots, slot_tags).compile().as_text()
     assert not collectives(text)
+
+
+def test_import_per_shard_equals_global_insert(setup):
+    """The TPU hand-off import (`insert_per_shard`: the chunk's value pages DMA'd by `copy_pages_tpu`, here in TPU
+    interpret mode) writes what the global `insert_pages` does: each rank its own pages, a padding id nothing, and a
+    tag mismatch in a request whose pages span two ranks fails that request on both (no page of it, tags 0)."""
+    par, pages, _, rng = setup
+    n = 6
+    chunk = jax.device_put(dataclasses.replace(
+        init_pages(pages.layout, n), latent=jnp.asarray(rng.integers(1, 255, (2, n, PS, 12)), jnp.uint8),
+        latent_scale=jnp.asarray(rng.uniform(1, 2, (2, n, PS)), jnp.float32),
+        tags=jnp.asarray(rng.integers(1, 1 << 30, n), jnp.uint32)))
+    ids = jnp.asarray([1, 6, -1, 9, 14, 3], jnp.int32)  # ranks 0, 1, padding, 2, 3, 0
+    groups = jnp.asarray([0, 0, 0, 1, 1, 1], jnp.int32)  # request 1 spans ranks 2, 3 and 0
+    expected = chunk.tags.at[4].set(7)  # request 1 carries a stale tag
+    dst_tags = jnp.asarray(rng.integers(1, 1 << 30, n), jnp.uint32)
+    got = jax.jit(lambda p, c, *a: sharded.insert_per_shard(par, p, c, *a, dma="interpret"))(
+        pages, chunk, ids, expected, dst_tags, groups)
+    ref = insert_pages(pages, chunk, ids, expected, dst_tags, groups)
+    for f in ("latent", "latent_scale", "tags"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(ref, f)))
+    assert (np.asarray(got.latent)[:, [1, 6]] == np.asarray(chunk.latent[:, :2])).all()  # request 0 written
+    assert not np.asarray(got.tags)[[9, 14, 3]].any()  # request 1: no page, tags 0 on every rank
