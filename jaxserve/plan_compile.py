@@ -57,6 +57,8 @@ def _tracked_shapes(state, pages) -> dict[tuple[int, ...], str]:  # noqa: ANN001
             out.setdefault(shard, what + " (all layers)")
             out.setdefault(tuple(x.shape[1:]), what)
             out.setdefault(shard[1:], what)
+            if what[5:] in ("k", "v", "k_scale", "v_scale"):  # a GQA layer as a kernel's rows [P, ps * Hkv, ...]
+                out.setdefault((shard[1], shard[2] * shard[3], *shard[4:]), what)
 
     for x in jax.tree.leaves(state):
         add(x, "weight")

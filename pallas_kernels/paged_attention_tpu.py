@@ -5,9 +5,10 @@ several pages per compute block, double-buffered: while block k is computed, the
 flight (`pltpu.make_async_copy`, one DMA per page and per scale row, one DMA semaphore per buffer slot), the
 pattern of JAX's own TPU paged attention and tpu-inference's ragged paged attention. Grid (batch, head block,
 block-table chunk); GQA has one head block holding every kv head: each page is DMA'd once and whole, as
-[ps * Hkv, D] rows (row = slot * Hkv + head; a per-head `.at[page, :, head]` slice is not tile-aligned and Mosaic
-refuses it), and each query row's logits are masked to its own kv head's columns (Hkv x the MXU work of a
-per-head kernel, none of its extra DMA; decode is bound by the page reads). The block table: the block table, flattened, reaches the kernel one chunk of `pages_per_chunk`
+[Hkv * ps, D] head-major rows (row = head * ps + slot, the TPU pool's layout: `jaxserve.sharding.pool_format`;
+a per-head `.at[page, :, head]` slice is not tile-aligned and Mosaic refuses it), and each query row's logits
+are masked to its own kv head's columns (Hkv x the MXU work of a per-head kernel, none of its extra DMA; decode
+is bound by the page reads). The block table, flattened, reaches the kernel one chunk of `pages_per_chunk`
 entries (a multiple of 128, at most 1024) per grid step as a 1-D SMEM block, so SMEM holds 2 x pages_per_chunk
 page ids (double-buffered by the pipeline) plus the [batch] lengths (scalar prefetch) whatever the context
 length (the previous version scalar-prefetched the whole [B, M] table: 4 MiB at batch 64 and 262,144 tokens,
@@ -19,7 +20,7 @@ a block are masked (logits to a large negative, V rows to 0, so stale or NaN buf
 
 Dequantization: BF16 or FP8 e4m3 pages are cast to the compute dtype (the query's, bf16 or f32; e4m3 -> bf16 is
 exact) and fed to the MXU with f32 accumulation. The per-token f32 scales (MLA [P, ps]; GQA [P, ps, Hkv] viewed
-as [P, ps * Hkv]) arrive one page row per DMA; an exact 0/1 matmul spreads them into the block's [1, rows] row, which multiplies the logits (K side) and the probabilities after the softmax
+as [P, Hkv * ps] head-major) arrive one page row per DMA; an exact 0/1 matmul spreads them into the block's [1, rows] row, which multiplies the logits (K side) and the probabilities after the softmax
 sum (V side), as in the GPU kernel. A length of 0 gives an output of 0.
 
 Not done (yet): prefetch across grid steps (the first block of every chunk and sequence is waited for, one
@@ -40,7 +41,9 @@ Kimi K2.6 / GLM-5.2 MLA TP 8 and DP 64 heads, GLM-4.5 GQA TP 12/1 and DP 96/8 he
 kernel's call requires: the caller must hold the pool row-major (tests/compile/test_compile_controls.py). The
 engine does (`sharding.pool_format`), passes the whole pool + layer (no per-layer slice) and writes new rows with
 dynamic_update_slices (`cache.pool._store_rows`): its Kimi K2.6 decode on v5p copies no pool
-(tests/compile/test_plan_targets.py).
+(tests/compile/test_plan_targets.py). The GQA kernel likewise takes the whole pool + layer, stored head-major
+([L, P, Hkv, ps, D] in memory: row-major padded a one-kv-head pool's (1, 128) minor tiles 4x, its scales 128x):
+GLM-4.5's decode and prefill on v5p copy no K / V layer or pool (test_plan_targets.py, slow).
 What was NOT checked: running on any TPU, DMA overlap and speed. No TPU was available.
 """
 from __future__ import annotations
@@ -109,9 +112,23 @@ def choose_tpu_blocks(page_size: int, max_pages: int, rows: int, *, block_h: int
     return TpuDecodeBlocks(bh, ppcb, chunk)
 
 
-def token_of_row(row: jax.Array, kv_heads: int) -> jax.Array:
-    """Token of a whole-page row (row = token * Hkv + head); no vector division when there is one kv head."""
-    return row if kv_heads == 1 else lax.div(row, kv_heads)
+def token_of_row(row: jax.Array, kv_heads: int, page_size: int) -> jax.Array:
+    """Token of a row of whole pages, each stored head-major (a page's row = head * ps + slot: the TPU pool's
+    layout, `jaxserve.sharding.pool_format`); no vector division when there is one kv head."""
+    return row if kv_heads == 1 else lax.div(row, page_size * kv_heads) * page_size + lax.rem(row, page_size)
+
+
+def head_of_row(row: jax.Array, kv_heads: int, page_size: int) -> jax.Array:
+    """KV head of a row of whole head-major pages (see token_of_row)."""
+    return lax.rem(lax.div(row, page_size), kv_heads)
+
+
+def head_major(pool: jax.Array, lead: int = 2) -> jax.Array:
+    """GQA pages [*lead dims, ps, Hkv, ...] (the pool [L, P, ...]: lead 2; one layer: 1) as [*lead, Hkv * ps, ...]
+    rows (row = head * ps + slot): free on a TPU pool stored head-major (`jaxserve.sharding.pool_format`), a
+    transpose elsewhere (interpret mode)."""
+    ps, hkv = pool.shape[lead], pool.shape[lead + 1]
+    return jnp.swapaxes(pool, lead, lead + 1).reshape(*pool.shape[:lead], hkv * ps, *pool.shape[lead + 2:])
 
 
 def dot_precision(dtype) -> lax.Precision | None:
@@ -166,9 +183,9 @@ def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bo
     lens_ref [B] int32, layer_ref [1] int32 (SMEM, scalar prefetch); bt_ref [chunk] int32 (SMEM); q_ref [rows, Dk].
     HBM refs carry a leading layer axis (the whole pool, or one layer as [1, ...]): page p of layer_ref[0] is read.
     MLA HBM refs: latent pages [L, P, ps, Dl], (scales [L, P, ps] f32). GQA (all kv heads in one program, rows = all q
-    heads, query head r reads kv head r // (rows / Hkv)): k, v pages [P, ps * Hkv, D] (row = slot * Hkv + head),
-    (k, v scales [P, ps * Hkv] f32). o_ref [rows, Dv] f32. Scratch: one [2, ppcb, ps * Hkv, width] page buffer
-    per K/V part, (one [2, ppcb, ps * Hkv] f32 scale buffer per part), DMA semaphores [2], m, l [rows, 1] f32,
+    heads, query head r reads kv head r // (rows / Hkv)): k, v pages [L, P, Hkv * ps, D] (row = head * ps + slot),
+    (k, v scales [L, P, Hkv * ps] f32). o_ref [rows, Dv] f32. Scratch: one [2, ppcb, Hkv * ps, width] page buffer
+    per K/V part, (one [2, ppcb, Hkv * ps] f32 scale buffer per part), DMA semaphores [2], m, l [rows, 1] f32,
     acc [rows, Dv] f32.
     """
     n_parts = 1 if mla else 2
@@ -221,7 +238,7 @@ def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bo
         v = k[:, :value_dim] if mla else _values(bufs[1][slot]).astype(compute_dtype).reshape(bk, value_dim)
         tok0 = (c * pages_per_chunk + blk * ppcb) * page_size
         col = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        valid = tok0 + token_of_row(col, kv_heads) < length  # [1, bk]
+        valid = tok0 + token_of_row(col, kv_heads, page_size) < length  # [1, bk]
         # scale rows of uncopied pages are stale (NaN in interpret mode): zero them, 0 * NaN would leak
         scale = lambda part: jnp.where(valid, _scale_row(s_bufs[part][slot], page_rows), 0.0)  # noqa: E731
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
@@ -232,7 +249,8 @@ def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bo
         keep = valid
         if kv_heads > 1:  # each query row attends to its own kv head's columns only
             group = q.shape[0] // kv_heads
-            keep = keep & (lax.div(lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0), group) == lax.rem(col, kv_heads))
+            keep = keep & (lax.div(lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0), group) ==
+                           head_of_row(col, kv_heads, page_size))
         logits = jnp.where(keep, logits * softmax_scale, MASK_VALUE)
         m_prev, l_prev = m_sc[...], l_sc[...]
         m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
@@ -243,8 +261,8 @@ def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bo
         if fp8:  # V-side dequant, after the sum so l stays the plain softmax denominator
             p = p * (k_row if mla else scale(1))
         # zero V rows past the length: stale or uncopied buffer rows may hold anything (NaN included)
-        v = jnp.where(tok0 + token_of_row(lax.broadcasted_iota(jnp.int32, (bk, 1), 0), kv_heads) < length, v,
-                      jnp.zeros((), v.dtype))
+        v_tok = token_of_row(lax.broadcasted_iota(jnp.int32, (bk, 1), 0), kv_heads, page_size)
+        v = jnp.where(tok0 + v_tok < length, v, jnp.zeros((), v.dtype))
         acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
                                                          precision=dot_precision(v.dtype))
 
@@ -328,46 +346,56 @@ def paged_mla_decode_tpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array
                                              "compute_dtype", "interpret", "out_dtype"))
 def paged_gqa_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                          lengths: jax.Array, k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
-                         *, softmax_scale: float, pages_per_compute_block: int | None = None,
-                         pages_per_chunk: int | None = None, compute_dtype: jnp.dtype | None = None,
-                         interpret: bool | pltpu.InterpretParams = False,
+                         *, layer: int | jax.Array | None = None, softmax_scale: float,
+                         pages_per_compute_block: int | None = None, pages_per_chunk: int | None = None,
+                         compute_dtype: jnp.dtype | None = None, interpret: bool | pltpu.InterpretParams = False,
                          out_dtype: jnp.dtype | None = None) -> jax.Array:
     """GQA decode attention over paged K/V (TPU: HBM pool, multi-page double-buffered DMAs of whole pages, all kv
     heads in one program, each query row masked to its kv head's columns). Same contract as
     paged_attention.paged_gqa_decode.
 
     q: [batch, q_heads, head_dim] bf16|f32; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
-    bf16|float8_e4m3fn (one layer); k_scales, v_scales: [num_pages, page_size, kv_heads] f32 for fp8, else None;
-    block_tables: [batch, max_pages] int32; lengths: [batch] int32. q_heads must be a multiple of kv_heads.
-    compute_dtype: MXU operand dtype (default q.dtype). Tiling overrides: see choose_tpu_blocks.
+    bf16|float8_e4m3fn (one layer), or the whole pools [layers, num_pages, page_size, kv_heads, head_dim] with
+    `layer` (int or int32 scalar; scales then [layers, ...]): the kernel DMAs from the pool itself, so no layer
+    slice is materialized (XLA:TPU copied each layer's K and V to the Mosaic call's layout, GLM-4.5 on v5p); pages
+    may be the pool's bits (uint8 / uint16). k_scales, v_scales: [num_pages, page_size, kv_heads] f32 for fp8,
+    else None; block_tables: [batch, max_pages] int32; lengths: [batch] int32. q_heads must be a multiple of
+    kv_heads. compute_dtype: MXU operand dtype (default q.dtype). Tiling overrides: see choose_tpu_blocks.
     Returns [batch, q_heads, head_dim] in out_dtype (default q.dtype).
     """
+    if (layer is None) != (k_pages.ndim == 4):
+        raise ValueError(f"k_pages {k_pages.shape}: pass one layer [P, ps, Hkv, D], or the pool [L, P, ps, Hkv, D] "
+                         "and `layer`")
+    if layer is None:  # one layer: a leading unit layer axis is free (no data moves)
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+        k_scales, v_scales = (None if s is None else s[None] for s in (k_scales, v_scales))
     b, hq, d = q.shape
-    num_pages, page_size, hkv, d_k = k_pages.shape
+    layers, num_pages, page_size, hkv, d_k = k_pages.shape
     if d != d_k or hq % hkv or k_pages.shape != v_pages.shape:
         raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}")
     if (k_scales is None) != (v_scales is None):
         raise ValueError("pass both k_scales and v_scales or neither")
     fp8 = k_scales is not None
-    if fp8 and (k_scales.shape != (num_pages, page_size, hkv) or v_scales.shape != k_scales.shape):
-        raise ValueError(f"k_scales {k_scales.shape}, v_scales {v_scales.shape} != {(num_pages, page_size, hkv)}")
+    if fp8 and (k_scales.shape != k_pages.shape[:4] or v_scales.shape != k_scales.shape):
+        raise ValueError(f"k_scales {k_scales.shape}, v_scales {v_scales.shape} != {k_pages.shape[:4]}")
     # one program per sequence holds every kv head: each page is DMA'd once, whole (tile-aligned), as
-    # [ps * Hkv, D] rows (a row-major [P, ps, Hkv, D] pool reshapes to that for free)
+    # [Hkv * ps, D] head-major rows (the TPU pool's layout: `head_major` is free there)
     blocks = choose_tpu_blocks(page_size, block_tables.shape[1], hq,
                                pages_per_compute_block=pages_per_compute_block, pages_per_chunk=pages_per_chunk)
     bt, lens = _prepare_tables(block_tables, lengths, page_size, blocks)
     ppcb, rows = blocks.pages_per_compute_block, page_size * hkv
-    hbm = [k_pages.reshape(1, num_pages, rows, d), v_pages.reshape(1, num_pages, rows, d)]
-    s_hbm = [s.astype(jnp.float32).reshape(1, num_pages, rows) for s in (k_scales, v_scales)] if fp8 else []
+    hbm = [head_major(k_pages), head_major(v_pages)]
+    s_hbm = [head_major(s.astype(jnp.float32)) for s in (k_scales, v_scales)] if fp8 else []
     scratch = [pltpu.VMEM((2, ppcb, rows, d), k_pages.dtype)] * 2
     scratch += [pltpu.VMEM((2, ppcb, rows), jnp.float32)] * 2 if fp8 else []
     row_map = lambda b_, h_, c_, *_: (b_, 0, 0)  # noqa: E731
     kernel = functools.partial(_decode_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size,
                                kv_heads=hkv, pages_per_compute_block=ppcb, softmax_scale=softmax_scale,
                                compute_dtype=jnp.dtype(compute_dtype or q.dtype))
-    return _pallas(kernel, blocks, page_size, lens, 0, bt, q, hbm + s_hbm, scratch, grid_h=1, q_block=(None, hq, d),
-                   q_map=row_map, out_block=(None, hq, d), out_map=row_map, out_shape=(b, hq, d),
-                   out_dtype=out_dtype or q.dtype, name="paged_gqa_decode_tpu", interpret=interpret)
+    return _pallas(kernel, blocks, page_size, lens, layer, bt, q, hbm + s_hbm, scratch, grid_h=1,
+                   q_block=(None, hq, d), q_map=row_map, out_block=(None, hq, d), out_map=row_map,
+                   out_shape=(b, hq, d), out_dtype=out_dtype or q.dtype, name="paged_gqa_decode_tpu",
+                   interpret=interpret)
 
 
 def _prepare_tables(block_tables: jax.Array, lengths: jax.Array, page_size: int,

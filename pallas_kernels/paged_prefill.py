@@ -30,10 +30,14 @@ may hold anything, NaN included: their logits are masked, their V rows and V sca
   flight while this one computes, page ids read from that batch row's block table held in SMEM (one row, a
   [1, M] block: 64 KiB at 262,144 tokens of 16-token pages, double-buffered, independent of the batch); the
   per-row-block key-block counts are scalar-prefetched. FP8 rows are dequantized in VMEM (x8 -> f32 times the
-  scale column -> q's dtype) before the dots. GQA pages are DMA'd whole, as [ps * Hkv, D] rows (a per-head slice
-  of the [P, ps, Hkv, D] pool is not tile-aligned: Mosaic refuses it, and strided VMEM loads exist for 32-bit
-  data only), and the logits of other kv heads' columns are masked: Hkv x the key reads and dot work of a
-  per-head kernel when a device holds several kv heads (GLM-4.5 DP attention: 8), none with one (TP: 1).
+  scale column -> q's dtype) before the dots. GQA pages are DMA'd whole, as [Hkv * ps, D] head-major rows (a
+  per-head slice of the [P, ps, Hkv, D] pool is not tile-aligned: Mosaic refuses it, and strided VMEM loads exist
+  for 32-bit data only), from the whole pool [L, P, ps, Hkv, D] (values or bits) at a scalar-prefetched layer: the
+  TPU pool is stored head-major (`jaxserve.sharding.pool_format`), so the [L, P, Hkv * ps, D] view is free and no
+  layer slice is copied into the call (XLA:TPU copied each layer's K and V, GLM-4.5 on v5p); one layer's FP8
+  scales are sliced (the BF16 prefill pool has none). The logits of other kv heads' columns are masked: Hkv x
+  the key reads and dot work of a per-head kernel when a device holds several kv heads (GLM-4.5 DP attention: 8),
+  none with one (TP: 1).
 
 What was checked (CPU only, JAX 0.10.2; tests/test_paged_prefill.py): against the dense f32 reference with a
 derived per-element bound, GPU layout in legacy `interpret=True`, TPU layout in TPU interpret mode
@@ -67,7 +71,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention import with_layer_axis
-from pallas_kernels.paged_attention_tpu import dot_precision, token_of_row
+from pallas_kernels.paged_attention_tpu import (BITS_TO_VALUES, _values, dot_precision, head_major, head_of_row,
+                                                token_of_row)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
@@ -299,21 +304,25 @@ def _paged_prefill_gqa_gpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scale
 # buffer by page id read from the block table in SMEM, the next block's copies in flight while this one computes.
 
 
-def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp8: bool, value_dim: int,
-                page_size: int, block_k: int, num_row_blocks: int, softmax_scale: float, kv_heads: int = 1):
+def _tpu_kernel(nblk_ref, lens_ref, layer_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp8: bool,
+                value_dim: int, page_size: int, block_k: int, num_row_blocks: int, softmax_scale: float,
+                kv_heads: int = 1):
     """One (batch row b, kv head j, row block r) program; the key loop runs inside it.
 
     Scalar prefetch (SMEM): nblk_ref [B * nR] int32 (key blocks this row block needs: its causal limit),
-    lens_ref [B] int32 (ctx_len). bt_ref [1, Mp] int32 (SMEM, this row's block table). q_ref [br, Dk] (VMEM),
-    pos_ref [br, 1] int32 (row positions, -1 on padding rows).
-    MLA refs: latent pool [P, ps, Dl] (HBM), (scales [P, ps, 1] f32 HBM), o [br, Dv] f32, then scratch:
+    lens_ref [B] int32 (ctx_len), layer_ref [1] int32 (the pool layer read). bt_ref [1, Mp] int32 (SMEM, this
+    row's block table). q_ref [br, Dk] (VMEM), pos_ref [br, 1] int32 (row positions, -1 on padding rows).
+    Value pools carry a leading layer axis (the whole pool, or one layer as [1, ...]; values or their bits), scale
+    sources are one layer [1, ...]. MLA refs: latent pool [L, P, ps, Dl] (HBM), (scales [1, P, ps, 1] f32 HBM), o
+    [br, Dv] f32, then scratch:
     kbuf [2, bk, Dl], (sbuf [2, bk, 1] f32), sem DMA[2], acc [br, Dv] f32, m, l [br, 1] f32.
-    GQA refs: k pool, v pool [P, ps * Hkv, D] (HBM; row = slot * Hkv + head), (k, v scales [P, ps * Hkv, 1]
+    GQA refs: k pool, v pool [L, P, Hkv * ps, D] (HBM; row = head * ps + slot), (k, v scales [1, P, Hkv * ps, 1]
     f32 HBM), o [br, D] f32, scratch kbuf, vbuf [2, bk * Hkv, D], (ksbuf, vsbuf [2, bk * Hkv, 1] f32), sem
     DMA[2], acc, m, l. Whole pages are DMA'd (a per-head slice is not tile-aligned); columns of other kv heads
     than j are masked.
     """
-    n_src = (2 if fp8 else 1) * (1 if mla else 2)  # HBM sources: pools, then their scales
+    n_values = 1 if mla else 2
+    n_src = (2 if fp8 else 1) * n_values  # HBM sources: pools, then their scales
     srcs, (o_ref, *scratch) = refs[:n_src], refs[n_src:]
     bufs, (sem, acc_sc, m_sc, l_sc) = scratch[:n_src], scratch[n_src:]
     b, j, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -327,8 +336,9 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
         out = []
         for p in range(ppb):
             page = bt_ref[0, i * ppb + p]
-            for src, buf in zip(srcs, bufs):
-                out.append(pltpu.make_async_copy(src.at[page], buf.at[slot, pl.ds(p * page_rows, page_rows)],
+            for n, (src, buf) in enumerate(zip(srcs, bufs)):
+                layer = layer_ref[0] if n < n_values else 0  # scales: one layer
+                out.append(pltpu.make_async_copy(src.at[layer, page], buf.at[slot, pl.ds(p * page_rows, page_rows)],
                                                  sem.at[slot]))
         return out
 
@@ -345,7 +355,7 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
 
     def dequant(buf, sbuf, slot):
         """-> [bk, D] in q's dtype; fp8 rows times their scale (fp8 -> f32 exact, one rounding to q's dtype)."""
-        x = buf[slot]
+        x = _values(buf[slot])
         if sbuf is None:
             return x.astype(q.dtype)
         return (x.astype(jnp.float32) * sbuf[slot]).astype(q.dtype)
@@ -370,10 +380,10 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                  precision=dot_precision(q.dtype))
         col = lax.broadcasted_iota(jnp.int32, (1, block_k * kv_heads), 1)
-        kpos = i * block_k + token_of_row(col, kv_heads)
+        kpos = i * block_k + token_of_row(col, kv_heads, page_size)
         mask = (kpos <= pos) & (kpos < ctx_len)  # [br, bk * Hkv]
         if kv_heads > 1:
-            mask = mask & (lax.rem(col, kv_heads) == j)
+            mask = mask & (head_of_row(col, kv_heads, page_size) == j)
         logits = jnp.where(mask, logits * softmax_scale, MASK_VALUE)
         m_prev = m_sc[...]
         m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
@@ -383,7 +393,8 @@ def _tpu_kernel(nblk_ref, lens_ref, bt_ref, q_ref, pos_ref, *refs, mla: bool, fp
         l_sc[...] = correction * l_sc[...] + p.sum(axis=-1, keepdims=True)
         m_sc[...] = m_next
         # zero V rows past ctx_len: a tail page may hold anything (NaN included) and 0 * NaN would leak
-        kcol = i * block_k + token_of_row(lax.broadcasted_iota(jnp.int32, (block_k * kv_heads, 1), 0), kv_heads)
+        kcol = i * block_k + token_of_row(lax.broadcasted_iota(jnp.int32, (block_k * kv_heads, 1), 0), kv_heads,
+                                          page_size)
         v = jnp.where(kcol < ctx_len, v, jnp.zeros((), v.dtype))
         acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
                                                          precision=dot_precision(v.dtype))
@@ -402,15 +413,16 @@ def _key_blocks(pos: jax.Array, lens: jax.Array, block_r: int, block_k: int, max
     return jnp.clip(-(-limit // block_k), 0, max_blocks).reshape(-1).astype(jnp.int32)
 
 
-def _tpu_call(kernel, q, pos, bt, lens, srcs, scratch_bufs, value_dim, blocks, interpret, name):
-    """q rows [B, Hkv, R, Dk]; pos [B, R]; bt [B, Mp]; lens [B]; srcs: HBM arrays; -> [B, Hkv, R, Dv] f32."""
+def _tpu_call(kernel, q, pos, bt, lens, layer, srcs, scratch_bufs, value_dim, blocks, interpret, name):
+    """q rows [B, Hkv, R, Dk]; pos [B, R]; bt [B, Mp]; lens [B]; layer [1] int32; srcs: HBM arrays;
+    -> [B, Hkv, R, Dv] f32."""
     b, hkv, rp, dk = q.shape
     br, bk = blocks.block_r, blocks.block_k
     nr = rp // br
     nblk = _key_blocks(pos, lens, br, bk, bt.shape[1] // (bk // kernel.keywords["page_size"]))
     row = lambda b_, j_, r_, *_: (b_, j_, r_, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(b, hkv, nr),
         in_specs=[
             # one row's block table in SMEM (bounded: Mp int32, 64 KiB at 262,144 tokens / 16-token pages)
@@ -432,7 +444,7 @@ def _tpu_call(kernel, q, pos, bt, lens, srcs, scratch_bufs, value_dim, blocks, i
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
         name=name,
-    )(nblk, lens, bt[:, None], q, pos[..., None], *srcs)
+    )(nblk, lens, layer, bt[:, None], q, pos[..., None], *srcs)
 
 
 def _paged_prefill_mla_tpu(q, pages, bt, lens, pos, scales, *, kv_lora_rank, softmax_scale, blocks, interpret):
@@ -441,30 +453,32 @@ def _paged_prefill_mla_tpu(q, pages, bt, lens, pos, scales, *, kv_lora_rank, sof
     bk, fp8 = blocks.block_k, scales is not None
     kernel = functools.partial(_tpu_kernel, mla=True, fp8=fp8, value_dim=kv_lora_rank, page_size=page_size,
                                block_k=bk, softmax_scale=softmax_scale)
-    srcs = [pages]
+    srcs = [pages[None]]
     bufs = [pltpu.VMEM((2, bk, dl), pages.dtype)]
     if fp8:
-        # [P, ps, 1]: a page's scales land as a [ps, 1] column, broadcast over the latent's lanes
-        srcs.append(scales.astype(jnp.float32).reshape(num_pages, page_size, 1))
+        # [1, P, ps, 1]: a page's scales land as a [ps, 1] column, broadcast over the latent's lanes
+        srcs.append(scales.astype(jnp.float32).reshape(1, num_pages, page_size, 1))
         bufs.append(pltpu.VMEM((2, bk, 1), jnp.float32))
-    return _tpu_call(kernel, q, pos, bt, lens, srcs, bufs, kv_lora_rank, blocks, interpret,
-                     "paged_prefill_mla_tpu")
+    return _tpu_call(kernel, q, pos, bt, lens, jnp.zeros((1,), jnp.int32), srcs, bufs, kv_lora_rank, blocks,
+                     interpret, "paged_prefill_mla_tpu")
 
 
-def _paged_prefill_gqa_tpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, *, softmax_scale, blocks,
+def _paged_prefill_gqa_tpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, layer, *, softmax_scale, blocks,
                            interpret):
-    """q rows [B, Hkv, R, D]; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, Hkv, R, D] f32."""
-    num_pages, page_size, hkv, d = k_pages.shape
-    bk, fp8, rows = blocks.block_k, k_scales is not None, page_size * hkv
+    """q rows [B, Hkv, R, D]; k_pages, v_pages [L, P, ps, Hkv, D] (values or bits); k_scales, v_scales one layer
+    [P, ps, Hkv] f32 | None; layer [1] int32; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, Hkv, R, D] f32."""
+    _, _, page_size, hkv, d = k_pages.shape
+    bk, fp8 = blocks.block_k, k_scales is not None
     kernel = functools.partial(_tpu_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size, block_k=bk,
                                softmax_scale=softmax_scale, kv_heads=hkv)
-    # whole pages as [ps * Hkv, D] rows (free for a row-major pool): a per-head DMA is not tile-aligned
-    srcs = [k_pages.reshape(num_pages, rows, d), v_pages.reshape(num_pages, rows, d)]
+    # whole pages as [Hkv * ps, D] head-major rows (the TPU pool's layout): a per-head DMA is not tile-aligned
+    srcs = [head_major(k_pages), head_major(v_pages)]
     bufs = [pltpu.VMEM((2, bk * hkv, d), k_pages.dtype), pltpu.VMEM((2, bk * hkv, d), v_pages.dtype)]
     if fp8:
-        srcs += [s.astype(jnp.float32).reshape(num_pages, rows, 1) for s in (k_scales, v_scales)]
+        # one layer's scales as [1, P, Hkv * ps, 1] columns (a per-layer slice; the BF16 prefill pool has none)
+        srcs += [head_major(s.astype(jnp.float32), 1)[None, ..., None] for s in (k_scales, v_scales)]
         bufs += [pltpu.VMEM((2, bk * hkv, 1), jnp.float32), pltpu.VMEM((2, bk * hkv, 1), jnp.float32)]
-    return _tpu_call(kernel, q, pos, bt, lens, srcs, bufs, d, blocks, interpret, "paged_prefill_gqa_tpu")
+    return _tpu_call(kernel, q, pos, bt, lens, layer, srcs, bufs, d, blocks, interpret, "paged_prefill_gqa_tpu")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -554,7 +568,8 @@ def paged_prefill_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, bloc
     head h // (Hq // Hkv)); k_pages, v_pages: [num_pages,
     page_size, Hkv, D] bf16 | f32 | float8_e4m3fn, one layer, the chunk's own K/V already written; k_scales,
     v_scales: [num_pages, page_size, Hkv] f32 for fp8, else None. block_tables, positions, ctx_lens, the causal
-    rule, backend, interpret and (backend "gpu") the whole pool with `layer` as in `paged_prefill_mla`.
+    rule, backend, interpret and the whole pool with `layer` as in `paged_prefill_mla` (backend "gpu"; here also
+    "tpu": a layer of the whole pool's bits, stored head-major on a TPU, one layer's scales sliced).
     logits = (q . k) * softmax_scale.
     Returns [B, T, Hq, D] f32.
     """
@@ -565,10 +580,15 @@ def paged_prefill_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, bloc
                            block_k=block_k)
     bt, lens = _tables(block_tables, ctx_lens, page_size, blocks.block_k // page_size)
     kw = dict(softmax_scale=softmax_scale, blocks=blocks, interpret=interpret)
-    if backend != "gpu":
-        _one_layer(backend, layer)
-        qr, pos = _rows(q.astype(_compute_dtype(k_pages.dtype)), positions, hkv, blocks.block_r)
-        return _unrows(_paged_prefill_gqa_tpu(qr, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, **kw), t, hq)
+    if backend != "gpu":  # the whole pool read at `layer` (values or bits); one layer's scales
+        one = layer is None
+        k_pool, v_pool = (k_pages[None], v_pages[None]) if one else (k_pages, v_pages)
+        k_scales, v_scales = (s if one or s is None else s[layer] for s in (k_scales, v_scales))
+        at = jnp.asarray(0 if one else layer, jnp.int32).reshape(1)
+        qr, pos = _rows(q.astype(_compute_dtype(BITS_TO_VALUES.get(jnp.dtype(k_pages.dtype), k_pages.dtype))),
+                        positions, hkv, blocks.block_r)
+        return _unrows(_paged_prefill_gqa_tpu(qr, k_pool, v_pool, bt, lens, pos, k_scales, v_scales, at, **kw), t,
+                       hq)
     v_pages = with_layer_axis(v_pages, 4, layer, ())[0]
     k_pages, (k_scales, v_scales), layer, value_dtype = with_layer_axis(k_pages, 4, layer, (k_scales, v_scales))
     qr, pos = _rows(q.astype(_compute_dtype(value_dtype)), positions, hkv, blocks.block_r)

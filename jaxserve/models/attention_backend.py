@@ -6,12 +6,12 @@ Names: "xla" (the length-bounded page-block loops, `paged_attention_xla` and `pr
 "pallas" (the GPU-shaped Triton kernels), "pallas_tpu" (the TPU-shaped Mosaic kernels), and either Pallas name
 + "_interpret" (the same kernels run on CPU).
 
-"xla", the TPU MLA decode kernel and every GPU (Triton) kernel, decode and prefill, MLA and GQA, read the whole
-pool's bit patterns (all layers; the layer picked inside the gathers, or handed to the kernel, which views the bits
-as values once loaded): a per-layer slice handed to a kernel call is materialized by XLA (302 MB per layer on TPU,
-946 MB on H200 at Kimi K2.6's pools). The TPU GQA decode and TPU prefill kernels read the layer's value views
-(`KVPages.layer`). On a mesh each runs per shard (`sharded.attention`): heads split under TP
-attention, rows and pages under DP attention.
+"xla", the TPU MLA decode kernel, the TPU GQA decode and prefill kernels and every GPU (Triton) kernel, decode
+and prefill, MLA and GQA, read the whole pool's bit patterns (all layers; the layer picked inside the gathers, or handed
+to the kernel, which views the bits as values once loaded): a per-layer slice handed to a kernel call is
+materialized by XLA (302 MB per layer on TPU, 946 MB on H200 at Kimi K2.6's pools; GLM-4.5's K and V per layer on
+v5p). The TPU MLA prefill kernel reads the layer's value views (`KVPages.layer`). On a mesh each runs per shard
+(`sharded.attention`): heads split under TP attention, rows and pages under DP attention.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class AttentionBackend:
         def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
             return self._decode_kernel(q, pools, tables, lay, layer, softmax_scale)
 
-        whole = self.implementation == "pallas" or lay.kind == "mla"
+        whole = self.implementation in ("pallas", "pallas_tpu") or lay.kind == "mla"
         return self._per_shard(par, kernel, q, pages, layer, (block_tables, lengths), ("batch", "heads", None),
                                whole=whole)
 
@@ -84,8 +84,8 @@ class AttentionBackend:
         def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
             return self._prefill_kernel(q, pools, tables, lay, layer, softmax_scale, dot_dtype)
 
-        return self._per_shard(par, kernel, q, pages, layer, tables, ("batch", None, "heads", None),
-                               whole=self.implementation == "pallas")
+        whole = self.implementation == "pallas" or (self.implementation == "pallas_tpu" and lay.kind == "gqa")
+        return self._per_shard(par, kernel, q, pages, layer, tables, ("batch", None, "heads", None), whole=whole)
 
     def _per_shard(self, par: Parallel | None, kernel: Callable, q: jax.Array, pages: KVPages, layer: int,
                    tables: tuple, q_axes: tuple, whole: bool = False) -> jax.Array:
@@ -117,8 +117,8 @@ class AttentionBackend:
         if self.implementation == "xla":
             return paged_attention_xla.gqa_decode(q, kp, vp, ks, vs, bt, lengths, layer=layer, layout=lay,
                                                   softmax_scale=softmax_scale)
-        if self.implementation == "pallas_tpu":  # one layer's value views
-            return paged_gqa_decode_tpu(q, kp, vp, bt, lengths, ks, vs, softmax_scale=softmax_scale,
+        if self.implementation == "pallas_tpu":  # the whole pool's bits, as the MLA kernel
+            return paged_gqa_decode_tpu(q, kp, vp, bt, lengths, ks, vs, layer=layer, softmax_scale=softmax_scale,
                                         interpret=self.interpret, out_dtype=jnp.float32)
         return paged_gqa_decode(q, kp, vp, bt, lengths, ks, vs, layer=layer, softmax_scale=softmax_scale,
                                 interpret=self.interpret, out_dtype=jnp.float32)
@@ -141,7 +141,7 @@ class AttentionBackend:
             return prefill_attention_xla.prefill_gqa_blockwise(
                 q, kp, vp, bt, positions, ctx_lens, ks, vs, softmax_scale=softmax_scale, value_dtype=lay.jnp_dtype,
                 layer=layer, dot_dtype=dot_dtype)
-        return paged_prefill_gqa(q, kp, vp, bt, positions, ctx_lens, ks, vs, layer=self._whole_layer(layer),
+        return paged_prefill_gqa(q, kp, vp, bt, positions, ctx_lens, ks, vs, layer=layer,  # the whole pool's bits
                                  softmax_scale=softmax_scale, backend=self.tiling, interpret=self.interpret)
 
     def _whole_layer(self, layer: int) -> int | None:

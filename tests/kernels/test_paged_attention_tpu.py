@@ -17,6 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.paged_attention_tpu import (choose_block_h, choose_tpu_blocks, paged_gqa_decode_tpu,
                                                 paged_mla_decode_tpu)
 from pallas_kernels.reference_paged import paged_mla_reference
+from kernel_pools import LAYER, in_pool
 from test_paged_attention import check_gqa, check_mla
 
 TOL = 1e-2
@@ -75,6 +76,18 @@ def test_mla_tpu_kernel_at_real_dims(dtype, q_dtype):
 def test_gqa_tpu_kernel_at_real_dims(dtype):
     check_gqa(paged_gqa_decode_tpu, page_size=16, lengths=[37, 64], dtype=dtype, q_heads=12, kv_heads=1,
               head_dim=128, num_pages=9, max_pages=4, seed=22, interpret=INTERPRET, pages_per_compute_block=2)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_gqa_tpu_kernel_reads_a_layer_of_the_whole_pool(dtype):
+    """The engine's form: the whole pool's bits [L, P, ps, Hkv, D] and the layer (a layer slice handed to the call
+    was copied by XLA:TPU every step, GLM-4.5 on v5p); the other layers hold NaN, which must not leak."""
+    def on_pool(q, kp, vp, bt, lens, ks, vs, **kw):  # noqa: ANN001, ANN003, ANN202
+        return paged_gqa_decode_tpu(q, in_pool(kp), in_pool(vp), bt, lens, in_pool(ks), in_pool(vs),
+                                    layer=jnp.int32(LAYER), **kw)
+
+    check_gqa(on_pool, page_size=8, lengths=[0, 7, 21], dtype=dtype, q_heads=6, kv_heads=2, head_dim=16,
+              num_pages=NUM_PAGES, max_pages=4, seed=23, interpret=INTERPRET, pages_per_compute_block=2)
 
 
 def test_tail_tokens_holding_nan_do_not_leak():

@@ -198,12 +198,14 @@ def _gqa_case(impl, dtype, page_size, ctx_lens, chunk_lens, t, m, dims, blocks, 
         return
     if impl == "blockwise_bf16":
         got = prefill_gqa_blockwise(*args, softmax_scale=scale, block_pages=2, dot_dtype=jnp.bfloat16)
-    elif impl == "gpu_pool":
+    elif impl in ("gpu_pool", "tpu_pool"):  # the engine's form: the whole pool's bits and the layer
+        backend = impl[:3]
         got = paged_prefill_gqa(q, in_pool(kp), in_pool(vp), *args[3:6], in_pool(ks), in_pool(vs),
-                                layer=jnp.int32(LAYER), softmax_scale=scale, backend="gpu", interpret=True, **blocks)
+                                layer=jnp.int32(LAYER), softmax_scale=scale, backend=backend,
+                                interpret=_interpret(backend), **blocks)
     else:
         got = paged_prefill_gqa(*args, softmax_scale=scale, backend=impl, interpret=_interpret(impl), **blocks)
-    rel = BF16_ROUND if (impl == "tpu" and dtype == "fp8") else 0.0
+    rel = BF16_ROUND if (impl in ("tpu", "tpu_pool") and dtype == "fp8") else 0.0
     ctx_k = [_context(kd, bt, page_size, n, i) for i, n in enumerate(ctx_lens)]
     ctx_v = [_context(vd, bt, page_size, n, i) for i, n in enumerate(ctx_lens)]
     qg = np.asarray(q, np.float32).reshape(b, t, hkv, hq // hkv, d)
@@ -228,6 +230,13 @@ def test_gpu_kernels_read_a_layer_of_the_whole_pool(dtype):
     slice for XLA:GPU to copy): the dense reference's output on that layer; NaN in the other layers does not leak."""
     _mla_case("gpu_pool", dtype, *CASES[1], TOY_MLA, TOY_BLOCKS, seed=31)
     _gqa_case("gpu_pool", dtype, *CASES[1], TOY_GQA, TOY_BLOCKS, seed=33)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_tpu_gqa_kernel_reads_a_layer_of_the_whole_pool(dtype):
+    """The engine's TPU GQA prefill hands the Mosaic kernel the whole pool's bits and the layer (XLA:TPU copied each
+    layer's K and V slice to the kernel's operand, GLM-4.5 on v5p): the dense reference's output on that layer."""
+    _gqa_case("tpu_pool", dtype, *CASES[1], TOY_GQA, TOY_BLOCKS, seed=35)
 
 
 def test_only_the_gpu_backend_takes_a_layer():
