@@ -157,6 +157,20 @@ def test_h200_handoff_copies_no_pool():
     assert not [m for m in _handoff("h200")["import"].moves if m["of"].startswith("pool")]
 
 
+@pytest.mark.slow
+def test_v5p_dp_attention_handoff_import_copies_no_pool():
+    """Under DP attention (8 page shards, 2 layers) the import runs per device (`sharded.insert_per_shard`): each
+    chip DMAs the chunk's pages it holds into its own pool shard, with no collective and no copy of the shard (the
+    scatter relaid out the device's 8-bit shard in and out)."""
+    t = TARGETS["v5p"]
+    spec = PlanSpec(target="v5p", memory_bytes=t.memory_bytes)
+    par = Parallel(make_mesh(target_devices(t, 8), dp=8), ShardingRules.preset("dp_attention"))
+    cfg = from_hf_config(dict(PRESETS["kimi-k2.6"], num_hidden_layers=2))
+    imp = compile_handoff(cfg, par, spec, HANDOFF_POOL["v5p"], in_mesh=True)["import"]
+    assert imp.memory["alias"] > 0 and not imp.collectives
+    assert not [m for m in imp.moves if m["of"].startswith("pool")], imp.moves
+
+
 def test_v5p_handoff_copies_no_pool():
     """The import's value pages are DMA'd into the donated pool in place (`sharded.import_fn`: the Mosaic kernel
     `copy_pages_tpu`): XLA:TPU's scatter (and a per-page dynamic_update_slice loop) relaid out the whole 8-bit pool,
