@@ -78,7 +78,7 @@ def test_gqa_tpu_kernel_at_real_dims(dtype):
               head_dim=128, num_pages=9, max_pages=4, seed=22, interpret=INTERPRET, pages_per_compute_block=2)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=pytest.mark.slow), "fp8"])  # fp8: bits + scales
 def test_gqa_tpu_kernel_reads_a_layer_of_the_whole_pool(dtype):
     """The engine's form: the whole pool's bits [L, P, ps, Hkv, D] and the layer (a layer slice handed to the call
     was copied by XLA:TPU every step, GLM-4.5 on v5p); the other layers hold NaN, which must not leak."""

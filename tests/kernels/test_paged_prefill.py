@@ -232,7 +232,7 @@ def test_gpu_kernels_read_a_layer_of_the_whole_pool(dtype):
     _gqa_case("gpu_pool", dtype, *CASES[1], TOY_GQA, TOY_BLOCKS, seed=33)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=pytest.mark.slow), "fp8"])  # fp8: bits + scales
 def test_tpu_gqa_kernel_reads_a_layer_of_the_whole_pool(dtype):
     """The engine's TPU GQA prefill hands the Mosaic kernel the whole pool's bits and the layer (XLA:TPU copied each
     layer's K and V slice to the kernel's operand, GLM-4.5 on v5p): the dense reference's output on that layer."""
