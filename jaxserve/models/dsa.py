@@ -2,9 +2,10 @@
 attention over only the selected tokens' latent rows (read by (page, slot)).
 
 Selection: each query keeps the `index_topk` causal keys with the highest index score (`attention.index_scores`;
-`block_scores`: keys in their stored precision, scales on the products), computed blockwise over the row's
-pages (a running top-k merged with each block's scores), so memory grows with
-`index_topk + block`, not with the context. Ties go to the earlier token, as one `lax.top_k` over the whole row.
+`block_scores`: keys in their stored precision, scales on the products; in decode under attention="pallas" the
+Triton kernel `dsa_index_scores`, reading the keys in place from the whole pool), computed blockwise over the row's
+pages (a running top-k merged with each block's scores), so memory grows with `index_topk + block`, not with the
+context. Ties go to the earlier token, as one `lax.top_k` over the whole row.
 A selection is (positions [B, T, K] int32 token indices within the row, valid [B, T, K] bool): slots a short
 context cannot fill are invalid and masked out of the softmax. IndexShare ("shared") layers reuse the selection of
 the last full layer before them.
