@@ -13,8 +13,10 @@ indexer layer). Heads past nh repeat head nh - 1 with weight 0 (Triton's dot nee
 
 Unmasked: the caller masks causality and the context length (a slot past it may hold anything, NaN included).
 Checked: interpret mode against reference_sparse.index_scores_reference (tests/kernels/test_dsa_index_scores.py)
-and compiled for an H200 (sm_90a) at GLM-5.2's per-device decode shapes (tests/compile/test_compile_sparse.py).
-NOT run on a GPU: block sizes and launch parameters are untuned starting points.
+and compiled for an H200 (sm_90a) at GLM-5.2's per-device decode shapes (tests/compile/test_compile_sparse.py):
+Triton allocates 16,384 B of shared memory (the f32 query block of 32 heads; the keys reach the dot from registers,
+the same at 128 to 512 tokens per program); 512 heads (256 KB) are refused. NOT run on a GPU: block sizes and
+launch parameters are untuned starting points.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.paged_attention import _next_pow2
 
-MAX_BLOCK_TOKENS = 128  # keys per program: [128, hd] f32 keys + [bh, 128] f32 products well within shared memory
+MAX_BLOCK_TOKENS = 128  # keys per program: [bh, 128] f32 products per program, 64 programs a row at 8k tokens
 
 
 @dataclass(frozen=True)

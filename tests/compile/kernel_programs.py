@@ -125,15 +125,15 @@ def sparse_decode_program(geo: Geometry, page_size: int, kv_dtype, **tiling):
     return (lambda q, p, bt, idx, sc, layer: fn(q, p, bt, idx, sc, layer=layer)), args
 
 
-def index_scores_program(geo: Geometry, page_size: int, kv_dtype, **tiling):
+def index_scores_program(geo: Geometry, page_size: int, kv_dtype, heads: int = GLM52_INDEX_HEADS, **tiling):
     """(fn, args) of the DSA indexer scores attention="pallas" selects on GLM-5.2 decode (h200), as dsa.py calls it:
     the whole index-key pool's stored bits [21, pages, ps, 128] (uint8 for fp8, uint16 for bf16) + a layer, one
-    block of the blockwise top-k's table per row."""
+    block of the blockwise top-k's table per row; `heads` indexer heads (GLM-5.2's 32 unless a test asks more)."""
     t, b = "h200", geo.decode_rows
     bits = jnp.uint8 if kv_dtype == F8 else jnp.uint16
     lead = (GLM52_INDEX_LAYERS, INDEX_POOL_PAGES, page_size)
-    args = [sds(t, (b, GLM52_INDEX_HEADS, GLM52_INDEX_DIM), jnp.float32),
-            sds(t, (b, GLM52_INDEX_HEADS), jnp.float32), sds(t, (*lead, GLM52_INDEX_DIM), bits),
+    args = [sds(t, (b, heads, GLM52_INDEX_DIM), jnp.float32), sds(t, (b, heads), jnp.float32),
+            sds(t, (*lead, GLM52_INDEX_DIM), bits),
             sds(t, (b, INDEX_BLOCK // page_size), jnp.int32),
             sds(t, lead, jnp.float32) if kv_dtype == F8 else None, sds(t, (), jnp.int32)]
     fn = functools.partial(dsa_index_scores, value_dtype=kv_dtype, **tiling)

@@ -5,7 +5,7 @@ heads, 8 rows), FP8 and BF16 pools as stored bits, pages of 16 and 64, the whole
 TP and DP rows, 32 heads x 128, FP8 and BF16 keys as stored bits, the whole 21-layer index-key pool of the H200
 plan (over 2**32 bytes of u8 keys), one 32,768-token block of the blockwise top-k per row.
 Budget: Triton's allocated shared memory (the compiler's) <= the H200's; the pool reaches the kernel uncopied;
-negative controls: an over-budget step / token block is refused by the compiler."""
+negative controls: an over-budget step / head block is refused by the compiler."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -46,7 +46,8 @@ def test_index_scores_compile_within_shared_memory(geo, kv_dtype, page_size):
 
 
 def test_triton_refuses_an_over_budget_index_block():
-    """64 pages of 64 keys per program: the [4096, 128] f32 keys alone are 2 MB."""
-    fn, args = index_scores_program(GLM5_TP, 64, F8, pages=64)
+    """512 indexer heads: the [512, 128] f32 query block alone is 256 KB of shared memory (GLM-5.2's 32: 16 KB; the
+    keys go to the dot from registers, so more tokens per program add none)."""
+    fn, args = index_scores_program(GLM5_TP, 64, F8, heads=512)
     with pytest.raises(Exception, match="Shared memory size limit exceeded"):
         compile_for("h200", fn, *args)
