@@ -40,6 +40,12 @@ def index_scores(q: jax.Array, w: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.einsum("btn,btns->bts", w, s)
 
 
+def once(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """The arrays as they are; on GPU each materialized once (an optimization barrier): XLA:GPU otherwise fuses a
+    split-K GEMM's f32 partials' reduction into every consumer, each reading all the partials again."""
+    return jax.lax.platform_dependent(*xs, cuda=lambda *a: jax.lax.optimization_barrier(a), default=lambda *a: a)
+
+
 class Indexer(nnx.Module):
     """DSA lightning indexer: per query, the top-`index_topk` allowed keys by a ReLU multi-head score."""
 
@@ -126,14 +132,14 @@ class MLAttention(nnx.Module):
         B, T, _ = x.shape
         dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank:
-            q_resid = self.q_a_norm(self.q_a(x))
-            q = self.q_b(q_resid)
+            q_a, kv = once(self.q_a(x), self.kv_a(x))
+            q_resid = self.q_a_norm(q_a)
+            q = once(self.q_b(q_resid))[0]
         else:
             q_resid = x
-            q = self.q_proj(x)
+            q, kv = once(self.q_proj(x), self.kv_a(x))
         q = q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)
         q_nope, q_rope = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
-        kv = self.kv_a(x)
         c_kv = self.kv_a_norm(kv[..., :r])
         k_rope = apply_rope(kv[..., None, r:], cos, sin)[:, :, 0]
         return q_nope, q_rope, jnp.concatenate([c_kv, k_rope], axis=-1), q_resid

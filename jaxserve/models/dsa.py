@@ -2,9 +2,10 @@
 attention over only the selected tokens' latent rows (read by (page, slot)).
 
 Selection: each query keeps the `index_topk` causal keys with the highest index score (`attention.index_scores`;
-`block_scores`: keys in their stored precision, scales on the products), computed blockwise over the row's
-pages (a running top-k merged with each block's scores), so memory grows with
-`index_topk + block`, not with the context. Ties go to the earlier token, as one `lax.top_k` over the whole row.
+`block_scores`: keys in their stored precision, scales on the products; in decode under attention="pallas" the
+Triton kernel `dsa_index_scores`, reading the keys in place from the whole pool), computed blockwise over the row's
+pages (a running top-k merged with each block's scores), so memory grows with `index_topk + block`, not with the
+context. Ties go to the earlier token, as one `lax.top_k` over the whole row.
 A selection is (positions [B, T, K] int32 token indices within the row, valid [B, T, K] bool): slots a short
 context cannot fill are invalid and masked out of the softmax. IndexShare ("shared") layers reuse the selection of
 the last full layer before them.
@@ -32,6 +33,7 @@ from jaxserve.models import sharded
 from jaxserve.models.attention import masked_softmax
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.sharding import POOL_AXES, Parallel
+from pallas_kernels.dsa_index_scores import dsa_index_scores
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 
 Selection = tuple[jax.Array, jax.Array]  # (positions [B, T, K] int32, valid [B, T, K] bool)
@@ -67,9 +69,18 @@ def block_scores(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, b
     return jnp.einsum("btn,btns->bts", w, jax.nn.relu(s * q.shape[-1] ** -0.5))
 
 
+def kernel_scores(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, block_tables: jax.Array, *,
+                  interpret: bool) -> jax.Array:
+    """`block_scores` of one query per row by the Triton kernel, over the whole index-key pool's bits (no gathered
+    keys, no per-head scores in HBM). q [B, 1, nh, hd] f32, w [B, 1, nh] f32 -> [B, 1, m * ps] f32 (unmasked)."""
+    s = dsa_index_scores(q[:, 0], w[:, 0], pages.index_k, block_tables, pages.index_k_scale, layer=index_layer,
+                         value_dtype=pages.layout.index_layout.jnp_dtype, interpret=interpret)
+    return s[:, None]
+
+
 def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, block_tables: jax.Array,
-                positions: jax.Array, ctx_lens: jax.Array, topk: int, *, block_tokens: int | None = None
-                ) -> Selection:
+                positions: jax.Array, ctx_lens: jax.Array, topk: int, *, block_tokens: int | None = None,
+                attention: AttentionBackend = AttentionBackend()) -> Selection:
     """The top-`topk` cached keys of each query, by index score, blockwise over the row's pages.
 
     q [B, T, nh, hd] f32, w [B, T, nh] f32 (`Indexer.query`); block_tables [B, M] int32; positions [B, T] int32
@@ -77,9 +88,11 @@ def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, bl
     of the row, this step's included: keys at or past it are never selected). block_tokens: keys per step,
     default BLOCK_TOKENS x (QUERY_BLOCK // T): T x block stays a prefill query block's, so a decode step (T = 1)
     scores up to 16 x more keys at once; a row that fits one step takes one top_k, with no running top-k's
-    [B, T, K + block] concatenation. -> Selection, K = topk.
+    [B, T, K + block] concatenation. One query per row under attention="pallas": the scores by `kernel_scores`.
+    -> Selection, K = topk.
     """
     B, T = q.shape[:2]
+    kernel = attention.implementation == "pallas" and T == 1
     M = block_tables.shape[1]
     ps = pages.layout.page_size
     pb = block_pages(M, ps, block_tokens or BLOCK_TOKENS * max(1, QUERY_BLOCK // T))
@@ -90,7 +103,9 @@ def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, bl
         """Block j's key positions [sb] and their causal scores [B, T, sb] (-inf where not allowed)."""
         kpos = j * sb + jnp.arange(sb, dtype=jnp.int32)
         allowed = (kpos[None, None, :] <= positions[:, :, None]) & (kpos[None, None, :] < ctx_lens[:, None, None])
-        return kpos, jnp.where(allowed, block_scores(q, w, pages, index_layer, bt), -jnp.inf)
+        s = (kernel_scores(q, w, pages, index_layer, bt, interpret=attention.interpret) if kernel
+             else block_scores(q, w, pages, index_layer, bt))
+        return kpos, jnp.where(allowed, s, -jnp.inf)
 
     def step(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, jax.Array]
              ) -> tuple[tuple[jax.Array, jax.Array], None]:
@@ -169,7 +184,7 @@ def attend(q: jax.Array, index_q: tuple[jax.Array, jax.Array] | None, prev: Sele
     def one(xs: tuple) -> tuple[jax.Array, Selection]:
         qb, iq, sel, pos = xs
         if iq is not None:
-            sel = select_topk(iq[0], iq[1], pages, index_layer, bt, pos, ctx_lens, topk)
+            sel = select_topk(iq[0], iq[1], pages, index_layer, bt, pos, ctx_lens, topk, attention=attention)
         if kernel:
             return kernel_attention(qb, pages, layer, bt, sel, softmax_scale=softmax_scale,
                                     interpret=attention.interpret), sel

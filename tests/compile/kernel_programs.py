@@ -19,6 +19,7 @@ from aot import sds
 from pallas_kernels import paged_attention as gpu
 from pallas_kernels import paged_attention_tpu as tpu
 from pallas_kernels.paged_prefill import paged_prefill_gqa, paged_prefill_mla
+from pallas_kernels.dsa_index_scores import dsa_index_scores
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 
 F8 = jnp.float8_e4m3fn
@@ -43,6 +44,9 @@ GEOMETRIES = (
 )
 RANK = 512
 GLM52_LAYERS, GLM52_TOPK = 78, 2048  # the sparse decode reads the whole pool: every main layer, > 2**32 bytes
+# the indexer keys: 21 indexer layers x 32 heads x 128, pages as the H200 TP plan's pool (24,157: > 2**32 bytes of
+# u8 keys), scored 32,768 tokens (512 pages of 64) per call of dsa.select_topk's blockwise top-k
+GLM52_INDEX_LAYERS, GLM52_INDEX_HEADS, GLM52_INDEX_DIM, INDEX_POOL_PAGES, INDEX_BLOCK = 21, 32, 128, 24_157, 32_768
 PREFILL_ROWS, PREFILL_CHUNK = 2, 256  # EngineConfig: 512 prompt tokens per step, 256 per request
 
 def pools(target: str, geo: Geometry, page_size: int, kv_dtype, **layout) -> list:
@@ -119,3 +123,18 @@ def sparse_decode_program(geo: Geometry, page_size: int, kv_dtype, **tiling):
     fn = functools.partial(sparse_mla_decode, kv_lora_rank=RANK, softmax_scale=0.07, value_dtype=kv_dtype,
                            out_dtype=jnp.float32, **tiling)
     return (lambda q, p, bt, idx, sc, layer: fn(q, p, bt, idx, sc, layer=layer)), args
+
+
+def index_scores_program(geo: Geometry, page_size: int, kv_dtype, heads: int = GLM52_INDEX_HEADS, **tiling):
+    """(fn, args) of the DSA indexer scores attention="pallas" selects on GLM-5.2 decode (h200), as dsa.py calls it:
+    the whole index-key pool's stored bits [21, pages, ps, 128] (uint8 for fp8, uint16 for bf16) + a layer, one
+    block of the blockwise top-k's table per row; `heads` indexer heads (GLM-5.2's 32 unless a test asks more)."""
+    t, b = "h200", geo.decode_rows
+    bits = jnp.uint8 if kv_dtype == F8 else jnp.uint16
+    lead = (GLM52_INDEX_LAYERS, INDEX_POOL_PAGES, page_size)
+    args = [sds(t, (b, heads, GLM52_INDEX_DIM), jnp.float32), sds(t, (b, heads), jnp.float32),
+            sds(t, (*lead, GLM52_INDEX_DIM), bits),
+            sds(t, (b, INDEX_BLOCK // page_size), jnp.int32),
+            sds(t, lead, jnp.float32) if kv_dtype == F8 else None, sds(t, (), jnp.int32)]
+    fn = functools.partial(dsa_index_scores, value_dtype=kv_dtype, **tiling)
+    return (lambda q, w, p, bt, sc, layer: fn(q, w, p, bt, sc, layer=layer)), args

@@ -1,15 +1,19 @@
-"""The DSA sparse MLA decode kernel (pallas_kernels/sparse_mla_decode.py) compiled for an H200 (sm_90a) at GLM-5.2's
-per-device shapes (kernel_programs.sparse_decode_program): TP (8 heads, 64 rows) and DP (64 heads, 8 rows), FP8
-and BF16 pools as stored bits, pages of 16 and 64, the whole 78-layer pool (over 2**32 bytes: 64-bit offsets).
+"""The DSA decode kernels compiled for an H200 (sm_90a) at GLM-5.2's per-device shapes: the sparse MLA decode
+(pallas_kernels/sparse_mla_decode.py, kernel_programs.sparse_decode_program): TP (8 heads, 64 rows) and DP (64
+heads, 8 rows), FP8 and BF16 pools as stored bits, pages of 16 and 64, the whole 78-layer pool (over 2**32 bytes:
+64-bit offsets); the indexer scores (pallas_kernels/dsa_index_scores.py, kernel_programs.index_scores_program):
+TP and DP rows, 32 heads x 128, FP8 and BF16 keys as stored bits, the whole 21-layer index-key pool of the H200
+plan (over 2**32 bytes of u8 keys), one 32,768-token block of the blockwise top-k per row.
 Budget: Triton's allocated shared memory (the compiler's) <= the H200's; the pool reaches the kernel uncopied;
-negative control: an over-budget step is refused by the compiler."""
+negative controls: an over-budget step / head block is refused by the compiler."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
 
 from aot import check_budget, compile_for, copies_of
-from kernel_programs import F8, GEOMETRIES, GLM52_LAYERS, POOL_PAGES, sparse_decode_program
+from kernel_programs import (F8, GEOMETRIES, GLM52_INDEX_DIM, GLM52_INDEX_LAYERS, GLM52_LAYERS, INDEX_POOL_PAGES,
+                             POOL_PAGES, index_scores_program, sparse_decode_program)
 
 GLM5_TP = next(g for g in GEOMETRIES if g.name == "glm5-tp")
 GLM5_DP = GLM5_TP.__class__("glm5-dp", True, 64, 1, 576, 8, GLM5_TP.context)
@@ -28,5 +32,22 @@ def test_sparse_decode_compiles_within_shared_memory(geo, kv_dtype, page_size):
 def test_triton_refuses_an_over_budget_sparse_step():
     """256 selected tokens per step for a 64-head block: a [256, 576] f32 operand alone is 590 KB."""
     fn, args = sparse_decode_program(GLM5_DP, 64, F8, block_k=256)
+    with pytest.raises(Exception, match="Shared memory size limit exceeded"):
+        compile_for("h200", fn, *args)
+
+
+@pytest.mark.parametrize("geo", [GLM5_TP, GLM5_DP], ids=lambda g: g.name)
+@pytest.mark.parametrize("kv_dtype,page_size", [(F8, 64), (jnp.bfloat16, 64), (F8, 16)], ids=["fp8", "bf16", "fp8-p16"])
+def test_index_scores_compile_within_shared_memory(geo, kv_dtype, page_size):
+    fn, args = index_scores_program(geo, page_size, kv_dtype)
+    result = compile_for("h200", fn, *args)
+    check_budget("h200", result, "dsa_index_scores")
+    assert not copies_of(result, (GLM52_INDEX_LAYERS, INDEX_POOL_PAGES, page_size, GLM52_INDEX_DIM))
+
+
+def test_triton_refuses_an_over_budget_index_block():
+    """512 indexer heads: the [512, 128] f32 query block alone is 256 KB of shared memory (GLM-5.2's 32: 16 KB; the
+    keys go to the dot from registers, so more tokens per program add none)."""
+    fn, args = index_scores_program(GLM5_TP, 64, F8, heads=512)
     with pytest.raises(Exception, match="Shared memory size limit exceeded"):
         compile_for("h200", fn, *args)
