@@ -231,7 +231,7 @@ def test_gpu_kernels_read_a_layer_of_the_whole_pool(dtype):
     _gqa_case("gpu_pool", dtype, *CASES[1], TOY_GQA, TOY_BLOCKS, seed=33)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=pytest.mark.slow), "fp8"])
 def test_tpu_mla_kernel_reads_a_layer_of_the_whole_pool(dtype):
     """The engine's TPU MLA prefill hands the Mosaic kernel the whole pool's bits [L, P, ps, D] and the layer (a layer
     slice was copied whole per call by XLA:TPU v6e): the dense reference's output on that layer; NaN in the other
