@@ -43,8 +43,9 @@ def timed(out: Path, args: list[str]) -> int:
     plan = json.loads(proc.stdout)
     plan["run"] = {"command": "JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 nice -n 10 python -m jaxserve.cli plan "
                               + " ".join(args) + " --json --no-progress",
-                   "tree": tree, "started_utc": started, "wall_s": round(wall, 1), "load_1m_mean": round(sum(samples) / len(samples), 1),
-                   "load_1m_max": max(samples), "load_samples": len(samples), "cpus": os.cpu_count()}
+                   "tree": tree, "started_utc": started, "wall_s": round(wall, 1),
+                   "load_1m_mean": round(sum(samples) / len(samples), 1), "load_1m_max": max(samples),
+                   "load_samples": len(samples), "cpus": os.cpu_count()}
     out.write_text(json.dumps(plan, indent=1) + "\n")
     print(f"{out}: {wall:.0f} s at load {plan['run']['load_1m_mean']}", file=sys.stderr)
     return 0
