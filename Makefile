@@ -47,12 +47,13 @@ COMPILE_TIER = JAX_PLATFORMS=cpu JAXSERVE_COMPILE_TIER=1 $(AOT_BIN)/python -m py
 test-compile: $(AOT_STAMP)
 	$(COMPILE_TIER)
 
-# README's real-size target table: `jaxserve plan --target` for 8 x H200 and TPU v5p (8 chips), each < 10 min here.
+# README's real-size target table: `jaxserve plan --target` for 8 x H200, TPU v5p (8 chips) and v6e (32 chips, the
+# smallest slice that fits), each timed with the host's load (bench/plan_timed.py: 9-25 min each for GLM-5.2 here).
 PLAN_MODELS := kimi-k2.6 glm-5.2
 plan-targets: $(AOT_STAMP)
-	for t in h200 v5p; do for m in $(PLAN_MODELS); do \
-		JAX_PLATFORMS=cpu $(AOT_BIN)/python -m jaxserve.cli plan --preset $$m --devices 8 --target $$t --json \
-			--no-progress > bench/results/plan_$${t}_$$(echo $$m | sed "s/\.//; s/-/_/g").json || exit 1; done; done
+	for t in h200:8 v5p:8 v6e:32; do for m in $(PLAN_MODELS); do \
+		$(AOT_BIN)/python bench/plan_timed.py bench/results/plan_$${t%:*}_$$(echo $$m | sed "s/\.//; s/-/_/g").json \
+			--preset $$m --devices $${t#*:} --target $${t%:*} || exit 1; done; done
 	JAX_PLATFORMS=cpu $(AOT_BIN)/python -m jaxserve.cli plan --preset kimi-k2.6 --devices 8 --target h100 --json \
 		--no-progress > bench/results/plan_h100_kimi_k26.json
 	JAX_PLATFORMS=cpu $(AOT_BIN)/python -m jaxserve.cli plan --preset kimi-k2.6 --devices 8 --target h200 --json \

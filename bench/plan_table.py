@@ -25,6 +25,12 @@ def _handoff(m: dict, part: str) -> str:
             f"{coll} collectives")
 
 
+def _run(p: dict, m: dict) -> str:
+    """The plan's wall time and the host's mean 1-minute load while it ran, or "-" (run before they were recorded)."""
+    r = p.get("run")
+    return "-" if r is None else f"{r['wall_s']:.0f} s / {r['load_1m_mean']:.1f}"
+
+
 def _dp(dp: dict | None) -> str:
     """The compiled DP-attention decode: temporaries and its collectives per step, or "-" (not compiled)."""
     if dp is None:
@@ -58,6 +64,7 @@ def rows(plans: list[dict], dps: list[dict | None] | None = None) -> list[str]:
         ("hand-off export (128 BF16 pages -> FP8 chunk): arguments / temp / aliased",
          lambda p, m: _handoff(m, "export")),
         ("FP8 KV tokens, TP attention (6 GB reserve)", lambda p, m: f"{m['kv_tokens']:,}"),
+        ("plan wall time here (2 cores, niced) / host load: its `run` record (bench/plan_timed.py)", _run),
     ]
     dp_rows = [  # from the DP-attention plan where there is one (its compiled temporaries counted)
         ("FP8 KV tokens, DP attention", lambda p, d: f"{(d or p)['modes']['dp']['kv_tokens']:,}"),

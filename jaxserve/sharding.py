@@ -10,7 +10,8 @@ Logical axes: batch (decode rows / prefill rows), heads (attention query heads),
 (routed expert intermediate), vocab, pages (the KV page pool's page axis).
 
 Presets:
-  tensor_parallel  heads, kv_heads, ffn, expert_ffn and vocab over "tp"; the MLA latent pool replicated.
+  tensor_parallel  heads, kv_heads, ffn, expert_ffn and vocab over "tp"; the MLA latent pool replicated. On a TPU
+                   mesh, routed experts whose FFN shard would be narrower than a 128-lane tile split whole instead.
   expert_parallel  as tensor_parallel, but experts over "tp" whole (no FFN split).
   dp_attention     attention data-parallel: rows and the page pool split over "dp" (each device holds its own
                    requests' latent pages), attention weights replicated; experts over ("dp", "tp").
@@ -189,11 +190,28 @@ def param_axes(name: str, var: nnx.Variable) -> Axes:
     return axes
 
 
+LANES = 128  # the minor dim of a TPU tile: a narrower shard of a weight's minor dim is padded or relaid out
+
+
+def _narrow_experts(parallel: Parallel, axes: Axes, experts: tuple[int, int] | None) -> Axes:
+    """A routed expert weight's axes on a TPU mesh where its FFN (`experts`: (count, FFN width), the parameter's
+    `experts` metadata) would split narrower than a lane tile and the count divides by expert_ffn's shards: whole
+    experts split over expert_ffn's mesh axes instead (as under EP; the "expert_ffn" name then stands on the
+    experts dim). XLA:TPU relaid out every 64-wide shard of Kimi K2.6's experts at 32 chips before the kernel (120
+    copies of 88 MB per decode step). Elsewhere: `axes` unchanged."""
+    k = parallel.size("expert_ffn")
+    if (experts is None or k == 1 or experts[1] // k >= LANES or experts[0] % k or parallel.size("experts") > 1
+            or parallel.mesh.devices.flat[0].platform != "tpu"):
+        return axes
+    return tuple("expert_ffn" if a == "experts" else None if a == "expert_ffn" else a for a in axes)
+
+
 def split_axes(parallel: Parallel, name: str, var: nnx.Variable) -> Axes:
-    """The logical axes `var` is actually split by: its declared axes, with a quantized pair's dims that the block
-    rule above keeps whole set to None."""
-    axes = param_axes(name, var)
-    blocks: Blocks | None = var.get_metadata().get("blocks")
+    """The logical axes `var` is actually split by: its declared axes (a narrow routed expert's swapped for whole
+    experts, `_narrow_experts`), with a quantized pair's dims that the block rule above keeps whole set to None."""
+    meta = var.get_metadata()
+    axes = _narrow_experts(parallel, param_axes(name, var), meta.get("experts"))
+    blocks: Blocks | None = meta.get("blocks")
     if blocks is None:
         return axes
     out = []

@@ -10,6 +10,7 @@ target_configs/ are XLA's own device specs (openxla/xla xla/backends/gpu/target_
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,8 @@ def target(name: str) -> Target:
 
 def target_devices(t: Target, n: int) -> list:
     """n compile-only devices of `t` (a list of jax.Device). Raises ConfigError when the target's compiler is not
-    installed or it has no n-device topology here."""
+    installed or it has no n-device topology here. A TPU target sets ALLOW_MULTIPLE_LIBTPU_LOAD=1 (unless set) before
+    libtpu loads, so a plan runs beside another TPU process."""
     import jax
 
     if t.platform == "cpu":
@@ -73,6 +75,10 @@ def target_devices(t: Target, n: int) -> list:
         raise ConfigError(f"--target {t.name}: devices must be one of {sorted(t.topologies)}, got {n}",
                           value=n, param="devices")
     plugin = "jax_cuda12_plugin" if t.platform == "cuda" else "libtpu"
+    if t.platform == "tpu":
+        # compile-only devices guard no chip: without this, libtpu refuses to load beside another process that
+        # holds its lock ("Internal error when accessing libtpu multi-process lockfile"); read when it loads
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         __import__(plugin)
         from jax.experimental import topologies

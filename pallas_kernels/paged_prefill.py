@@ -496,6 +496,23 @@ def _one_layer(backend: str, layer: int | jax.Array | None) -> None:
         raise ValueError(f"backend {backend!r} reads one layer's pages: `layer` is for backend 'gpu'")
 
 
+def _layer_pages(pages: jax.Array, scales: jax.Array | None, block_tables: jax.Array, layer: int | jax.Array | None
+                 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """TPU MLA: one layer [P, ps, D] as given (layer None), or the whole pool [L, P, ps, D] (values or bits) with
+    `layer` as one [L * P, ps, D] pool (a row-major pool's leading dims merge for free) and the block table
+    shifted to the layer's pages: no layer slice (v6e copied each layer's whole slice) and no whole-pool bitcast
+    for XLA:TPU to materialize."""
+    if (layer is None) != (pages.ndim == 3):
+        raise ValueError(f"pages {pages.shape}: pass one layer (3 dims), or the pool with a leading layer axis and "
+                         f"`layer`")
+    if layer is None:
+        return pages, scales, block_tables
+    n, p = pages.shape[:2]
+    pages = pages.reshape(n * p, *pages.shape[2:])  # bits stay bits: the kernel views a VMEM block as values
+    scales = None if scales is None else scales.reshape(n * p, *scales.shape[2:])
+    return pages, scales, block_tables + jnp.asarray(layer, jnp.int32) * p
+
+
 def _check_mla(q: jax.Array, pages: jax.Array, scales: jax.Array | None, kv_lora_rank: int) -> None:
     if q.ndim != 4 or q.shape[-1] != pages.shape[-1] or not 0 < kv_lora_rank < q.shape[-1]:
         raise ValueError(f"q {q.shape}, pages {pages.shape}, kv_lora_rank {kv_lora_rank}")
@@ -528,9 +545,9 @@ def paged_prefill_mla(q: jax.Array, pages: jax.Array, block_tables: jax.Array, p
     accumulate in f32.
     pages: [num_pages, page_size, kv_lora_rank + rope_dim] bf16 | f32 | float8_e4m3fn, one layer, the chunk's own
     latents already written. scales: [num_pages, page_size] f32 for fp8 pages (x ~= q8 * scale), else None.
-    Backend "gpu" also takes the whole pool [layers, num_pages, ...] (scales likewise) with `layer` (int or int32
-    scalar), pages as values or their bits (uint8 / uint16), as paged_attention.paged_mla_decode: no layer slice
-    for XLA:GPU to copy.
+    Backends "gpu" and "tpu" also take the whole pool [layers, num_pages, ...] (scales likewise) with `layer` (int
+    or int32 scalar), pages as values or their bits (uint8 / uint16), as paged_attention.paged_mla_decode: no layer
+    slice for XLA to copy.
     block_tables: [B, M] int32 (prior context + this chunk; padding entries 0, a valid page).
     positions: [B, T] int32 absolute positions. ctx_lens: [B] int32 (prior + chunk tokens; clipped to M * ps).
     Key s is visible to the query at position p iff s <= p and s < ctx_len; a query that sees no key gets 0.
@@ -543,10 +560,11 @@ def paged_prefill_mla(q: jax.Array, pages: jax.Array, block_tables: jax.Array, p
     b, t, n, _ = q.shape
     page_size = pages.shape[-2]
     blocks = choose_blocks(backend, mla=True, rows=t * n, page_size=page_size, block_r=block_r, block_k=block_k)
+    if backend != "gpu":
+        pages, scales, block_tables = _layer_pages(pages, scales, block_tables, layer)
     bt, lens = _tables(block_tables, ctx_lens, page_size, blocks.block_k // page_size)
     kw = dict(kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale, blocks=blocks, interpret=interpret)
     if backend != "gpu":
-        _one_layer(backend, layer)
         qr, pos = _rows(q.astype(_compute_dtype(pages.dtype)), positions, 1, blocks.block_r)
         return _unrows(_paged_prefill_mla_tpu(qr, pages, bt, lens, pos, scales, **kw), t, n)
     pages, (scales,), layer, value_dtype = with_layer_axis(pages, 3, layer, (scales,))

@@ -84,7 +84,8 @@ class AttentionBackend:
         def kernel(q: jax.Array, pools: tuple, tables: tuple) -> jax.Array:
             return self._prefill_kernel(q, pools, tables, lay, layer, softmax_scale, dot_dtype)
 
-        whole = self.implementation == "pallas" or (self.implementation == "pallas_tpu" and lay.kind == "gqa")
+        # every Pallas prefill reads the whole pool: a layer's slice (or its value view) was copied per layer
+        whole = self.implementation == "pallas" or self.implementation == "pallas_tpu"
         return self._per_shard(par, kernel, q, pages, layer, tables, ("batch", None, "heads", None), whole=whole)
 
     def _per_shard(self, par: Parallel | None, kernel: Callable, q: jax.Array, pages: KVPages, layer: int,
@@ -133,7 +134,7 @@ class AttentionBackend:
                 return prefill_attention_xla.prefill_mla_blockwise(
                     q, lat, bt, positions, ctx_lens, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
                     value_dtype=lay.jnp_dtype, layer=layer, dot_dtype=dot_dtype)
-            return paged_prefill_mla(q, lat, bt, positions, ctx_lens, scale, layer=self._whole_layer(layer),
+            return paged_prefill_mla(q, lat, bt, positions, ctx_lens, scale, layer=self._whole_layer(layer, mla=True),
                                      kv_lora_rank=rank, softmax_scale=softmax_scale, backend=self.tiling,
                                      interpret=self.interpret)
         kp, vp, ks, vs = pools
@@ -144,6 +145,7 @@ class AttentionBackend:
         return paged_prefill_gqa(q, kp, vp, bt, positions, ctx_lens, ks, vs, layer=layer,  # the whole pool's bits
                                  softmax_scale=softmax_scale, backend=self.tiling, interpret=self.interpret)
 
-    def _whole_layer(self, layer: int) -> int | None:
-        """The layer a prefill kernel reads from the whole pool (GPU); None: it is handed one layer (TPU)."""
-        return layer if self.implementation == "pallas" else None
+    def _whole_layer(self, layer: int, mla: bool = False) -> int | None:
+        """The layer a prefill kernel reads from the whole pool (GPU; TPU MLA); None: it is handed one layer (TPU
+        GQA)."""
+        return layer if self.implementation == "pallas" or (mla and self.implementation == "pallas_tpu") else None

@@ -151,6 +151,9 @@ class Experts(nnx.Module):
         self.gate, gate_scale = _weight(_init(rngs, (n, hidden, inter)), fmt, self.fmt, dtype, up_axes)
         self.up, up_scale = _weight(_init(rngs, (n, hidden, inter)), fmt, self.fmt, dtype, up_axes)
         self.down, down_scale = _weight(_init(rngs, (n, inter, hidden)), fmt, self.fmt, dtype, down_axes)
+        for p in (self.gate, self.up, self.down, gate_scale, up_scale, down_scale):
+            if p is not None:  # the sharding rules keep a too-narrow FFN split whole (sharding._narrow_experts)
+                p.set_metadata("experts", (n, inter))
         self.gate_scale = nnx.data(gate_scale)  # None for dense formats
         self.up_scale = nnx.data(up_scale)
         self.down_scale = nnx.data(down_scale)

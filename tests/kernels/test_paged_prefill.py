@@ -153,14 +153,15 @@ def _mla_case(impl, dtype, page_size, ctx_lens, chunk_lens, t, m, dims, blocks, 
         return
     if impl == "blockwise_bf16":
         got = prefill_mla_blockwise(*args, kv_lora_rank=r, softmax_scale=scale, block_pages=2, dot_dtype=jnp.bfloat16)
-    elif impl == "gpu_pool":  # the engine's GPU form: the whole pool's bits and the layer
+    elif impl in ("gpu_pool", "tpu_pool"):  # the engine's GPU and TPU form: the whole pool's bits and the layer
+        backend = impl.split("_")[0]
         got = paged_prefill_mla(q, in_pool(pages), *args[2:5], in_pool(sc), layer=jnp.int32(LAYER), kv_lora_rank=r,
-                                softmax_scale=scale, backend="gpu", interpret=True, **blocks)
+                                softmax_scale=scale, backend=backend, interpret=_interpret(backend), **blocks)
     else:
         got = paged_prefill_mla(*args, kv_lora_rank=r, softmax_scale=scale, backend=impl,
                                 interpret=_interpret(impl), **blocks)
     c = [_context(deq, bt, page_size, nn, i)[:, None] for i, nn in enumerate(ctx_lens)]  # one latent "kv head"
-    rel = BF16_ROUND if (impl == "tpu" and dtype == "fp8") else 0.0
+    rel = BF16_ROUND if (impl.startswith("tpu") and dtype == "fp8") else 0.0
     qg = np.asarray(q, np.float32)[:, :, None]
     bound = _bound(qg, c, [x[..., :r] for x in c], ctx_lens, scale, rel)[:, :, 0]
     _check(got, want, bound, ctx_lens)
@@ -239,7 +240,16 @@ def test_tpu_gqa_kernel_reads_a_layer_of_the_whole_pool(dtype):
     _gqa_case("tpu_pool", dtype, *CASES[1], TOY_GQA, TOY_BLOCKS, seed=35)
 
 
-def test_only_the_gpu_backend_takes_a_layer():
+@pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=pytest.mark.slow), "fp8"])
+def test_tpu_mla_kernel_reads_a_layer_of_the_whole_pool(dtype):
+    """The engine's TPU MLA prefill hands the Mosaic kernel the whole pool's bits [L, P, ps, D] and the layer (a layer
+    slice was copied whole per call by XLA:TPU v6e): the dense reference's output on that layer; NaN in the other
+    layers does not leak (TPU interpret mode)."""
+    _mla_case("tpu_pool", dtype, *CASES[1], TOY_MLA, TOY_BLOCKS, seed=35)
+
+
+def test_a_layer_goes_with_the_whole_pool():
+    """`layer` with one layer's pages (TPU), or the whole pool without it (GPU), is refused."""
     q, pool = jnp.zeros((1, 4, 4, 48), jnp.bfloat16), jnp.zeros((3, 8, 8, 48), jnp.bfloat16)
     bt, pos, ctx = jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 4), jnp.int32), jnp.ones((1,), jnp.int32)
     with pytest.raises(ValueError, match="layer"):
