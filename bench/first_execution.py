@@ -1,0 +1,93 @@
+"""Is there a first-execution cost? After `warm_up("fast")` (the embedded model, `serve --max-model-len 256`'s engine
+config and CPU layout, the user's compile cache; the background compiles held so they do not disturb the timings),
+in a fresh process each:
+
+  * "programs": each program a lone short request runs (`fallback.lone_shapes` in both sampling forms, and the
+    hand-off of its pages) called `--calls` times on all-padding data through the scheduler's own entry points
+    (`engine.priming.run_once`, wall time incl. the upload and the wait for the result): first, second and the
+    median of the rest, in ms; the order is the order of a request (prefill, hand-off, decode at each table).
+  * "requests" / "requests_primed": `--requests` lone requests one after another (a 64-token prompt, 1 greedy
+    token: about a TTFT), end to end through `Engine.generate`; "primed" ran every program of "programs" once first
+    (`priming.run_all`, its cost reported).
+
+Usage: python bench/first_execution.py [--calls 8] [--requests 6] --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import common  # noqa: E402
+
+_RUN = """
+import json, statistics, sys, threading, time
+from jaxserve.cli import build_parser, default_checkpoint
+from jaxserve.engine import Engine, SamplingParams
+from jaxserve.engine.compile_cache import enable_from_args
+from jaxserve.engine.fallback import lone_shapes
+from jaxserve.engine.priming import run_all, run_once, runnable
+from jaxserve.engine.sampling_forms import SERVING_MODES
+from jaxserve.server.main import engine_config, start_jax
+mode, calls, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+args = build_parser().parse_args(["serve", "--max-model-len", "256"])
+enable_from_args(args)
+engine = Engine.from_checkpoint(default_checkpoint(), engine_config(args, start_jax(args)))
+line = engine.warm_up("fast", hold=threading.Event()).line()
+c, order = engine.cfg, {"prefill": 0, "handoff": 1, "decode": 2, "verify": 3}
+keys = sorted([(*s, f) for s in lone_shapes(engine.programs) for f in SERVING_MODES]
+              + [("handoff", 0, c.prefill_page_buckets[0], 0, "")], key=lambda k: (order[k[0]], k[2], k[4]))
+keys = [k for k in keys if runnable(engine.programs, k)]
+out = {"warmup": line}
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+with engine._step_lock:
+    if mode == "programs":
+        for key in keys:
+            ms = [timed(lambda: run_once(engine.programs, key, engine.scheduler.ranks)) for _ in range(calls)]
+            out["/".join(map(str, key))] = {"first": ms[0], "second": ms[1], "median_rest": statistics.median(ms[2:])}
+    elif mode == "requests_primed":
+        out["prime_ms"] = timed(lambda: run_all(engine.programs, keys, engine.scheduler.ranks))
+if mode != "programs":
+    out["request_ms"] = [timed(lambda: engine.generate([[(31 * j + i) % 4000 + 10 for j in range(64)]],
+                                                       SamplingParams(max_tokens=1))) for i in range(requests)]
+engine.close()
+print(json.dumps(out))
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--modes", default="programs,requests,requests_primed")
+    ap.add_argument("--json", dest="json_out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    out: dict = {"bench": "first_execution", "command": "python bench/first_execution.py " + " ".join(
+        sys.argv[1:] if argv is None else argv), "machine": common.machine()}
+    lines = []
+    for mode in args.modes.split(","):
+        load = os.getloadavg()[0]
+        proc = subprocess.run([sys.executable, "-c", _RUN, mode, str(args.calls), str(args.requests)], cwd=ROOT,
+                              check=True, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})  # its stderr: the log
+        res = out[mode] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "load_before": load,
+                           "load_after": os.getloadavg()[0]}
+        if mode == "programs":
+            lines += [f"{k:<28} first {v['first']:7.1f}  second {v['second']:6.1f}  median {v['median_rest']:6.1f} ms"
+                      for k, v in res.items() if isinstance(v, dict)]
+        else:
+            lines.append(f"{mode}: " + ", ".join(f"{x:.0f}" for x in res["request_ms"]) + " ms"
+                         + (f" (priming {res['prime_ms']:.0f} ms)" if "prime_ms" in res else ""))
+    return common.write_result(out, "\n".join(lines), args.json_out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
