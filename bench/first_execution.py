@@ -8,7 +8,9 @@ in a fresh process each:
     median of the rest, in ms; the order is the order of a request (prefill, hand-off, decode at each table).
   * "requests" / "requests_primed": `--requests` lone requests one after another (a 64-token prompt, 1 greedy
     token: about a TTFT), end to end through `Engine.generate`; "primed" ran every program of "programs" once first
-    (`priming.run_all`, its cost reported).
+    (`priming.run_all`, its cost reported); "requests_generated": primed and one real 2-token request of another
+    prompt first; "http": primed, then the same through the server app (Flask test
+    client: a streamed chat completion of ~64 tokens of user text, 1 token), for host work a first request pays.
 
 Usage: python bench/first_execution.py [--calls 8] [--requests 6] --json OUT.json
 """
@@ -53,9 +55,21 @@ with engine._step_lock:
         for key in keys:
             ms = [timed(lambda: run_once(engine.programs, key, engine.scheduler.ranks)) for _ in range(calls)]
             out["/".join(map(str, key))] = {"first": ms[0], "second": ms[1], "median_rest": statistics.median(ms[2:])}
-    elif mode == "requests_primed":
+    elif mode in ("requests_primed", "requests_generated", "http"):
         out["prime_ms"] = timed(lambda: run_all(engine.programs, keys, engine.scheduler.ranks))
-if mode != "programs":
+if mode == "requests_generated":  # and one real 2-token request of another prompt through the engine thread
+    out["generated_ms"] = timed(lambda: engine.generate([list(range(3000, 3064))], SamplingParams(max_tokens=2)))
+if mode == "http":  # the same lone request through the app (chat template, parsing, SSE), no socket
+    from jaxserve.server.app import create_app
+    client = create_app(engine, "tiny").test_client()
+    text = " ".join(f"w{j}" for j in range(48))
+    def chat(i):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"{i} {text}"}], "max_tokens": 1,
+                "stream": True}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.get_data(as_text=True).rstrip().endswith("[DONE]")
+    out["request_ms"] = [timed(lambda: chat(i)) for i in range(requests)]
+elif mode != "programs":
     out["request_ms"] = [timed(lambda: engine.generate([[(31 * j + i) % 4000 + 10 for j in range(64)]],
                                                        SamplingParams(max_tokens=1))) for i in range(requests)]
 engine.close()
