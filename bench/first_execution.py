@@ -9,7 +9,8 @@ in a fresh process each:
   * "requests" / "requests_primed": `--requests` lone requests one after another (a 64-token prompt, 1 greedy
     token: about a TTFT), end to end through `Engine.generate`; "primed" ran every program of "programs" once first
     (`priming.run_all`, its cost reported); "requests_generated": primed and one real 2-token request of another
-    prompt first; "http": primed, then the same through the server app (Flask test
+    prompt first; "requests_idle": as "requests_generated" with the engine idle 2 s before each request (a sweep
+    starts after an idle gap); "http": primed, then the same through the server app (Flask test
     client: a streamed chat completion of ~64 tokens of user text, 1 token), for host work a first request pays.
 
 Usage: python bench/first_execution.py [--calls 8] [--requests 6] --json OUT.json
@@ -55,9 +56,9 @@ with engine._step_lock:
         for key in keys:
             ms = [timed(lambda: run_once(engine.programs, key, engine.scheduler.ranks)) for _ in range(calls)]
             out["/".join(map(str, key))] = {"first": ms[0], "second": ms[1], "median_rest": statistics.median(ms[2:])}
-    elif mode in ("requests_primed", "requests_generated", "http"):
+    elif mode in ("requests_primed", "requests_generated", "requests_idle", "http"):
         out["prime_ms"] = timed(lambda: run_all(engine.programs, keys, engine.scheduler.ranks))
-if mode == "requests_generated":  # and one real 2-token request of another prompt through the engine thread
+if mode in ("requests_generated", "requests_idle"):  # and one real 2-token request of another prompt
     out["generated_ms"] = timed(lambda: engine.generate([list(range(3000, 3064))], SamplingParams(max_tokens=2)))
 if mode == "http":  # the same lone request through the app (chat template, parsing, SSE), no socket
     from jaxserve.server.app import create_app
@@ -70,8 +71,12 @@ if mode == "http":  # the same lone request through the app (chat template, pars
         assert r.status_code == 200 and r.get_data(as_text=True).rstrip().endswith("[DONE]")
     out["request_ms"] = [timed(lambda: chat(i)) for i in range(requests)]
 elif mode != "programs":
-    out["request_ms"] = [timed(lambda: engine.generate([[(31 * j + i) % 4000 + 10 for j in range(64)]],
-                                                       SamplingParams(max_tokens=1))) for i in range(requests)]
+    idle = 2.0 if mode == "requests_idle" else 0.0
+    def lone(i):
+        time.sleep(idle)
+        return timed(lambda: engine.generate([[(31 * j + i) % 4000 + 10 for j in range(64)]],
+                                             SamplingParams(max_tokens=1)))
+    out["request_ms"] = [lone(i) for i in range(requests)]
 engine.close()
 print(json.dumps(out))
 """

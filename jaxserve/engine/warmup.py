@@ -93,7 +93,8 @@ class WarmupReport:
                 f"{self.cache_hits} loaded from the compile cache, {self.backend_compiles - self.cache_hits} compiled"
                 + (f"; dropped from memory {self.evictions} times to stay under {self.max_maps} memory mappings (they "
                    "load from the compile cache on first use)" if self.evictions else "")
-                + (f"; ran {sum(self.primed.values())} of them once ({self.prime_seconds:.1f} s)" if self.primed else ""))
+                + (f"; ran {sum(self.primed.values())} of them once ({self.prime_seconds:.1f} s)"
+                   if self.primed else ""))
 
 
 @contextmanager
