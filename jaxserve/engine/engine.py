@@ -347,7 +347,8 @@ class Engine:
         on padding under the step lock (`engine.priming`: no request pays a program's first run); safe beside live
         traffic (padding writes no page). Returns what it compiled before returning and what the persistent cache
         answered. max_maps: the memory mappings the compiles may hold before they drop compiled programs to the
-        persistent cache (default `EngineConfig.max_maps`; `warmup.run_jobs`). hold: "fast"'s background thread waits for it (tests)."""
+        persistent cache (default `EngineConfig.max_maps`; `warmup.run_jobs`). hold: "fast"'s background thread
+        waits for it (tests)."""
         max_maps = self.map_guard.max_maps if max_maps is None else max_maps
         self.map_guard.warming += 1  # the warm-up keeps the bound itself; no step evicts under its loads
         try:
