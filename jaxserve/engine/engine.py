@@ -24,7 +24,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.fallback import CompiledShapes, largest_keys
 from jaxserve.engine.kv_transfer import Puller, TransferStore
 from jaxserve.engine.mtp_draft import serving_models, uses_mtp
-from jaxserve.engine.priming import prime
+from jaxserve.engine.priming import prime, run_once
 from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
 from jaxserve.engine.scheduler import Scheduler
@@ -363,6 +363,7 @@ class Engine:
             rest = shapes.warm(level, progress, max_maps)
             report = shapes.report
             self._prime(set(shapes.done), report)
+            shapes.runner = self._run_once  # the background's programs too, before a step may use them
             self.scheduler.shapes = shapes  # from the next step on, a shape not compiled yet pads to a compiled one
             self.map_guard.warming += 1  # the background thread's own run_jobs keeps the bound until it is done
             shapes.start(rest, hold, max_maps, done=self._background_done)
@@ -373,6 +374,11 @@ class Engine:
     def _prime(self, keys: set[Key] | list[Key], report: WarmupReport) -> None:
         """Run the programs of `keys` once on padding (`engine.priming`) so no live request pays a first run."""
         prime(self.programs, keys, self.scheduler.ranks, self._step_lock, report)
+
+    def _run_once(self, key: Key) -> None:
+        """Run one plan key's program once on padding, between steps (`engine.priming`)."""
+        with self._step_lock:
+            run_once(self.programs, key, self.scheduler.ranks)
 
     def _background_done(self, report: WarmupReport | None) -> None:
         """The fast warm-up's background compiles ended (report None: they stopped on an error)."""
