@@ -21,16 +21,17 @@ import jax.numpy as jnp
 from jaxserve.checkpoint import load
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.fallback import CompiledShapes
+from jaxserve.engine.fallback import CompiledShapes, largest_keys
 from jaxserve.engine.kv_transfer import Puller, TransferStore
 from jaxserve.engine.mtp_draft import serving_models, uses_mtp
+from jaxserve.engine.priming import prime, run_once
 from jaxserve.engine.programs import Programs, phase_devices, phase_parallel
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams, TokenEvent
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.engine.text_stream import TextStream
-from jaxserve.engine.warmup import (MapGuard, WarmupLevel, WarmupReport, default_max_maps, full_plan,
-                                    run_jobs)
+from jaxserve.engine.warmup import (Key, MapGuard, WarmupLevel, WarmupReport, default_max_maps, full_plan,
+                                    plan_keys, run_jobs)
 from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
 from jaxserve.models import CausalLM
 
@@ -342,28 +343,42 @@ class Engine:
                 hold: threading.Event | None = None) -> WarmupReport:
         """Compile ahead of traffic what `level` promises (engine.warmup: "full" every program a plain request
         can select; "fast" the largest shape of each kind, then the rest in one background thread while steps pad
-        to what is compiled, `engine.fallback`; "none" nothing); safe beside live traffic (nothing runs, no pool is
-        touched). Returns what it compiled before returning and what the persistent cache answered. max_maps: the
-        memory mappings the compiles may hold before they drop compiled programs to the persistent cache (default
-        `EngineConfig.max_maps`; `warmup.run_jobs`). hold: "fast"'s background thread waits for it (tests)."""
+        to what is compiled, `engine.fallback`; "none" nothing); then runs the fast set (full: the same set) once
+        on padding under the step lock (`engine.priming`: no request pays a program's first run); safe beside live
+        traffic (padding writes no page). Returns what it compiled before returning and what the persistent cache
+        answered. max_maps: the memory mappings the compiles may hold before they drop compiled programs to the
+        persistent cache (default `EngineConfig.max_maps`; `warmup.run_jobs`). hold: "fast"'s background thread
+        waits for it (tests)."""
         max_maps = self.map_guard.max_maps if max_maps is None else max_maps
         self.map_guard.warming += 1  # the warm-up keeps the bound itself; no step evicts under its loads
         try:
             if level == "full":
                 report = run_jobs(level, full_plan(self.programs), progress, max_maps=max_maps)
                 self.map_guard.evictions += report.evictions
+                self._prime(largest_keys(self.programs, plan_keys(self.programs)), report)
                 return report
             if level == "none":
                 return WarmupReport(level)
             shapes = CompiledShapes(self.programs)
             rest = shapes.warm(level, progress, max_maps)
             report = shapes.report
+            self._prime(set(shapes.done), report)
+            shapes.runner = self._run_once  # the background's programs too, before a step may use them
             self.scheduler.shapes = shapes  # from the next step on, a shape not compiled yet pads to a compiled one
             self.map_guard.warming += 1  # the background thread's own run_jobs keeps the bound until it is done
             shapes.start(rest, hold, max_maps, done=self._background_done)
             return report
         finally:
             self.map_guard.warming -= 1
+
+    def _prime(self, keys: set[Key] | list[Key], report: WarmupReport) -> None:
+        """Run the programs of `keys` once on padding (`engine.priming`) so no live request pays a first run."""
+        prime(self.programs, keys, self.scheduler.ranks, self._step_lock, report)
+
+    def _run_once(self, key: Key) -> None:
+        """Run one plan key's program once on padding, between steps (`engine.priming`)."""
+        with self._step_lock:
+            run_once(self.programs, key, self.scheduler.ranks)
 
     def _background_done(self, report: WarmupReport | None) -> None:
         """The fast warm-up's background compiles ended (report None: they stopped on an error)."""

@@ -9,7 +9,8 @@ tables), so a single stream never pays a large bucket's step while the rest comp
 thread compiles the rest of `warmup.full_plan` (the scoring prefill's grid included), small (likely-first)
 shapes first. Meanwhile a step whose own shape is not compiled yet is padded to the smallest compiled shape that
 covers it (`fit`: more rows, pages and chunk tokens are padding the bucketed programs already handle), so the
-engine thread never compiles; once its own shape (every form, and for decode its unpacking) is compiled, it is used.
+engine thread never compiles; once its own shape (every form, and for decode its unpacking) is compiled, it is used
+(after the engine's `runner`, when set, has run its program once between steps: `engine.priming`).
 The background thread runs at the lowest CPU priority (`lower_priority`: nice 19, Linux), so on a host with few
 cores the engine and HTTP threads win them; XLA:CPU's own compile pool (threads the client started earlier) keeps
 its priority: a cold compile's codegen runs there, a compile-cache load and the tracing/lowering on the thread. The
@@ -110,6 +111,7 @@ class CompiledShapes:
         self.thread: threading.Thread | None = None
         self.report: WarmupReport | None = None  # the background compiles', once finished
         self.stopped = threading.Event()  # set by `stop`: the jobs left are skipped
+        self.runner: Callable[[Key], None] | None = None  # runs a key's program once before it is usable (priming)
         self._lock = threading.Lock()
 
     def add(self, key: Key) -> None:
@@ -178,6 +180,8 @@ class CompiledShapes:
             if self.stopped.is_set():  # the engine is closing: no compile may outlive it
                 return
             job()
+            if self.runner is not None:  # its first run here, not in a request's step
+                self.runner(key)
             self.add(key)
 
         return [(k[0], lambda k=k, job=job_of(self.programs, k)[1]: marked(k, job)) for k in keys]

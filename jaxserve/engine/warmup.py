@@ -28,6 +28,9 @@ from the persistent compilation cache.
     "full" (the scoring prefill included) in one background thread while a step whose shape is not compiled yet
     runs padded in the smallest compiled shape covering it (`engine.fallback`): nothing compiles on the engine
     thread (but a scoring prefill before any scoring shape covering it is compiled: it compiles its own).
+    Both "full" and "fast" then run the fast set's programs once on padding (`engine.priming`, under the engine's
+    step lock; `WarmupReport.primed`): a program's first run costs several times a later one (XLA:CPU executable
+    set-up, jit's C++ fast path: bench/first_execution.py), paid before ready instead of by a first request.
     (`Engine(warmup="first")` is the older, smaller set: what a first short request runs,
     `Programs.compile_first`, its sampled programs deferred to the first idle second, the rest on first use.)
   * "none": nothing; each program compiles on first use, inside the engine loop.
@@ -71,7 +74,8 @@ Job = tuple[str, Callable[[], None]]  # (kind, compile it)
 @dataclass
 class WarmupReport:
     """What one warm-up did: jobs run by kind, XLA compiles asked for, and how many of those the persistent
-    compilation cache answered (the rest were compiled); seconds of wall time."""
+    compilation cache answered (the rest were compiled); seconds of wall time; the programs then run once on
+    padding by kind (`engine.priming`: a live request never pays a program's first run) and the seconds that took."""
 
     level: str
     jobs: dict[str, int] = field(default_factory=dict)
@@ -80,13 +84,17 @@ class WarmupReport:
     seconds: float = 0.0
     evictions: int = 0
     max_maps: int | None = None
+    primed: dict[str, int] = field(default_factory=dict)  # programs run once on padding after compiling (priming)
+    prime_seconds: float = 0.0
 
     def line(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in self.jobs.items()) or "nothing"
         return (f"warm-up {self.level}: {kinds} in {self.seconds:.1f} s; {self.backend_compiles} XLA programs, "
                 f"{self.cache_hits} loaded from the compile cache, {self.backend_compiles - self.cache_hits} compiled"
                 + (f"; dropped from memory {self.evictions} times to stay under {self.max_maps} memory mappings (they "
-                   "load from the compile cache on first use)" if self.evictions else ""))
+                   "load from the compile cache on first use)" if self.evictions else "")
+                + (f"; ran {sum(self.primed.values())} of them once ({self.prime_seconds:.1f} s)"
+                   if self.primed else ""))
 
 
 @contextmanager

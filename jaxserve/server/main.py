@@ -15,7 +15,8 @@ user cache dir; `--no-compile-cache` turns it off).
 
 Start-up: the weights load, the server listens (`/health` answers 200: live), then `--warmup` compiles ahead of
 traffic in a background thread (`engine.warmup`: full, fast or none; one progress bar, and a log line of what came
-from the compile cache); `/ready` (and `/health?ready=1`) answers 503 until that is done. A warm-up that fails
+from the compile cache), runs what it compiled once (`engine.priming`) and one short start-up request
+(`first_request`); `/ready` (and `/health?ready=1`) answers 503 until that is done. A warm-up that fails
 (e.g. `full` over the memory-mapping budget with no compile cache to drop programs to) ends the process at once
 with its error on one line and exit code 2, rather than leave a server that is never ready.
 Shutdown: SIGTERM or SIGINT starts a drain (`Lifecycle.drain`): generation requests get 503 + Retry-After and
@@ -56,6 +57,9 @@ SPARE_THREADS = 4  # beyond the admission limit: /health, /metrics and refusals 
 MALLOC_ARENAS = 2  # glibc makes up to 8 x cores heap arenas; each request thread's garbage would pin its own
 M_ARENA_MAX = -8  # mallopt parameter number (malloc.h)
 DRAIN_TIMEOUT_S = 30.0
+STARTUP_PROMPT = [{"role": "user", "content": "Hello"}]  # `first_request`'s, before ready
+STARTUP_TOKENS = 2
+STARTUP_SALT = "jaxserve-startup"
 FLUSH_WAIT_S = 5.0  # after the drain: how long the last events may take to leave the sockets
 
 
@@ -261,6 +265,25 @@ def _unsent(server: BaseWSGIServer | MultiSocketServer) -> int:
     return sum(getattr(ch, "total_outbufs_len", 0) for ch in list(channels.values()))
 
 
+def first_request(engine: Engine) -> None:
+    """One short greedy request (STARTUP_PROMPT through the chat template when the checkpoint has one; 2 tokens) on
+    each engine's thread before ready: even with every program run once (`engine.priming`) a first request costs
+    ~1.5x a later one (host paths used for the first time; bench/first_execution.py). Its own cache salt: no
+    client's prompt hits its prefix-cache pages. It counts in the engine's stats. Not on a prefill / decode server
+    (no whole request runs there)."""
+    from jaxserve.engine import Request, SamplingParams
+
+    if engine.cfg.role != "both":
+        return
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(STARTUP_PROMPT) if tok is not None and tok.chat_template else None
+    for worker in getattr(engine, "workers", [engine]):  # `--workers`: every replica's thread
+        prompt = worker.encode(text) if text is not None else list(range(1, 9))  # no template: a few ids
+        req = Request(prompt, SamplingParams(max_tokens=STARTUP_TOKENS), cache_salt=STARTUP_SALT)
+        for _ in worker.submit(req):
+            pass
+
+
 def start_warmup(engine: Engine, level: str, lifecycle: Lifecycle, progress: bool = True,
                  on_error: Callable[[Exception], None] | None = None) -> threading.Thread:
     """Warm the engine up in a daemon thread (returned); the lifecycle becomes ready when it is done. A failed
@@ -268,6 +291,8 @@ def start_warmup(engine: Engine, level: str, lifecycle: Lifecycle, progress: boo
     def warm() -> None:
         try:
             report = engine.warm_up(level, progress)
+            if level != "none":
+                first_request(engine)
         except Exception as e:
             if on_error is None:
                 raise

@@ -104,3 +104,6 @@ def test_fast_and_none_levels():
     assert report.backend_compiles > 0 and "prefill_scored" not in first  # the scoring prefill: in the background
     # decode: the largest shape and a lone short request's (1 row x 8 pages), each with its unpacking
     assert first["decode"] == 2 * len(SERVING_MODES) and first["unpack"] == 2
+    # and ran each model and hand-off program once (engine.priming): jit's call cache fills only on a call
+    assert report.primed == {k: first[k] for k in ("prefill", "decode", "handoff")}
+    assert all(f._cache_size() > 0 for f in (e.programs._prefill, e.programs._decode, e.programs._export))

@@ -39,7 +39,9 @@ def test_ready_is_503_until_the_warmup_is_done(lifecycle_server):
     for path in ("/ready", "/health?ready=1"):
         r = httpx.get(f"{srv.base}{path}", timeout=TIMEOUT)
         assert r.status_code == 503 and r.json()["status"] == "warming up" and r.headers["Retry-After"]
+    finished = srv.engine.stats()["finished"]
     start_warmup(srv.engine, "fast", lc, progress=False).join()
+    assert srv.engine.stats()["finished"] == finished + 1  # the start-up request ran before ready (first_request)
     for path in ("/ready", "/health?ready=1"):
         r = httpx.get(f"{srv.base}{path}", timeout=TIMEOUT)
         assert r.status_code == 200 and r.json()["status"] == "ready"
