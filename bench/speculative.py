@@ -2,7 +2,7 @@
 in one run.
 
 Usage: python bench/speculative.py [--method ngram|mtp] [--reps N] [--concurrency 1,16] [--k 3] [--new-tokens 128] [--quick]
-                                   [--json bench/results/speculative.json]
+                                   [--grammar] [--json bench/results/speculative.json]
 
 Workload: c requests at once, each a 64-token window of held-out stdlib text (the embedded model's own domain,
 `jaxserve.eval.quality.heldout_tokens`), 128 new tokens, greedy, ignore_eos; the serving engine configuration
@@ -14,6 +14,9 @@ both alike. A pass is timed from submit to the last token (prefill included): to
 Reported per (c, k): median and min..max tokens/s of each side, the speed-up of the medians, the accept length
 (tokens a row emits per verify step), the draft acceptance rate, whether the greedy outputs were identical, and
 the host's load average at the start and end (the host may be shared with other work: read the spread with it).
+--grammar: every request has a JSON-schema response format (GRAMMAR: a record with free-text fields, so its
+length is the model's; tokens/s counts the tokens emitted): grammar rows' drafts are cut and extended by the
+grammar and verified under its masks (engine.spec_grammar).
 """
 from __future__ import annotations
 
@@ -29,10 +32,17 @@ sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from jaxserve.engine.config import Speculative  # noqa: E402
+from jaxserve.engine.structured import StructuredOutput, json_schema_output  # noqa: E402
 
 CKPT = ROOT / "checkpoints" / "tiny-kimi"
 OUT = ROOT / "bench" / "results" / "speculative.json"
 PROMPT_LEN = 64
+GRAMMAR = json_schema_output({"type": "object", "properties": {
+    "name": {"type": "string"}, "module": {"type": "string"}, "summary": {"type": "string"},
+    "arguments": {"type": "array", "items": {"type": "object", "properties": {
+        "name": {"type": "string"}, "type": {"type": "string"}, "default": {"type": "string"}},
+        "required": ["name", "type", "default"]}}, "returns": {"type": "string"}},
+    "required": ["name", "module", "summary", "arguments", "returns"]})
 
 
 def prompts_for(engine: Engine, c: int, seed: int) -> list[list[int]]:
@@ -44,9 +54,11 @@ def prompts_for(engine: Engine, c: int, seed: int) -> list[list[int]]:
     return [stream[(seed * 7 + i) % 64 * step:][:PROMPT_LEN].tolist() for i in range(c)]
 
 
-def timed(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], dict]:
-    """One pass on a synchronous engine -> (wall seconds, each request's tokens, stats delta)."""
-    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+def timed(engine: Engine, prompts: list[list[int]], new_tokens: int, grammar: StructuredOutput | None = None
+          ) -> tuple[float, list[list[int]], dict]:
+    """One pass on a synchronous engine -> (wall seconds, each request's tokens, stats delta); with a grammar a
+    request may end before new_tokens (its document is complete)."""
+    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True, structured=grammar)
     before = engine.stats()
     t0 = time.perf_counter()
     streams = [engine.submit(Request(p, sp)) for p in prompts]
@@ -55,12 +67,13 @@ def timed(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[fl
     wall = time.perf_counter() - t0
     tokens = [[ev.token_id for ev in s if ev.token_id is not None] for s in streams]
     after = engine.stats()
-    if any(len(t) != new_tokens for t in tokens):
+    if grammar is None and any(len(t) != new_tokens for t in tokens):
         raise RuntimeError("a request ended early")
     return wall, tokens, {k: after[k] - before[k] for k in ("verify_rows", "draft_tokens", "accepted_tokens")}
 
 
-def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int, method: str = "ngram") -> dict:
+def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int, method: str = "ngram",
+        grammar: StructuredOutput | None = None) -> dict:
     cfg = EngineConfig(prefix_cache=False)  # every pass prefills its prompt: the passes are alike
     plain = Engine.from_checkpoint(CKPT, cfg, start=False)
     rows = []
@@ -68,30 +81,33 @@ def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int, metho
         spec = Engine.from_checkpoint(CKPT, replace(cfg, speculative=Speculative(method, k)), start=False)
         for c in concurrency:
             prompts = prompts_for(plain, c, seed=c)
-            timed(plain, prompts, new_tokens)  # untimed: compiles this workload's shapes
-            timed(spec, prompts, new_tokens)
+            timed(plain, prompts, new_tokens, grammar)  # untimed: compiles this workload's shapes
+            timed(spec, prompts, new_tokens, grammar)
             load0 = os.getloadavg()
             walls: dict[str, list[float]] = {"plain": [], "spec": []}
+            emitted: dict[str, int] = {}
             outs: dict[str, list] = {}
             acc = {"verify_rows": 0, "draft_tokens": 0, "accepted_tokens": 0}
             for _ in range(reps):
                 for name, e in (("plain", plain), ("spec", spec)):
-                    wall, toks, delta = timed(e, prompts, new_tokens)
+                    wall, toks, delta = timed(e, prompts, new_tokens, grammar)
                     walls[name].append(wall)
+                    emitted[name] = sum(map(len, toks))
                     outs[name] = toks
                     if name == "spec":
                         acc = {key: acc[key] + delta[key] for key in acc}
-            tps = {n: [c * new_tokens / w for w in ws] for n, ws in walls.items()}
+            tps = {n: [emitted[n] / w for w in ws] for n, ws in walls.items()}
             sp_, pl = common.spread(tps["spec"]), common.spread(tps["plain"])
             rows.append({
                 "method": method, "c": c, "k": k, "new_tokens": new_tokens, "prompt_len": PROMPT_LEN,
+                "grammar": grammar is not None, "emitted_tokens": emitted["spec"],
                 "plain_tokens_per_s": pl, "spec_tokens_per_s": sp_, "speedup": sp_["median"] / pl["median"],
                 "accept_length": (acc["accepted_tokens"] + acc["verify_rows"]) / max(acc["verify_rows"], 1),
                 "draft_acceptance": acc["accepted_tokens"] / max(acc["draft_tokens"], 1),
                 "identical_requests": sum(a == b for a, b in zip(outs["plain"], outs["spec"])), "requests": c,
                 "loadavg_start": load0, "loadavg_end": os.getloadavg()})
     return {"bench": "speculative", "machine": common.machine(), "engine_config": repr(cfg), "reps": reps,
-            "note": f"embedded model, greedy, {method} drafts; timed passes interleaved plain/spec; the host may be "
+            "note": f"embedded model, greedy, {method} drafts{', JSON-schema rows' if grammar else ''}; timed passes interleaved plain/spec; the host may be "
                     "shared with other processes (see the load averages)", "rows": rows}
 
 
@@ -116,10 +132,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="2 timed passes per side")
+    ap.add_argument("--grammar", action="store_true", help="every request with the GRAMMAR JSON schema")
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args()
     result = run([int(x) for x in args.concurrency.split(",")], [int(x) for x in args.k.split(",")],
-                 2 if args.quick else args.reps, args.new_tokens, args.method)
+                 2 if args.quick else args.reps, args.new_tokens, args.method, GRAMMAR if args.grammar else None)
     return common.write_result(result, table(result), args.json)
 
 

@@ -157,7 +157,8 @@ class MTPPrograms:
                    ) -> tuple[Verified, np.ndarray, np.ndarray]:
         """-> (Verified with numpy fields, ok [B] bool, next drafts [B, k] int32)."""
         ph = self.decode_phase
-        batch, drafts, s = jax.device_put((batch, drafts, self.forms.form(samp, self.rows_d)), self.rows_d)
+        s = self.forms.form(samp, self.rows_d, drafts.shape[1] + 1)  # a mask per position
+        batch, drafts, s = jax.device_put((batch, drafts, s), self.rows_d)
         out, ok, ph.pages, nxt = self._verify(ph.params, ph.pages, batch, drafts, s)
         return host_outputs(out, samp), np.asarray(ok), np.asarray(nxt)
 
@@ -169,7 +170,7 @@ class MTPPrograms:
         if kind == "verify":
             batch, drafts, samp = jax.device_put(dummy_verify(b, self.k, m), self.rows_d)
             self._verify.lower(self.decode_phase.params, spec(self.decode_phase.pages), batch, drafts,
-                               self.forms.compiled(samp, mode, self.rows_d)).compile()
+                               self.forms.compiled(samp, mode, self.rows_d, self.k + 1)).compile()
         else:
             batch, samp = dummy_prefill(b, t, m)
             nxt = jnp.zeros((b, t), jnp.int32)

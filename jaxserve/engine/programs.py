@@ -309,7 +309,8 @@ class Programs:
         decode batches live) -> (Verified with numpy fields, ok [B] bool)."""
         ph = self.decode_phase
         # everything on the decode rows' sharding, as `_compile` lowers it: another placement is another program
-        batch, drafts, s = jax.device_put((batch, drafts, self.forms.form(samp, self.decode_rows)), self.decode_rows)
+        s = self.forms.form(samp, self.decode_rows, drafts.shape[1] + 1)  # a mask per position
+        batch, drafts, s = jax.device_put((batch, drafts, s), self.decode_rows)
         out, ok, ph.pages = self._verify(ph.params, ph.pages, batch, drafts, s)
         return host_outputs(out, samp), np.asarray(ok)
 
@@ -462,7 +463,7 @@ class Programs:
         elif kind == "verify":
             batch, drafts, samp = jax.device_put(dummy_verify(b, self.cfg.speculative.k, m), self.decode_rows)
             self._verify.lower(d_ph.params, spec(d_ph.pages), batch, drafts,
-                               self.forms.compiled(samp, mode, self.decode_rows)).compile()
+                               self.forms.compiled(samp, mode, self.decode_rows, drafts.shape[1] + 1)).compile()
         elif kind in ("prefill", "prefill_scored"):  # scored: prompt logprobs, in SCORING_MODE (scoring.py)
             batch, samp = dummy_prefill(b, t, m)
             args = (p_ph.params, spec(p_ph.pages), batch, self.forms.compiled(samp, mode, self.prefill_rows))

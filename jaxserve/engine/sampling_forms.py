@@ -4,7 +4,8 @@
     top logprobs: `SamplingArrays` with mode "greedy" and no extras (one argmax; the most common batch).
   * "any" (the general form): every other batch. Mode "any" (sampling under a run-time cond on whether any row
     samples, then the top-k-or-sort choice of "full"), a `LogitAdjust` at fixed widths (history: max_model_len
-    tokens; MAX_LOGIT_BIAS biases), an allowed-token bitmask [B, ceil(V / 32)] int32 and top alternatives
+    tokens; MAX_LOGIT_BIAS biases), an allowed-token bitmask [B, ceil(V / 32)] int32 ([B, k + 1, ceil(V / 32)] in a
+    verify program: one per position, for grammar rows' drafts, `engine.spec_grammar`) and top alternatives
     TOP_LOGPROBS_MAX wide with a per-row `top_rows` flag, each applied under a cond on its data
     (`sampling.processed_logits`, `sampling.top_alternatives`): what a batch asks for is data, never a new program.
 Rows that need no extra take neutral device arrays (no history, no bias, all tokens allowed, no top alternatives)
@@ -56,26 +57,29 @@ class SamplingForms:
         self.vocab, self.history = vocab, history
         self.words = (vocab + 31) // 32
         self.top_n = min(TOP_LOGPROBS_MAX, vocab)
-        self._neutral: dict[tuple[int, jax.sharding.Sharding | None], _Neutral] = {}
+        self._neutral: dict[tuple[int, jax.sharding.Sharding | None, int], _Neutral] = {}
         self._lock = threading.Lock()  # warm-up compiles from several threads
 
-    def form(self, samp: SamplingArrays, where: jax.sharding.Sharding | None) -> SamplingArrays:
+    def form(self, samp: SamplingArrays, where: jax.sharding.Sharding | None, positions: int = 0) -> SamplingArrays:
         """The greedy form for a plain greedy batch, the general one otherwise; extras uploaded to `where` (the
-        program's batch placement; None: the default device)."""
-        return samp if plain_greedy(samp) else self.general(samp, where)
+        program's batch placement; None: the default device). positions: a verify's k + 1 (its mask is one per
+        position), 0 for prefill and decode."""
+        return samp if plain_greedy(samp) else self.general(samp, where, positions)
 
-    def compiled(self, samp: SamplingArrays, mode: SamplingMode, where: jax.sharding.Sharding | None
-                 ) -> SamplingArrays:
+    def compiled(self, samp: SamplingArrays, mode: SamplingMode, where: jax.sharding.Sharding | None,
+                 positions: int = 0) -> SamplingArrays:
         """A dummy batch's SamplingArrays (all greedy padding) in form `mode` of SERVING_MODES, for warm-up."""
-        return samp if mode == "greedy" else self.general(samp, where)
+        return samp if mode == "greedy" else self.general(samp, where, positions)
 
-    def general(self, samp: SamplingArrays, where: jax.sharding.Sharding | None) -> SamplingArrays:
+    def general(self, samp: SamplingArrays, where: jax.sharding.Sharding | None, positions: int = 0
+                ) -> SamplingArrays:
         """samp with mode "any", every extra present at its fixed width (the batch's own, padded and uploaded in
-        one transfer, or the cached neutral ones) and top_rows set from its top_n."""
+        one transfer, or the cached neutral ones) and top_rows set from its top_n. positions > 0: the mask is
+        [B, positions, W] (a [B, W] one applies at every position)."""
         B = samp.temperature.shape[0]
-        neutral = self._neutral_of(B, where)
+        neutral = self._neutral_of(B, where, positions)
         own = (None if samp.adjust is None else self._padded(samp.adjust, B),
-               None if samp.mask is None else np.asarray(samp.mask, np.int32))
+               None if samp.mask is None else _per_position(np.asarray(samp.mask, np.int32), positions))
         adjust, mask = jax.device_put(own, where) if any(x is not None for x in own) else own
         return dataclasses.replace(samp, adjust=neutral.adjust if adjust is None else adjust,
                                    mask=neutral.mask if mask is None else mask,
@@ -93,17 +97,25 @@ class SamplingForms:
         return LogitAdjust(history, *(np.asarray(x) for x in (a.prompt_len, a.repetition, a.frequency,
                                                               a.presence)), bias_ids, bias)
 
-    def _neutral_of(self, B: int, where: jax.sharding.Sharding | None) -> _Neutral:
-        key = (B, where)
+    def _neutral_of(self, B: int, where: jax.sharding.Sharding | None, positions: int) -> _Neutral:
+        key = (B, where, positions)
         with self._lock:
             if key not in self._neutral:
                 adjust = LogitAdjust(np.full((B, self.history), -1, np.int32), np.zeros(B, np.int32),
                                      np.ones(B, np.float32), np.zeros(B, np.float32), np.zeros(B, np.float32),
                                      np.full((B, MAX_LOGIT_BIAS), -1, np.int32),
                                      np.zeros((B, MAX_LOGIT_BIAS), np.float32))
-                host = (adjust, np.full((B, self.words), -1, np.int32), np.zeros(B, np.bool_), np.ones(B, np.bool_))
+                mask = np.full((B, positions, self.words) if positions else (B, self.words), -1, np.int32)
+                host = (adjust, mask, np.zeros(B, np.bool_), np.ones(B, np.bool_))
                 self._neutral[key] = _Neutral(*jax.device_put(host, where))
             return self._neutral[key]
+
+
+def _per_position(mask: np.ndarray, positions: int) -> np.ndarray:
+    """A batch's bitmask ([B, W], or [B, positions, W] per verify position) as the program takes it."""
+    if not positions or mask.ndim == 3:
+        return mask
+    return np.ascontiguousarray(np.broadcast_to(mask[:, None], (mask.shape[0], positions, mask.shape[1])))
 
 
 def host_outputs(out: Out, samp: SamplingArrays) -> Out:

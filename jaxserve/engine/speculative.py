@@ -14,10 +14,12 @@ its accepted tokens need: a rollback across a page boundary returns the page. Re
 (a row's length stops at its accepted tokens) and is overwritten by its next step.
 
 Greedy and sampled rows speculate (`acceptance.verify_tokens`: n-gram drafts are deterministic, so the rule is
-exact for sampled rows too), top logprobs included. Rows whose logits depend on host state per token (penalties,
-logit_bias, min_tokens, a grammar, an open thinking budget) take the plain decode program in the same step
-(dispatched and read at once: no overlap while speculating), as does the whole batch when no row has a draft, or
-when more rows decode than `Speculative.max_rows`.
+exact for sampled rows too), top logprobs included, and so do rows with a grammar: their drafts are cut to what
+the grammar allows and each verify position samples under the grammar's mask after the drafts before it
+(`engine.spec_grammar`). Rows whose logits depend on other host state per token (penalties, logit_bias,
+min_tokens, an open thinking budget) take the plain decode program in the same step (dispatched and read at once:
+no overlap while speculating), as does the whole batch when no row has a draft, or when more rows decode than
+`Speculative.max_rows`.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from jaxserve.cache import PageAllocator
-from jaxserve.engine.batch import DecodeRows, SamplingExtras, rank_rows, sampling_arrays
+from jaxserve.engine.batch import DecodeRows, rank_rows, sampling_arrays
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.fallback import fit
 from jaxserve.engine.mtp_draft import MTPDrafts
@@ -35,6 +37,8 @@ from jaxserve.engine.programs import Programs
 from jaxserve.engine.request import Status
 from jaxserve.engine.sampling import Sampled, SamplingArrays
 from jaxserve.engine.sequence import Sequence, Stats
+from jaxserve.engine.spec_grammar import GrammarDrafts, grammar_drafts, verify_extras
+from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.engine.verify import verify_batch
 from jaxserve.errors import KVIntegrityError
 from jaxserve.models.paged import PrefillBatch
@@ -45,6 +49,7 @@ class SchedulerParts(Protocol):
 
     cfg: EngineConfig
     programs: Programs
+    grammar: GrammarCompiler | None
     rows: DecodeRows
     running: list[Sequence]
     ranks: int
@@ -61,16 +66,14 @@ class SchedulerParts(Protocol):
     def _allocate(self, alloc: PageAllocator, n: int, *, evict: bool, rank: int) -> list[tuple[int, int]] | None: ...
     def _release(self, alloc: PageAllocator, pages: list[tuple[int, int]]) -> None: ...
     def _accept(self, seq: Sequence, token: int, logprob: float, top: tuple = ()) -> None: ...
-    def _extras(self, seqs: list[Sequence | None]) -> SamplingExtras: ...
     def _fail(self, seq: Sequence, err: KVIntegrityError) -> None: ...
     def _integrity_error(self, seq: Sequence, where: str) -> KVIntegrityError: ...
 
 
 def speculates(seq: Sequence) -> bool:
-    """The row can take drafts: its logits need no host state per token (penalties, biases, a grammar mask, an
-    open thinking budget)."""
-    return seq.matcher is None and not seq.req.params.adjusts_logits and \
-        (seq.budget is None or seq.budget.closed)
+    """The row can take drafts: its logits need no host state per token but a grammar's mask (no penalties,
+    biases, min_tokens, open thinking budget)."""
+    return not seq.req.params.adjusts_logits and (seq.budget is None or seq.budget.closed)
 
 
 class Speculation:
@@ -108,9 +111,10 @@ class Speculation:
         if self.mtp is not None:
             self.mtp.prune(s.running)
         drafts = {id(x): self._drafts(x) for x in ready if speculates(x)}
+        grammar = {key: g for key, (_, g) in drafts.items() if g is not None}
         # rows without a draft ride along in the verify (as a plain decode); with no draft at all, no verify (but
         # MTP rows always verify: that program makes their next drafts)
-        spec = [x for x in ready if id(x) in drafts] if any(drafts.values()) or self.mtp else []
+        spec = [x for x in ready if id(x) in drafts] if any(d for d, _ in drafts.values()) or self.mtp else []
         plain = [x for x in ready if id(x) not in drafts or not spec]
         if s.ranks > 1:
             plain.sort(key=lambda x: x.rank)
@@ -118,15 +122,21 @@ class Speculation:
         if plain:
             s._collect(s._dispatch(plain))
         if spec:
-            self._verify(spec, [self._room(x, drafts[id(x)]) for x in spec])
+            self._verify(spec, [self._room(x, drafts[id(x)][0]) for x in spec], grammar)
 
-    def _drafts(self, seq: Sequence) -> list[int]:
-        """Up to k drafts, no more than the row may still emit (max_tokens, the context window) less one."""
+    def _drafts(self, seq: Sequence) -> tuple[list[int], GrammarDrafts | None]:
+        """Up to k drafts, no more than the row may still emit (max_tokens, the context window) less one; a grammar
+        row's cut to what its grammar allows (then what it forces), with their masks."""
         p, cfg = seq.req.params, self.s.cfg
         limit = min(self.k, p.max_tokens - len(seq.generated) - 1, cfg.max_model_len - 2 - seq.decode_len)
         if self.mtp is not None:
-            return self.mtp.take(seq, limit)
-        return ngram_drafts(seq.tokens, limit)[:limit] if limit > 0 else []
+            drafts = self.mtp.take(seq, limit)
+        else:
+            drafts = ngram_drafts(seq.tokens, limit)[:limit] if limit > 0 else []
+        if seq.matcher is None:
+            return drafts, None
+        g = grammar_drafts(seq.matcher, self.s.grammar, drafts, limit)
+        return g.tokens, g
 
     def _room(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """The drafts cut to the pages the row holds or can have free (positions decode_len .. + len(drafts))."""
@@ -141,8 +151,9 @@ class Speculation:
                 s.rows.add_page(seq, page, tag)
         return drafts
 
-    def _verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> None:
-        """One verify program over `seqs` with their drafts; each row's tokens go through `_accept`."""
+    def _verify(self, seqs: list[Sequence], drafts: list[list[int]], grammar: dict[int, GrammarDrafts]) -> None:
+        """One verify program over `seqs` with their drafts (grammar rows' masks in `grammar`, by id); each row's
+        tokens go through `_accept`."""
         s, cfg = self.s, self.s.cfg
         B, place = rank_rows([x.rank for x in seqs], s.ranks, cfg.row_buckets)
         idx = np.fromiter((x.slot for x in seqs), np.int64, len(seqs))
@@ -153,7 +164,7 @@ class Speculation:
             by_row[i] = seq
         batch, draft_arr = verify_batch(s.rows, idx, place, drafts, B, self.k, M)
         s.programs.sync_tags(s.prefill_alloc, s.decode_alloc)
-        extras = s._extras(by_row) if any(x.special for x in seqs) else SamplingExtras()  # top logprobs
+        extras = verify_extras(by_row, grammar, drafts, place, self.k, s.programs.forms.vocab)
         if self.mtp is not None:
             out, ok, nxt = s.programs.mtp.run_verify(batch, draft_arr, sampling_arrays(by_row, extras))
             self.mtp.verified(seqs, place, nxt, ok)
