@@ -7,6 +7,7 @@ from typing import Literal
 from jaxserve.errors import ConfigError
 from jaxserve.format_names import FORMATS, KV_DTYPES, KVDtype, canonical_format
 from jaxserve.models.attention_backend import ATTENTION_NAMES, AttentionBackend
+from jaxserve.models.paged_attention_xla import BLOCK_TOKENS
 
 SPECULATIVE_METHODS = ("ngram", "mtp", "eagle3")
 
@@ -107,11 +108,12 @@ class EngineConfig:
     page_bucket_steps: int = 2
     # dispatch decode step N+1 before reading step N's tokens (engine.scheduler "Overlap"); False: one step at a time
     overlap: bool = True
-    # batch-invariant outputs: every program at one shape (rows = max_batch, block table = the longest sequence,
-    # chunk = prefill_chunk; the min_*_bucket fields are overridden), so a greedy or seeded request's tokens do not
-    # depend on what shares its batch (engine.sampling's module docstring), at the price of the largest program
-    # every step; and a request is admitted only when the decode pool can hold it to its last token, so nothing is
-    # ever preempted (a recompute runs prefill's path and changes the tokens)
+    # batch-invariant outputs: a greedy or seeded request's tokens do not depend on what shares its batch. The
+    # programs keep their buckets and compute rows in fixed-shape tiles (engine.invariant; the smallest page bucket
+    # is one attention block); with speculative decoding or DP attention every program runs at one shape instead
+    # (rows = max_batch, block table = the longest sequence, chunk = prefill_chunk). A request is admitted only when
+    # the decode pool can hold it to its last token, so nothing is ever preempted (a recompute runs prefill's path
+    # and changes the tokens)
     deterministic: bool = False
     # which phases this engine runs (`jaxserve serve --role`): "both" (one process, hand-off inside), "prefill"
     # (prefill pool and weights only; exports finished prompts' pages over the KV transfer service), "decode"
@@ -175,10 +177,13 @@ class EngineConfig:
         for p in ("min_rows_bucket", "min_pages_bucket", "min_chunk_bucket"):
             if getattr(self, p) < 1:
                 bad(p, "must be >= 1")
-        if self.deterministic:
+        if self.deterministic and not self.invariant_tiles:
             for p, v in (("min_rows_bucket", self.max_batch), ("min_pages_bucket", self.max_pages_per_seq),
                          ("min_chunk_bucket", self.prefill_chunk)):
                 object.__setattr__(self, p, v)
+        elif self.deterministic:  # decode attention's key block follows the table width below one block
+            object.__setattr__(self, "min_pages_bucket", max(self.min_pages_bucket, min(
+                self.max_pages_per_seq, -(-BLOCK_TOKENS // self.page_size))))
         # DP attention: each rank holds its own rows and page range, so rows and pools split evenly over ranks
         for p in ("max_batch", "num_decode_pages", "num_prefill_pages"):
             if getattr(self, p) % self.dp_ranks:
@@ -190,6 +195,12 @@ class EngineConfig:
         if self.sharding != "dp_attention":
             return 1
         return self.devices // 2 if self.disaggregate else self.devices
+
+    @property
+    def invariant_tiles(self) -> bool:
+        """Deterministic serving by fixed-shape tiles inside normal buckets (engine.invariant); speculative decoding
+        and DP attention pin every bucket to one shape instead."""
+        return self.deterministic and self.speculative is None and self.dp_ranks == 1
 
     @property
     def phases(self) -> tuple[str, ...]:

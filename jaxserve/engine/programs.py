@@ -36,6 +36,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.layouts import PhaseLayouts, in_format, weight_layout
 from jaxserve.engine.eagle3_programs import draft_layouts, drafter_programs, load_draft
 from jaxserve.engine.sampling import TOP_LOGPROBS_MAX, Sampled, SamplingArrays, SamplingMode, sample
+from jaxserve.engine.invariant import decode_program, prefill_program
 from jaxserve.engine.sampling_forms import SamplingForms, host_outputs, without_tops
 from jaxserve.engine.scoring import PromptScores, prompt_scores
 from jaxserve.engine.verify import Verified, dummy_verify, verify_step
@@ -241,8 +242,8 @@ class Programs:
     def _prefill_fn(self, params: list[jax.Array], pages: KVPages, batch: PrefillBatch, samp: SamplingArrays):
         self.compiles["prefill"] += 1
         ph = self.prefill_phase
-        return prefill_step(ph.graphdef, ph.params_of(params), pages, batch, samp, attention=self.cfg.attention_backend,
-                            integrity=self.cfg.integrity)
+        return prefill_program(self.cfg, prefill_step)(ph.graphdef, ph.params_of(params), pages, batch, samp,
+                                                       attention=self.cfg.attention_backend, integrity=self.cfg.integrity)
 
     def _prefill_scored_fn(self, params: list[jax.Array], pages: KVPages, batch: PrefillBatch,
                            samp: SamplingArrays, targets: jax.Array, top: int):
@@ -254,8 +255,8 @@ class Programs:
     def _decode_fn(self, params: list[jax.Array], pages: KVPages, batch: DecodeBatch, samp: SamplingArrays):
         self.compiles["decode"] += 1
         ph = self.decode_phase
-        return decode_step(ph.graphdef, ph.params_of(params), pages, batch, samp,
-                           integrity=self.cfg.integrity, attention=self.cfg.attention_backend)
+        return decode_program(self.cfg, decode_step)(ph.graphdef, ph.params_of(params), pages, batch, samp,
+                                                     integrity=self.cfg.integrity, attention=self.cfg.attention_backend)
 
     def _verify_fn(self, params: list[jax.Array], pages: KVPages, batch: PrefillBatch, drafts: jax.Array,
                    samp: SamplingArrays):

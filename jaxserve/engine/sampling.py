@@ -43,7 +43,8 @@ distribution a sampled token flips within a few tokens (random tiny model, bf16 
 alone vs among 15: at the second token; pinning the row bucket alone removed it there, pinning block table and
 chunk alone did not). Pinning every bucket to one shape (`batch_invariant_buckets`) makes a seeded request's
 tokens independent of its batch, at the price of running the largest program every step (tests/test_seeds.py
-checks exactly this).
+checks exactly this); `EngineConfig(deterministic=True)` gets the same with the normal buckets by computing rows in
+fixed-shape tiles (`engine.invariant`).
 """
 from __future__ import annotations
 
