@@ -44,8 +44,8 @@ from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
-from jaxserve.models.sharded import import_fn
 from jaxserve.models.build import dtype_of, shard_model
+from jaxserve.models.sharded import import_fn
 from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_format, state_shardings
 from jaxserve.quant.apply import compute_layout
 from jaxserve.quant.weight_format import WeightFormat
@@ -94,8 +94,7 @@ def phase_devices(cfg: EngineConfig) -> tuple[list[jax.Device], list[jax.Device]
     if end > len(devices):
         raise ConfigError(f"EngineConfig asks for devices [{cfg.first_device}, {end}) but only {len(devices)} "
                           "devices exist", value=cfg.devices, param="devices")
-    devices = devices[cfg.first_device: end]
-    half = len(devices) // 2
+    devices, half = devices[cfg.first_device: end], cfg.devices // 2
     return (devices[:half], devices[half:]) if cfg.disaggregate else (devices, devices)
 
 
@@ -254,7 +253,7 @@ class Programs:
 
     def _decode_fn(self, params: list[jax.Array], pages: KVPages, batch: DecodeBatch, samp: SamplingArrays):
         self.compiles["decode"] += 1
-        ph = self.decode_phase
+        ph = self.decode_phase  # deterministic: invariant.decode_program runs the rows in tiles of one shape
         return decode_program(self.cfg, decode_step)(ph.graphdef, ph.params_of(params), pages, batch, samp,
                                                      integrity=self.cfg.integrity, attention=self.cfg.attention_backend)
 
@@ -309,8 +308,8 @@ class Programs:
         """One verify program over the decode pool (`verify.verify_batch`'s host batch and drafts, uploaded where
         decode batches live) -> (Verified with numpy fields, ok [B] bool)."""
         ph = self.decode_phase
+        s = self.forms.form(samp, self.decode_rows, drafts.shape[1] + 1)  # a grammar mask per position
         # everything on the decode rows' sharding, as `_compile` lowers it: another placement is another program
-        s = self.forms.form(samp, self.decode_rows, drafts.shape[1] + 1)  # a mask per position
         batch, drafts, s = jax.device_put((batch, drafts, s), self.decode_rows)
         out, ok, ph.pages = self._verify(ph.params, ph.pages, batch, drafts, s)
         return host_outputs(out, samp), np.asarray(ok)
