@@ -45,7 +45,7 @@ from waitress.channel import HTTPChannel
 from waitress.server import BaseWSGIServer, MultiSocketServer, create_server
 from waitress.task import ErrorTask
 
-from jaxserve.engine import Engine, EngineConfig
+from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams
 from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.errors import ConfigError, JaxserveError
 from jaxserve.format_names import canonical_format
@@ -272,8 +272,6 @@ def first_request(engine: Engine) -> None:
     ~1.5x a later one (host paths used for the first time; bench/first_execution.py). Its own cache salt: no
     client's prompt hits its prefix-cache pages. It counts in the engine's stats. Not on a prefill / decode server
     (no whole request runs there)."""
-    from jaxserve.engine import Request, SamplingParams
-
     if engine.cfg.role != "both":
         return
     tok = engine.tokenizer
