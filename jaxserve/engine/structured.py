@@ -83,6 +83,10 @@ class GrammarCompiler:
         self._ll: Any = None
         self._ll_lock = threading.Lock()  # requests' threads build matchers concurrently: one trie build
 
+    def prepare(self) -> None:
+        """Build llguidance's tokenizer now (server start-up) rather than in the first structured request."""
+        self._lltokenizer()
+
     def _lltokenizer(self) -> Any:
         """llguidance's tokenizer, built on first use (the trie build reads the whole vocabulary once)."""
         with self._ll_lock:

@@ -60,6 +60,14 @@ DRAIN_TIMEOUT_S = 30.0
 STARTUP_PROMPT = [{"role": "user", "content": "Hello"}]  # `first_request`'s, before ready
 STARTUP_TOKENS = 2
 STARTUP_SALT = "jaxserve-startup"
+STARTUP_TOOLS = [{"type": "function", "function": {"name": "startup", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}]
+STARTUP_SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+# `first_feature_request`'s bodies: a streamed tools + json_schema + top_logprobs request, a whole forced tool call
+STARTUP_BODIES = (
+    {"tools": STARTUP_TOOLS, "tool_choice": "auto", "logprobs": True, "top_logprobs": 5, "stream": True,
+     "response_format": {"type": "json_schema", "json_schema": {"name": "startup", "schema": STARTUP_SCHEMA}}},
+    {"tools": STARTUP_TOOLS, "tool_choice": "required", "stream": False})
 FLUSH_WAIT_S = 5.0  # after the drain: how long the last events may take to leave the sockets
 
 
@@ -283,6 +291,31 @@ def first_request(engine: Engine) -> None:
             pass
 
 
+def first_feature_request(engine: Engine) -> None:
+    """STARTUP_BODIES (2 tokens each) through a private app over the engine (its own metrics; the Flask test client,
+    no socket) before ready: a first request with tools, a response_format or top_logprobs otherwise pays the first
+    use of llguidance (its tokenizer's build, a grammar's compile, a first mask), of the tools' chat template and of
+    the logprob and tool-call response paths (bench/first_grammar.py). Each worker's grammar tokenizer is built.
+    Its own cache salt; the requests count in the engine's stats. Not on a prefill / decode server, nor without a
+    chat template. A refused body is logged, not raised: serving does not depend on it."""
+    tok = engine.tokenizer
+    if engine.cfg.role != "both" or tok is None or not tok.chat_template:
+        return
+    from jaxserve.server.app import create_app
+
+    for worker in getattr(engine, "workers", [engine]):
+        if worker.grammar is not None:
+            worker.grammar.prepare()
+    client = create_app(engine, STARTUP_SALT).test_client()
+    for extra in STARTUP_BODIES:
+        body = {"model": STARTUP_SALT, "messages": STARTUP_PROMPT, "max_tokens": STARTUP_TOKENS,
+                "cache_salt": STARTUP_SALT, **extra}
+        r = client.post("/v1/chat/completions", json=body)
+        text = r.get_data(as_text=True)  # a stream runs while it is read
+        if r.status_code != 200:
+            logging.getLogger(__name__).warning("start-up request refused (%d): %s", r.status_code, text[:300])
+
+
 def start_warmup(engine: Engine, level: str, lifecycle: Lifecycle, progress: bool = True,
                  on_error: Callable[[Exception], None] | None = None) -> threading.Thread:
     """Warm the engine up in a daemon thread (returned); the lifecycle becomes ready when it is done. A failed
@@ -290,14 +323,17 @@ def start_warmup(engine: Engine, level: str, lifecycle: Lifecycle, progress: boo
     def warm() -> None:
         try:
             report = engine.warm_up(level, progress)
+            t0, line = time.monotonic(), report.line()
             if level != "none":
                 first_request(engine)
+                first_feature_request(engine)
+                line += f"; start-up requests {time.monotonic() - t0:.2f} s"
         except Exception as e:
             if on_error is None:
                 raise
             on_error(e)
             return
-        _say(report.line())
+        _say(line)
         lifecycle.set_ready()
 
     thread = threading.Thread(target=warm, name="jaxserve-warmup", daemon=True)

@@ -14,7 +14,7 @@ import pytest
 from test_server import MODEL, TIMEOUT, Served, shared_server, wait_idle
 from jaxserve.server import create_app
 from jaxserve.server.limits import AppConfig, Lifecycle
-from jaxserve.server.main import SPARE_THREADS, ServeConfig, make_server, start_warmup
+from jaxserve.server.main import SPARE_THREADS, STARTUP_BODIES, ServeConfig, make_server, start_warmup
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def lifecycle_server():
     server.task_dispatcher.shutdown(timeout=5)
 
 
-def test_ready_is_503_until_the_warmup_is_done(lifecycle_server):
+def test_ready_is_503_until_the_warmup_is_done(lifecycle_server, monkeypatch):
     srv, lc = lifecycle_server
     health = httpx.get(f"{srv.base}/health", timeout=TIMEOUT)
     assert health.status_code == 200 and health.json()["ready"] is False  # live, not ready
@@ -40,8 +40,13 @@ def test_ready_is_503_until_the_warmup_is_done(lifecycle_server):
         r = httpx.get(f"{srv.base}{path}", timeout=TIMEOUT)
         assert r.status_code == 503 and r.json()["status"] == "warming up" and r.headers["Retry-After"]
     finished = srv.engine.stats()["finished"]
+    compiled: list[tuple[str, bool]] = []  # the start-up grammars (first_feature_request): kind, ready then
+    build = srv.engine.grammar.matcher
+    monkeypatch.setattr(srv.engine.grammar, "matcher", lambda so: compiled.append((so.kind, lc.ready())) or build(so))
     start_warmup(srv.engine, "fast", lc, progress=False).join()
-    assert srv.engine.stats()["finished"] == finished + 1  # the start-up request ran before ready (first_request)
+    # the start-up requests ran before ready: first_request's and first_feature_request's bodies
+    assert srv.engine.stats()["finished"] == finished + 1 + len(STARTUP_BODIES)
+    assert compiled == [("json_schema", False), ("lark", False)]  # response_format, then the forced tool call
     for path in ("/ready", "/health?ready=1"):
         r = httpx.get(f"{srv.base}{path}", timeout=TIMEOUT)
         assert r.status_code == 200 and r.json()["status"] == "ready"
