@@ -42,7 +42,7 @@ def test_ready_is_503_until_the_warmup_is_done(lifecycle_server, monkeypatch):
     finished = srv.engine.stats()["finished"]
     compiled: list[tuple[str, bool]] = []  # the start-up grammars (first_feature_request): kind, ready then
     build = srv.engine.grammar.matcher
-    monkeypatch.setattr(srv.engine.grammar, "matcher", lambda so: compiled.append((so.kind, lc.ready())) or build(so))
+    monkeypatch.setattr(srv.engine.grammar, "matcher", lambda so: compiled.append((so.kind, lc.ready)) or build(so))
     start_warmup(srv.engine, "fast", lc, progress=False).join()
     # the start-up requests ran before ready: first_request's and first_feature_request's bodies
     assert srv.engine.stats()["finished"] == finished + 1 + len(STARTUP_BODIES)
