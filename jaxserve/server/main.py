@@ -15,10 +15,11 @@ user cache dir; `--no-compile-cache` turns it off).
 
 Start-up: the weights load, the server listens (`/health` answers 200: live), then `--warmup` compiles ahead of
 traffic in a background thread (`engine.warmup`: full, fast or none; one progress bar, and a log line of what came
-from the compile cache), runs what it compiled once (`engine.priming`) and one short start-up request
-(`first_request`); `/ready` (and `/health?ready=1`) answers 503 until that is done. A warm-up that fails
-(e.g. `full` over the memory-mapping budget with no compile cache to drop programs to) ends the process at once
-with its error on one line and exit code 2, rather than leave a server that is never ready.
+from the compile cache), runs what it compiled once (`engine.priming`) and short start-up requests
+(`first_request`; `first_feature_request`: tools, json_schema, top_logprobs); `/ready` (and `/health?ready=1`)
+answers 503 until that is done. A warm-up that fails (e.g. `full` over the memory-mapping budget with no compile
+cache to drop programs to) ends the process at once with its error on one line and exit code 2, rather than leave a
+server that is never ready.
 Shutdown: SIGTERM or SIGINT starts a drain (`Lifecycle.drain`): generation requests get 503 + Retry-After and
 `/ready` fails at once; what is in flight may finish for `--drain-timeout` seconds, then the rest are aborted (a
 stream's last event is an error saying so, then `data: [DONE]`); once their bytes are out the server stops and the
