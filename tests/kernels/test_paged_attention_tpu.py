@@ -112,7 +112,8 @@ def test_tail_tokens_holding_nan_do_not_leak():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("value_dtype,bits_dtype", [(jnp.float8_e4m3fn, jnp.uint8), (jnp.bfloat16, jnp.uint16)])
+@pytest.mark.parametrize("value_dtype,bits_dtype", [(jnp.float8_e4m3fn, jnp.uint8),
+                                                   pytest.param(jnp.bfloat16, jnp.uint16, marks=pytest.mark.slow)])
 def test_mla_whole_pool_bits_with_layer_equals_the_layer_slice(value_dtype, bits_dtype):
     """The engine's TPU decode hands the kernel the whole pool's bit patterns [L, P, ps, Dl] and the layer (no slice
     materialized): the output is exactly the kernel's on that layer's value view, scales [L, P, ps] likewise."""
