@@ -18,6 +18,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.errors import CheckpointError
 from jaxserve.models import CausalLM
+from jaxserve.models.layers import abstract_build
 from jaxserve.quant.weight_format import WeightFormat, WeightPlan
 from jaxserve.format_names import canonical_format
 from jaxserve.sharding import Parallel, ShardingRules, check_model, state_shardings
@@ -144,7 +145,7 @@ def load(checkpoint_dir: str | Path, *, dtype: jnp.dtype | None = None, sharding
         raise CheckpointError(f"checkpoint {checkpoint_dir} has no {weights!r} weights; it has "
                               f"{load_formats(checkpoint_dir)}", value=weights, param="weights")
     placed = par if par is not None and mesh.devices.size > 1 else None
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), weights=plan, parallel=placed))
+    abstract = abstract_build(lambda rngs: CausalLM(cfg, dtype=dtype, rngs=rngs, weights=plan, parallel=placed))
     if par is not None:  # each parameter's NamedSharding from its declared logical axes
         shardings = {_path_str(p): v.get_value() for p, v in
                      nnx.to_flat_state(state_shardings(par, nnx.state(abstract)))}

@@ -130,15 +130,15 @@ def _rules_name(spec: PlanSpec, dp_attention: bool) -> str:
 def _abstract(cfg, fmt: str, spec: PlanSpec):  # noqa: ANN001, ANN202 - ModelConfig
     """The model in `fmt`, abstract (ShapeDtypeStructs)."""
     import jax.numpy as jnp
-    from flax import nnx
 
     from jaxserve.models import CausalLM
+    from jaxserve.models.layers import abstract_build
     from jaxserve.quant.weight_format import WeightFormat, WeightPlan
 
     t = target(spec.target)  # on a chip, the quantized matmuls run the Pallas kernels of its tiling
     plan = WeightPlan(WeightFormat(fmt, spec.group_size, use_kernel=t.platform != "cpu",
                                    backend="tpu" if t.platform == "tpu" else "gpu"))
-    return nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), weights=plan))
+    return abstract_build(lambda rngs: CausalLM(cfg, dtype=jnp.bfloat16, rngs=rngs, weights=plan))
 
 
 def _per_device_bytes(model, par) -> int:  # noqa: ANN001

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
-from jaxserve.models.layers import DENSE_FORMATS, Experts, Linear
+from jaxserve.models.layers import DENSE_FORMATS, Experts, Linear, abstract_build
 from jaxserve.models.transformer import CausalLM
 from jaxserve.quant import formats
 from jaxserve.quant.weight_format import WeightPlan
@@ -70,8 +70,7 @@ def rebuild(model: CausalLM, weights: WeightPlan, parallel: Parallel | None, cfg
     parameters are a subset, e.g. without the MTP head); its arrays are carried over (the same arrays, where they
     are), converted where a matmul weight's format changes. `model` is unchanged."""
     cfg, dtype = cfg or model.cfg, dtype_of(model)
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), weights=weights,
-                                               parallel=parallel))
+    abstract = abstract_build(lambda rngs: CausalLM(cfg, dtype=dtype, rngs=rngs, weights=weights, parallel=parallel))
     converted = _converted(model, abstract, weights.weights.group_size)
     graphdef, state = nnx.split(abstract)
     old = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model))}

@@ -1,7 +1,9 @@
 """Building blocks shared by the three model families: RMSNorm, format-aware Linear, SwiGLU MLP, routed MoE."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,21 @@ from jaxserve.sharding import Axes, Blocks, Parallel, ShardingError, local_scale
 INIT_STD = 0.02
 DENSE_FORMATS = ("f32", "bf16")
 DENSE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+M = TypeVar("M")
+
+
+class _OneKey:
+    """An nnx.Rngs stand-in for shape-only builds: every `params()` draw is the same key, nothing counted."""
+
+    def params(self) -> jax.Array:
+        return jax.random.key(0)
+
+
+def abstract_build(make: Callable[[nnx.Rngs], M]) -> M:
+    """`make(rngs)` under nnx.eval_shape (parameters as ShapeDtypeStructs, nothing allocated). Its initializers draw
+    one fixed key: nnx.Rngs counts draws in a traced Variable whose every update makes JAX walk the whole trace so
+    far (flax compares the tracer's missing `sharding`), quadratic in the parameter count (minutes for GLM-5.2)."""
+    return nnx.eval_shape(lambda: make(_OneKey()))  # type: ignore[arg-type]
 
 
 class RMSNorm(nnx.Module):
