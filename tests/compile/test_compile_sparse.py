@@ -8,10 +8,13 @@ Budget: Triton's allocated shared memory (the compiler's) <= the H200's; the poo
 negative controls: an over-budget step / head block is refused by the compiler."""
 from __future__ import annotations
 
+import re
+import traceback
+
 import jax.numpy as jnp
 import pytest
 
-from aot import check_budget, compile_for, copies_of
+from aot import check_budget, compile_for, copies_of, sds
 from kernel_programs import (F8, GEOMETRIES, GLM52_INDEX_DIM, GLM52_INDEX_LAYERS, GLM52_LAYERS, INDEX_POOL_PAGES,
                              POOL_PAGES, index_scores_program, sparse_decode_program)
 
@@ -51,3 +54,18 @@ def test_triton_refuses_an_over_budget_index_block():
     fn, args = index_scores_program(GLM5_TP, 64, F8, heads=512)
     with pytest.raises(Exception, match="Shared memory size limit exceeded"):
         compile_for("h200", fn, *args)
+
+
+@pytest.mark.parametrize("target", ["v5e", "v5p", "v6e"])
+@pytest.mark.parametrize("program", [sparse_decode_program, index_scores_program], ids=["sparse_decode", "index"])
+def test_tpu_refuses_the_triton_dsa_kernels(program, target):
+    """The asserted refusal: both DSA kernels are Triton-only (GPU compiler params), and Pallas' TPU lowering rejects
+    them; models/dsa.py selects them under attention="pallas" only, so TPU ("pallas_tpu") takes the XLA path."""
+    fn, args = program(GLM5_TP, 64, F8)
+    tpu_args = [None if a is None else sds(target, a.shape, a.dtype) for a in args]
+    with pytest.raises((AssertionError, ValueError)) as refused:
+        compile_for(target, fn, *tpu_args)
+    # its check (as an assert, or as "Compiler params for platform gpu cannot be used for tpu lowering" once the GPU
+    # plugin is loaded in the process): the params must be TPU CompilerParams
+    chain = "".join(traceback.format_exception(refused.value))
+    assert re.search(r"pallas_call_tpu_lowering_rule|platform gpu cannot be used for tpu lowering", chain)
