@@ -6,12 +6,12 @@ Names: "xla" (the length-bounded page-block loops, `paged_attention_xla` and `pr
 "pallas" (the GPU-shaped Triton kernels), "pallas_tpu" (the TPU-shaped Mosaic kernels), and either Pallas name
 + "_interpret" (the same kernels run on CPU).
 
-"xla", the TPU MLA decode kernel, the TPU GQA decode and prefill kernels and every GPU (Triton) kernel, decode
-and prefill, MLA and GQA, read the whole pool's bit patterns (all layers; the layer picked inside the gathers, or handed
-to the kernel, which views the bits as values once loaded): a per-layer slice handed to a kernel call is
-materialized by XLA (302 MB per layer on TPU, 946 MB on H200 at Kimi K2.6's pools; GLM-4.5's K and V per layer on
-v5p). The TPU MLA prefill kernel reads the layer's value views (`KVPages.layer`). On a mesh each runs per shard
-(`sharded.attention`): heads split under TP attention, rows and pages under DP attention.
+"xla" and every Pallas kernel (GPU / Triton and TPU / Mosaic, decode and prefill, MLA and GQA) read the whole
+pool's bit patterns (all layers; the layer picked inside the gathers, or handed to the kernel, which views the bits
+as values once loaded): a per-layer slice handed to a kernel call is materialized by XLA (302 MB per layer on TPU,
+946 MB on H200 at Kimi K2.6's pools; GLM-4.5's K and V per layer on v5p; the MLA prefill's value view of a layer on
+v6e). On a mesh each runs per shard (`sharded.attention`): heads split under TP attention, rows and pages under DP
+attention.
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class AttentionBackend:
             return self._prefill_kernel(q, pools, tables, lay, layer, softmax_scale, dot_dtype)
 
         # every Pallas prefill reads the whole pool: a layer's slice (or its value view) was copied per layer
-        whole = self.implementation == "pallas" or self.implementation == "pallas_tpu"
+        whole = self.implementation in ("pallas", "pallas_tpu")
         return self._per_shard(par, kernel, q, pages, layer, tables, ("batch", None, "heads", None), whole=whole)
 
     def _per_shard(self, par: Parallel | None, kernel: Callable, q: jax.Array, pages: KVPages, layer: int,
@@ -134,7 +134,7 @@ class AttentionBackend:
                 return prefill_attention_xla.prefill_mla_blockwise(
                     q, lat, bt, positions, ctx_lens, scale, kv_lora_rank=rank, softmax_scale=softmax_scale,
                     value_dtype=lay.jnp_dtype, layer=layer, dot_dtype=dot_dtype)
-            return paged_prefill_mla(q, lat, bt, positions, ctx_lens, scale, layer=self._whole_layer(layer, mla=True),
+            return paged_prefill_mla(q, lat, bt, positions, ctx_lens, scale, layer=layer,  # the whole pool's bits
                                      kv_lora_rank=rank, softmax_scale=softmax_scale, backend=self.tiling,
                                      interpret=self.interpret)
         kp, vp, ks, vs = pools
@@ -144,8 +144,3 @@ class AttentionBackend:
                 layer=layer, dot_dtype=dot_dtype)
         return paged_prefill_gqa(q, kp, vp, bt, positions, ctx_lens, ks, vs, layer=layer,  # the whole pool's bits
                                  softmax_scale=softmax_scale, backend=self.tiling, interpret=self.interpret)
-
-    def _whole_layer(self, layer: int, mla: bool = False) -> int | None:
-        """The layer a prefill kernel reads from the whole pool (GPU; TPU MLA); None: it is handed one layer (TPU
-        GQA)."""
-        return layer if self.implementation == "pallas" or (mla and self.implementation == "pallas_tpu") else None
