@@ -67,8 +67,12 @@ def sampling_extras(seqs: list[Sequence | None], vocab: int, eos: set[int], gram
     live = [s for s in seqs if s is not None]
     if not any(s.special for s in live):
         return SamplingExtras()
-    top_n = min(TOP_LOGPROBS_MAX, vocab) if any(s.req.params.top_logprobs for s in live) else 0
-    return SamplingExtras(_adjust(seqs), _mask(seqs, vocab, eos, grammar), top_n)
+    return SamplingExtras(_adjust(seqs), _mask(seqs, vocab, eos, grammar), top_width(live, vocab))
+
+
+def top_width(live: list[Sequence], vocab: int) -> int:
+    """The top-logprobs width a batch's live rows need: TOP_LOGPROBS_MAX (at most the vocabulary) when one asks."""
+    return min(TOP_LOGPROBS_MAX, vocab) if any(s.req.params.top_logprobs for s in live) else 0
 
 
 def _adjust(seqs: list[Sequence | None]) -> LogitAdjust | None:

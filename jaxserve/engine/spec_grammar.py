@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.engine.batch import SamplingExtras
-from jaxserve.engine.sampling import TOP_LOGPROBS_MAX
+from jaxserve.engine.batch import SamplingExtras, top_width
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.structured import GrammarCompiler
 
@@ -74,7 +73,7 @@ def verify_extras(rows: list[Sequence | None], grammar: dict[int, GrammarDrafts]
     id(seq), cut to their final drafts; all ones elsewhere: [B, k + 1, W] int32, None without grammar rows) and
     the top-logprobs width."""
     live = [s for s in rows if s is not None]
-    top_n = min(TOP_LOGPROBS_MAX, vocab) if any(s.req.params.top_logprobs for s in live) else 0
+    top_n = top_width(live, vocab)
     if not any(id(s) in grammar for s in live):
         return SamplingExtras(top_n=top_n)
     mask = np.full((len(rows), k + 1, (vocab + 31) // 32), -1, np.int32)
