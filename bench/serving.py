@@ -4,7 +4,7 @@ Usage: python bench/serving.py [--quick | --smoke] [--url http://127.0.0.1:PORT]
                                [--checkpoint DIR] --json OUT.json
        python bench/serving.py --pd P:D [--quick | --smoke] [--reps N] --json OUT.json   (bench/serving_pd.py)
        python bench/serving.py --first-contact [--smoke] [--warmup fast,full] [--max-model-len N]
-                               [--compile-cache DIR|off] --json OUT.json   (bench/serving_first_contact.py)
+                               [--compile-cache DIR|off] [--trace] --json OUT.json   (bench/serving_first_contact.py)
 
 Without --url it starts `jaxserve serve` itself on 127.0.0.1 (a free port) in a child process, so the load
 generator and the server do not share one Python interpreter, and stops it at the end. --url must be loopback.
@@ -265,10 +265,11 @@ def bench_checkpoint(checkpoint: Path | None, tmp: Path) -> tuple[Path, str]:
     return convert(tmp / "hf", tmp / "random-tiny-kimi", progress=False), "random tiny-kimi architecture"
 
 
-def start_server(checkpoint: Path, threads: int, log: Path, extra: tuple[str, ...] = ()
-                 ) -> tuple[subprocess.Popen, int]:
-    """`jaxserve serve` on 127.0.0.1, port 0 (and `extra` flags) -> (process, the port it printed)."""
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
+def start_server(checkpoint: Path, threads: int, log: Path, extra: tuple[str, ...] = (),
+                 launcher: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int]:
+    """`jaxserve serve` on 127.0.0.1, port 0 (and `extra` flags) -> (process, the port it printed); launcher: the
+    interpreter arguments before `-m jaxserve.cli` (e.g. bench.serve_trace's)."""
+    cmd = [sys.executable, *launcher, "-m", "jaxserve.cli", "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
            "--port", "0", "--threads", str(threads), "--max-model-len", "512", *extra]
     errf = log.open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=errf, text=True)
@@ -400,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None, help="--first-contact: the servers' window (512)")
     ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
                     help="--first-contact: the servers' compile cache (default: serve's own default folder)")
+    ap.add_argument("--trace", nargs="?", const="", default=None, metavar="DIR",
+                    help="--first-contact: run each server under bench/serve_trace.py and attribute every first-sweep "
+                         "request's TTFT to what its threads did (bench/first_contact_trace.py); DIR keeps the raw "
+                         "traces")
     ap.add_argument("--json", dest="json_out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.first_contact:
@@ -407,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
 
         command = "python bench/serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
         return serving_first_contact.main(tuple(args.warmup.split(",")), args.smoke, args.max_model_len,
-                                          args.compile_cache, args.json_out, command)
+                                          args.compile_cache, args.json_out, command, args.trace)
     if args.pd is not None:
         from bench import serving_pd
 

@@ -11,7 +11,9 @@ a json_schema response_format + logprobs with top_logprobs 5; no ignore_eos: the
 A token arrival is an SSE chunk carrying content, reasoning_content or tool_calls. Per sweep and concurrency: TTFT
 (send -> first token chunk) and ITL (gaps between token chunks) p50/p99, the largest gap inside one stream, and
 the first/warm TTFT p99 ratio. Goals (issue 32): that ratio <= 1.5 at every concurrency, no gap > 1 s in any sweep
-(on a quiet host: the load average before and after each level is recorded).
+(on a quiet host: the load average before and after each level is recorded). `--trace [DIR]` runs each server
+under bench/serve_trace.py and sets every first-sweep request's TTFT (and every in-stream gap over 0.5 s) beside
+what the server's threads did meanwhile (bench/first_contact_trace.py: the result's "trace" per level).
 
 The committed result: python bench/serving.py --first-contact --warmup fast,full --max-model-len 256
 --json bench/results/serving_first_contact.json (the feature sweep's prompt is ~170 tokens once the chat template
@@ -51,7 +53,9 @@ class FirstContactSpec:
     """concurrencies: the sweep's client counts; requests per concurrency = max(min_requests, rounds x c);
     prompt_tokens / output_tokens: the user text's token count and max_tokens; levels: the `--warmup` levels, each
     a fresh server; max_model_len: the servers' context window; compile_cache: the persistent cache folder (None:
-    serve's default, as a user has it; "off": --no-compile-cache)."""
+    serve's default, as a user has it; "off": --no-compile-cache); trace: None, or run each server under
+    bench/serve_trace.py and attribute each first-sweep request (bench/first_contact_trace.py), keeping the raw
+    traces in that folder unless it is ""."""
 
     concurrencies: tuple[int, ...] = (1, 4, 16)
     rounds: int = 2
@@ -63,6 +67,7 @@ class FirstContactSpec:
     compile_cache: str | None = None
     request_timeout: float = 600.0
     seed: int = 0
+    trace: str | None = None
 
 
 SMOKE = FirstContactSpec(concurrencies=(2,), rounds=1, min_requests=2, prompt_tokens=16, output_tokens=4,
@@ -103,8 +108,9 @@ def chat_body(model: str, text: str, spec: FirstContactSpec, features: bool) -> 
 
 
 def chat_stream(port: int, body: dict, t_base: float, timeout: float) -> Stream:
-    """POST one streaming chat completion to 127.0.0.1:port; timestamp every chunk that carries a token."""
-    sent = time.perf_counter() - t_base
+    """POST one streaming chat completion to 127.0.0.1:port; timestamp every chunk that carries a token (seconds
+    after t_base, time.monotonic: the traced server's clock)."""
+    sent = time.monotonic() - t_base
     times: list[float] = []
     usage, finish = None, None
     try:
@@ -115,7 +121,7 @@ def chat_stream(port: int, body: dict, t_base: float, timeout: float) -> Stream:
         if resp.status != 200:
             return Stream(False, sent, (), 0, 0, None, f"HTTP {resp.status}: {resp.read()[:300]!r}")
         while line := resp.readline():
-            now = time.perf_counter() - t_base
+            now = time.monotonic() - t_base
             line = line.strip()
             if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                 continue
@@ -136,12 +142,13 @@ def chat_stream(port: int, body: dict, t_base: float, timeout: float) -> Stream:
     return Stream(True, sent, tuple(times), usage["completion_tokens"], usage["prompt_tokens"], finish)
 
 
-def sweep(port: int, bodies: list[dict], concurrency: int, timeout: float) -> tuple[list[Stream], float]:
-    """Fixed concurrency: `concurrency` clients, each sending the next body when its last stream ended."""
-    t_base = time.perf_counter()
+def sweep(port: int, bodies: list[dict], concurrency: int, timeout: float) -> tuple[list[Stream], float, float]:
+    """Fixed concurrency: `concurrency` clients, each sending the next body when its last stream ended.
+    -> (streams, seconds, the time.monotonic() their times count from)."""
+    t_base = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         streams = list(pool.map(lambda b: chat_stream(port, b, t_base, timeout), bodies))
-    return streams, time.perf_counter() - t_base
+    return streams, time.monotonic() - t_base, t_base
 
 
 def p50_p99(xs: list[float]) -> dict[str, float | None]:
@@ -183,42 +190,57 @@ def cache_flags(spec: FirstContactSpec) -> tuple[tuple[str, ...], Path | None]:
     return ("--compile-cache", str(folder)), folder
 
 
+def run_sweeps(port: int, model: str, spec: FirstContactSpec, stream: np.ndarray) -> tuple[list[dict], list[dict]]:
+    """The four sweeps (plain and features, first and warm) over every concurrency -> (their rows, and per sweep and
+    concurrency its streams and time base, for the trace's attribution)."""
+    sweeps, raw = [], []
+    for features in (False, True):
+        workload = "tools+json_schema+top_logprobs" if features else "plain"
+        for i, name in enumerate(("first", "warm")):
+            rows = []
+            for c in spec.concurrencies:
+                n = max(spec.min_requests, spec.rounds * c)
+                seed = spec.seed + 1000 * (2 * features + i) + c
+                bodies = [chat_body(model, t, spec, features) for t in prompt_texts(n, spec.prompt_tokens, seed, stream)]
+                streams, seconds, t_base = sweep(port, bodies, c, spec.request_timeout)
+                rows.append(row(streams, seconds, c))
+                raw.append({"workload": workload, "pass": name, "c": c, "t_base": t_base, "streams": streams})
+            sweeps.append({"workload": workload, "pass": name, "rows": rows})
+    return sweeps, raw
+
+
 def run_level(level: str, spec: FirstContactSpec, stream: np.ndarray, tmp: Path) -> dict:
-    """A fresh server at one --warmup level: start-up times, then the four sweeps (plain and features, first and
-    warm) over every concurrency."""
+    """A fresh server at one --warmup level: start-up times, then the four sweeps (`run_sweeps`); with spec.trace
+    the server runs under bench/serve_trace.py and the result gains its attribution ("trace")."""
     flags, folder = cache_flags(spec)
     before = cache_size(folder)
     load_before = os.getloadavg()
     log = tmp / f"serve-{level}.log"
+    trace = Path(spec.trace or tmp) / f"trace-{level}-{time.strftime('%H%M%S')}.jsonl"
     t0 = time.monotonic()
     proc, port = sv.start_server(sv.bench_checkpoint(None, tmp)[0], 2 * max(spec.concurrencies) + 8, log,
                                  ("--warmup", level, "--max-model-len", str(spec.max_model_len),
-                                  "--max-queue", str(2 * max(spec.concurrencies)), *flags))
+                                  "--max-queue", str(2 * max(spec.concurrencies)), *flags),
+                                 ("-m", "bench.serve_trace", str(trace)) if spec.trace is not None else ())
     listening = time.monotonic() - t0
     try:
         sv.wait_ready(proc, port, log, READY_TIMEOUT_S)
         ready = time.monotonic() - t0
         model = sv.get_json("127.0.0.1", port, "/v1/models")["data"][0]["id"]
-        sweeps = []
-        for features in (False, True):
-            for i, name in enumerate(("first", "warm")):
-                rows = []
-                for c in spec.concurrencies:
-                    n = max(spec.min_requests, spec.rounds * c)
-                    seed = spec.seed + 1000 * (2 * features + i) + c
-                    bodies = [chat_body(model, t, spec, features)
-                              for t in prompt_texts(n, spec.prompt_tokens, seed, stream)]
-                    rows.append(row(*sweep(port, bodies, c, spec.request_timeout), c))
-                sweeps.append({"workload": "tools+json_schema+top_logprobs" if features else "plain", "pass": name,
-                               "rows": rows})
+        sweeps, raw = run_sweeps(port, model, spec, stream)
         health = sv.get_json("127.0.0.1", port, "/health")
     finally:
         sv.stop_server(proc)
     warm_line = [ln for ln in log.read_text().splitlines() if "warm-up" in ln and "XLA programs" in ln]
-    return {"warmup": level, "spawn_to_listening_s": listening, "spawn_to_ready_s": ready,
-            "warmup_log": warm_line[-1] if warm_line else None, "compile_cache": str(folder) if folder else None,
-            "cache_before": before, "cache_after": cache_size(folder), "load_before": load_before,
-            "load_after": os.getloadavg(), "sweeps": sweeps, "ratios": ratios(sweeps), "health_after": health}
+    out = {"warmup": level, "spawn_to_listening_s": listening, "spawn_to_ready_s": ready,
+           "warmup_log": warm_line[-1] if warm_line else None, "compile_cache": str(folder) if folder else None,
+           "cache_before": before, "cache_after": cache_size(folder), "load_before": load_before,
+           "load_after": os.getloadavg(), "sweeps": sweeps, "ratios": ratios(sweeps), "health_after": health}
+    if spec.trace is not None:
+        from bench import first_contact_trace
+
+        out["trace"] = first_contact_trace.attribute(trace, raw, t0 + ready)
+    return out
 
 
 def ratios(sweeps: list[dict]) -> dict[str, dict[str, float | None]]:
@@ -278,13 +300,19 @@ def table(r: dict) -> str:
                              f"{f(row_['ttft']['p50_ms'])} {f(row_['ttft']['p99_ms'])} {f(row_['itl']['p50_ms'])} "
                              f"{f(row_['itl']['p99_ms'])} {f(row_['max_gap_ms'])} "
                              f"{'' if ratio is None else f'{ratio:6.2f}'}")
+        if "trace" in res:
+            tr = res["trace"]
+            lines.append(f"  trace: {tr['timeline']}")
+            lines += [f"  miss {m['workload']} c={m['c']} #{m['i']}: {m['ttft_ms']} ms: {m['cause']}" for m in tr["misses"]]
+            lines += [f"  gap {g['workload']} {g['pass']} c={g['c']} #{g['i']}: {g['gap_ms']} ms: {g['cause']}"
+                      for g in tr["gaps"]]
     return "\n".join(lines + ["  (ms; ratio: first-pass TTFT p99 / warm-pass TTFT p99)"])
 
 
 def main(levels: tuple[str, ...], smoke: bool, max_model_len: int | None, compile_cache: str | None,
-         json_out: Path, command: str) -> int:
+         json_out: Path, command: str, trace: str | None = None) -> int:
     spec = SMOKE if smoke else FirstContactSpec()
     spec = FirstContactSpec(**{**asdict(spec), "levels": levels, "compile_cache": compile_cache,
-                               "max_model_len": max_model_len or spec.max_model_len})
+                               "max_model_len": max_model_len or spec.max_model_len, "trace": trace})
     r = run(spec, command, json_out)
     return common.write_result(r, table(r), json_out)
