@@ -19,6 +19,7 @@ from typing import Literal
 import jax.numpy as jnp
 
 from jaxserve.checkpoint import load
+from jaxserve.engine import heap
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.fallback import CompiledShapes, largest_keys
@@ -356,6 +357,7 @@ class Engine:
                 report = run_jobs(level, full_plan(self.programs), progress, max_maps=max_maps)
                 self.map_guard.evictions += report.evictions
                 self._prime(largest_keys(self.programs, plan_keys(self.programs)), report)
+                report.freeze_seconds = heap.freeze()  # what it made lives on: out of the collector's full walks
                 return report
             if level == "none":
                 return WarmupReport(level)
@@ -365,6 +367,7 @@ class Engine:
             self._prime(set(shapes.done), report)
             shapes.runner = self._run_once  # the background's programs too, before a step may use them
             self.scheduler.shapes = shapes  # from the next step on, a shape not compiled yet pads to a compiled one
+            report.freeze_seconds = heap.freeze()  # before the background adds to it (it freezes after each job)
             self.map_guard.warming += 1  # the background thread's own run_jobs keeps the bound until it is done
             shapes.start(rest, hold, max_maps, done=self._background_done)
             return report
@@ -430,6 +433,7 @@ class Engine:
         if self.scheduler.shapes is not None:  # the fast warm-up's background compiles end with the engine
             self.scheduler.shapes.stop(timeout=60)
         self.map_guard.close()
+        heap.thaw()  # what the warm-up froze (this engine's programs and caches) may be collected
 
     def pool_status(self) -> dict[str, int]:
         """This role's page pool (decode's, prefill's for a prefill server): free pages (prefix-cache pages only the

@@ -15,7 +15,9 @@ The background thread runs at the lowest CPU priority (`lower_priority`: nice 19
 cores the engine and HTTP threads win them; XLA:CPU's own compile pool (threads the client started earlier) keeps
 its priority: a cold compile's codegen runs there, a compile-cache load and the tracing/lowering on the thread. The
 tracing and lowering hold the GIL (about 2/3 of a warm-cache job): while the thread runs, the interpreter hands the
-GIL on every 0.5 ms instead of 5 (`short_switch_interval`), so the engine thread gets it back sooner.
+GIL on every 0.5 ms instead of 5 (`short_switch_interval`), so the engine thread gets it back sooner. After each
+job it freezes the heap (`engine.heap`): each job leaves ~10k long-lived objects, and a full garbage collection
+walking them all stopped every thread for 0.3-0.7 s during the first sweeps (bench/first_contact_trace.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from jaxserve.engine import heap
 from jaxserve.engine.batch import rank_rows
 from jaxserve.engine.sampling_forms import SERVING_MODES
 from jaxserve.engine.scoring import SCORING_MODE
@@ -139,7 +142,7 @@ class CompiledShapes:
         """Compile the largest shapes (`largest_keys`) now, in parallel; -> the keys left, likely-first."""
         keys = plan_keys(self.programs)
         first = largest_keys(self.programs, keys)
-        self.report = run_jobs(level, self._jobs(first), progress, max_maps=max_maps)
+        self.report = run_jobs(level, self._jobs(first, freeze=False), progress, max_maps=max_maps)
         done = set(first)
         return sorted((k for k in keys if k not in done), key=_size)  # stable: full_plan's order within a size
 
@@ -156,8 +159,8 @@ class CompiledShapes:
             report = None
             with short_switch_interval():
                 try:
-                    report = self.report = run_jobs("fast, background", self._jobs(keys), False, threads=1,
-                                                    max_maps=max_maps)
+                    report = self.report = run_jobs("fast, background", self._jobs(keys, freeze=True), False,
+                                                    threads=1, max_maps=max_maps)
                 except Exception:  # noqa: BLE001 - the shapes not compiled stay padded; serving goes on
                     log.exception("background compiles stopped: shapes not compiled yet run padded")
                 finally:
@@ -174,8 +177,9 @@ class CompiledShapes:
         if self.thread is not None:
             self.thread.join(timeout)
 
-    def _jobs(self, keys: list[Key]) -> list[Job]:
-        """Each key's compile job, recording the key once it is compiled."""
+    def _jobs(self, keys: list[Key], freeze: bool) -> list[Job]:
+        """Each key's compile job, recording the key once it is compiled; freeze: then freeze the heap (`heap.freeze`:
+        the job's long-lived objects leave the collector's full walks; its collection walks only the job's)."""
         def marked(key: Key, job: Callable[[], None]) -> None:
             if self.stopped.is_set():  # the engine is closing: no compile may outlive it
                 return
@@ -183,6 +187,8 @@ class CompiledShapes:
             if self.runner is not None:  # its first run here, not in a request's step
                 self.runner(key)
             self.add(key)
+            if freeze:
+                heap.freeze()
 
         return [(k[0], lambda k=k, job=job_of(self.programs, k)[1]: marked(k, job)) for k in keys]
 

@@ -31,6 +31,7 @@ from the persistent compilation cache.
     Both "full" and "fast" then run the fast set's programs once on padding (`engine.priming`, under the engine's
     step lock; `WarmupReport.primed`): a program's first run costs several times a later one (XLA:CPU executable
     set-up, jit's C++ fast path: bench/first_execution.py), paid before ready instead of by a first request.
+    Then both freeze the heap (`engine.heap`: a full garbage collection no longer walks the warm-up's objects).
     (`Engine(warmup="first")` is the older, smaller set: what a first short request runs,
     `Programs.compile_first`, its sampled programs deferred to the first idle second, the rest on first use.)
   * "none": nothing; each program compiles on first use, inside the engine loop.
@@ -53,6 +54,7 @@ import jax
 from tqdm import tqdm
 
 from jaxserve.cache.pool import compile_tag_sync
+from jaxserve.engine import heap
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.sampling import SamplingMode
 from jaxserve.engine.sampling_forms import SERVING_MODES
@@ -86,6 +88,7 @@ class WarmupReport:
     max_maps: int | None = None
     primed: dict[str, int] = field(default_factory=dict)  # programs run once on padding after compiling (priming)
     prime_seconds: float = 0.0
+    freeze_seconds: float | None = None  # the garbage collection before freezing the heap (`engine.heap`)
 
     def line(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in self.jobs.items()) or "nothing"
@@ -94,7 +97,8 @@ class WarmupReport:
                 + (f"; dropped from memory {self.evictions} times to stay under {self.max_maps} memory mappings (they "
                    "load from the compile cache on first use)" if self.evictions else "")
                 + (f"; ran {sum(self.primed.values())} of them once ({self.prime_seconds:.1f} s)"
-                   if self.primed else ""))
+                   if self.primed else "")
+                + (f"; heap frozen ({self.freeze_seconds:.2f} s)" if self.freeze_seconds is not None else ""))
 
 
 @contextmanager
@@ -198,6 +202,7 @@ def _evict(report: WarmupReport, maps: int) -> None:
                           "vm.max_map_count",
                           value=maps, param="max_maps")
     jax.clear_caches()
+    heap.refreeze()  # the dropped caches' cycles become collectable
     report.evictions += 1
     log.info("warm-up %s: %d memory mappings, over %d: compiled programs dropped (in the compile cache)",
              report.level, maps, report.max_maps)
@@ -277,6 +282,7 @@ class MapGuard:
         for a in jax.live_arrays():  # nothing dispatched still runs when its program is dropped
             a.block_until_ready()
         jax.clear_caches()
+        heap.refreeze()  # the dropped caches' cycles become collectable
         self.evictions += 1
         log.info("%d memory mappings, over %d: compiled programs dropped (they load from the compile cache)", maps,
                  self.max_maps)

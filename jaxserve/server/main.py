@@ -46,7 +46,7 @@ from waitress.channel import HTTPChannel
 from waitress.server import BaseWSGIServer, MultiSocketServer, create_server
 from waitress.task import ErrorTask
 
-from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams
+from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams, heap
 from jaxserve.engine.compile_cache import add_cache_arguments, enable_from_args
 from jaxserve.errors import ConfigError, JaxserveError
 from jaxserve.format_names import canonical_format
@@ -328,6 +328,7 @@ def start_warmup(engine: Engine, level: str, lifecycle: Lifecycle, progress: boo
             if level != "none":
                 first_request(engine)
                 first_feature_request(engine)
+                heap.freeze()  # what they built (grammar tokenizers, templates) lives on too (engine.heap)
                 line += f"; start-up requests {time.monotonic() - t0:.2f} s"
         except Exception as e:
             if on_error is None:

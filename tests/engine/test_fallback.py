@@ -4,6 +4,7 @@ an engine with no warm-up (a lone short request runs its own shapes, compiled be
 background thread compiles the rest of the grid and steps use their own buckets again."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -58,6 +59,8 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
     hold = threading.Event()
     try:
         report = e.warm_up("fast", hold=hold)
+        # the warm-up's long-lived objects are out of the collector's full walks (engine.heap)
+        assert report.freeze_seconds is not None and gc.get_freeze_count() > 0
         shapes = e.scheduler.shapes
         keys = plan_keys(e.programs)
         assert report.jobs and sum(report.jobs.values()) == len(largest_keys(e.programs, keys)) < len(keys)
@@ -81,6 +84,8 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
 
         hold.set()
         shapes.thread.join()
+        # each background job froze what it added: a full collection walks far fewer objects than it skips
+        assert len(gc.get_objects()) < gc.get_freeze_count()
         grid = {k[:4] for k in keys if k[0] in MODEL_KINDS}
         assert shapes.usable == grid and shapes.done == set(keys)
         assert shapes.cover("decode", 1, 8) == (1, 8, 0)
@@ -92,6 +97,7 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
         assert again == got and 1 in rows and min(rows) < 4
     finally:
         e.close()
+    assert gc.get_freeze_count() == 0  # closed: its objects are the collector's again
 
 
 def test_close_ends_the_background_compiles():
