@@ -113,8 +113,9 @@ class EngineConfig:
     # is one attention block); with speculative decoding or DP attention every program runs at one shape instead
     # (rows = max_batch, block table = the longest sequence, chunk = prefill_chunk). A request is admitted only when
     # the decode pool can hold it to its last token, so nothing is ever preempted (a recompute runs prefill's path
-    # and changes the tokens)
-    deterministic: bool = False
+    # and changes the tokens). None (the default): on where the tiles apply (c = 16 cost 4.7%, README), off with
+    # speculative decoding or DP attention, where it would pin every shape
+    deterministic: bool | None = None
     # which phases this engine runs (`jaxserve serve --role`): "both" (one process, hand-off inside), "prefill"
     # (prefill pool and weights only; exports finished prompts' pages over the KV transfer service), "decode"
     # (decode pool and weights only; pulls its requests' pages from a prefill server), see PD_PROTOCOL.md
@@ -177,6 +178,8 @@ class EngineConfig:
         for p in ("min_rows_bucket", "min_pages_bucket", "min_chunk_bucket"):
             if getattr(self, p) < 1:
                 bad(p, "must be >= 1")
+        if self.deterministic is None:
+            object.__setattr__(self, "deterministic", self.speculative is None and self.dp_ranks == 1)
         if self.deterministic and not self.invariant_tiles:
             for p, v in (("min_rows_bucket", self.max_batch), ("min_pages_bucket", self.max_pages_per_seq),
                          ("min_chunk_bucket", self.prefill_chunk)):

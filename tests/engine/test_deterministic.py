@@ -23,7 +23,7 @@ from jaxserve.models.paged_attention_xla import BLOCK_TOKENS
 
 
 def test_deterministic_config_keeps_the_buckets_and_pins_them_only_where_tiles_do_not_apply():
-    c, plain = small_config(deterministic=True), small_config()
+    c, plain = small_config(deterministic=True), small_config(deterministic=False)
     assert c.invariant_tiles and c.row_buckets == plain.row_buckets and c.chunk_buckets == plain.chunk_buckets
     # decode attention's key block is the table width below one block: the smallest table holds a whole block
     assert c.page_buckets[0] * c.page_size >= min(BLOCK_TOKENS, c.max_model_len)
@@ -31,6 +31,14 @@ def test_deterministic_config_keeps_the_buckets_and_pins_them_only_where_tiles_d
     assert not s.invariant_tiles
     assert s.row_buckets == [s.max_batch] and s.page_buckets == [s.max_pages_per_seq]
     assert s.chunk_buckets == [s.prefill_chunk] and s.prefill_shapes == [(s.max_batch, s.prefill_chunk)]
+
+
+def test_deterministic_is_the_default_where_tiles_apply_and_off_where_it_would_pin_every_shape():
+    assert small_config().deterministic and small_config().invariant_tiles
+    assert small_config().page_buckets == small_config(deterministic=True).page_buckets
+    for off in (small_config(speculative="ngram:2"), small_config(devices=2, sharding="dp_attention")):
+        assert not off.deterministic and len(off.row_buckets) > 1 and len(off.page_buckets) > 1
+    assert not small_config(deterministic=False).deterministic
 
 
 def _filled_pool(e: Engine, lens: np.ndarray, pages_per_row: int):

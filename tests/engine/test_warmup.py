@@ -64,7 +64,8 @@ def _workload(e: Engine) -> None:
 
 
 def test_full_warmup_leaves_nothing_to_compile_on_the_engine_thread():
-    cfg = small_config(kv_dtype="fp8", max_batch=4, max_model_len=32, num_decode_pages=20)
+    # deterministic off: its admission never preempts, and the workload's preemption path must compile nothing too
+    cfg = small_config(kv_dtype="fp8", max_batch=4, max_model_len=32, num_decode_pages=20, deterministic=False)
     e = Engine.from_checkpoint(EMBEDDED, cfg)
     try:
         report = e.warm_up("full")

@@ -26,7 +26,8 @@ from jaxserve.engine.compile_cache import enable_compile_cache
 from jaxserve.engine.warmup import WarmupReport, counting, full_plan, map_count
 
 enable_compile_cache(sys.argv[1])
-e = Engine(tiny_model(), small_config(kv_dtype="fp8", max_batch=4, max_model_len=32, num_decode_pages=20))
+e = Engine(tiny_model(), small_config(kv_dtype="fp8", max_batch=4, max_model_len=32, num_decode_pages=20,
+                                      deterministic=False))  # its workload preempts: the non-deterministic policy
 plan = full_plan(e.programs)
 # a budget of about one model program's mappings over what the process holds: several evictions on this grid
 report = e.warm_up("full", max_maps=map_count() + 400)
@@ -96,7 +97,8 @@ from jaxserve.engine.compile_cache import enable_compile_cache
 from jaxserve.engine.warmup import WarmupReport, counting, map_count
 
 enable_compile_cache(sys.argv[1])
-cfg = small_config(kv_dtype="fp8", max_batch=4, max_model_len=32, num_decode_pages=20)
+cfg = small_config(kv_dtype="fp8", max_batch=4, max_model_len=32, num_decode_pages=20,
+                   deterministic=False)  # its workload preempts: the non-deterministic policy
 kinds = [dict(), dict(temperature=1.0, seed=7), dict(temperature=0.8, top_k=5, seed=3),
          dict(temperature=0.9, top_p=0.7, seed=11)]
 params = [SamplingParams(max_tokens=4 + 3 * (i % 4), ignore_eos=True, **kinds[i % 4]) for i in range(12)]
