@@ -113,9 +113,10 @@ class EngineConfig:
     # is one attention block); with speculative decoding or DP attention every program runs at one shape instead
     # (rows = max_batch, block table = the longest sequence, chunk = prefill_chunk). A request is admitted only when
     # the decode pool can hold it to its last token, so nothing is ever preempted (a recompute runs prefill's path
-    # and changes the tokens). None (the default): on where the tiles apply (c = 16 cost 4.7%, README), off with
-    # speculative decoding or DP attention, where it would pin every shape
-    deterministic: bool | None = None
+    # and changes the tokens). Off by default: a lone stream pays 45% and the no-preemption admission about halves
+    # the chats decoding at once (README). None: on where the tiles apply, off with speculative decoding or DP
+    # attention, where it would pin every shape
+    deterministic: bool | None = False
     # which phases this engine runs (`jaxserve serve --role`): "both" (one process, hand-off inside), "prefill"
     # (prefill pool and weights only; exports finished prompts' pages over the KV transfer service), "decode"
     # (decode pool and weights only; pulls its requests' pages from a prefill server), see PD_PROTOCOL.md

@@ -144,11 +144,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-maps", type=int, default=None,
                    help="memory mappings the process may hold before compiled programs are dropped to the compile "
                         "cache (full warm-up, and between engine steps after ready; default half of vm.max_map_count)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="batch-invariant outputs: greedy and seeded requests give the same tokens whatever else "
-                        "runs (rows computed in fixed-shape tiles, no preemption; see README for the cost). "
-                        "Default: on, except with --speculative or DP attention, where it would pin every program "
-                        "to its largest shape (--deterministic forces it there); --no-deterministic: off")
+                        "runs (rows computed in fixed-shape tiles, no preemption; see README for the cost: 45%% "
+                        "of a lone stream's speed here); --no-deterministic: off (default)")
     p.add_argument("--speculative", default=None, metavar="METHOD:K[:MAX_ROWS]",
                    help="speculative decoding: draft K tokens per step and verify them in one forward; ngram:K "
                         "(prompt lookup), mtp:K (the checkpoint's MTP head) or eagle3:PATH:K (an EAGLE-3 draft "

@@ -33,12 +33,13 @@ def test_deterministic_config_keeps_the_buckets_and_pins_them_only_where_tiles_d
     assert s.chunk_buckets == [s.prefill_chunk] and s.prefill_shapes == [(s.max_batch, s.prefill_chunk)]
 
 
-def test_deterministic_is_the_default_where_tiles_apply_and_off_where_it_would_pin_every_shape():
-    assert small_config().deterministic and small_config().invariant_tiles
-    assert small_config().page_buckets == small_config(deterministic=True).page_buckets
-    for off in (small_config(speculative="ngram:2"), small_config(devices=2, sharding="dp_attention")):
+def test_deterministic_none_is_on_where_tiles_apply_and_off_where_it_would_pin_every_shape():
+    auto = small_config(deterministic=None)
+    assert auto.deterministic and auto.invariant_tiles and not small_config().deterministic  # off by default
+    assert auto.page_buckets == small_config(deterministic=True).page_buckets
+    for off in (small_config(speculative="ngram:2", deterministic=None),
+                small_config(devices=2, sharding="dp_attention", deterministic=None)):
         assert not off.deterministic and len(off.row_buckets) > 1 and len(off.page_buckets) > 1
-    assert not small_config(deterministic=False).deterministic
 
 
 def _filled_pool(e: Engine, lens: np.ndarray, pages_per_row: int):
