@@ -14,6 +14,7 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from aot import NoPool
 from jaxserve.config import from_hf_config
 from jaxserve.models.attention import MLAttention
 from jaxserve.models.layers import MoE
@@ -23,12 +24,6 @@ from jaxserve.quant.weight_format import WeightFormat, WeightPlan
 from jaxserve.sharding import Parallel, ShardingRules, make_mesh, state_formats, state_shardings
 
 ROWS = 64
-
-
-class _NoPool:
-    """No page pool in a bare block (plan_compile._tracked_shapes reads these fields)."""
-
-    latent = latent_scale = k = v = k_scale = v_scale = index_k = index_k_scale = None
 
 
 def _par() -> Parallel:
@@ -46,7 +41,7 @@ def _weight_moves(module, par: Parallel, pinned: bool, call, *inputs) -> list[di
     xs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep) for x in inputs]
     with jax.set_mesh(par.mesh):
         hlo = jax.jit(lambda st, *x: call(nnx.merge(graphdef, st), *x)).lower(args, *xs).compile().as_text()
-    return [m for m in moves(hlo, _tracked_shapes(args, _NoPool())) if m["of"] == "weight"]
+    return [m for m in moves(hlo, _tracked_shapes(args, NoPool())) if m["of"] == "weight"]
 
 
 @functools.cache
