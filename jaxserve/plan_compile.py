@@ -16,10 +16,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from jaxserve.hlo import _BYTES, collectives, summarize
-from jaxserve.hlo_bytes import Row, _types, traffic
+from jaxserve.hlo_bytes import Instr, Row, _types, parse, traffic
 
 MEMORY_FIELDS = ("argument", "output", "temp", "generated_code", "alias")
-_MOVE = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](\{[^}]*\})? (copy|transpose|all-gather)(?:-start)?\(")
+_MOVE = re.compile(r"%(\S+) = ([a-z0-9]+)\[([0-9,]*)\](\{[^}]*\})? (copy|transpose|all-gather)(?:-start)?\("
+                   r"%([^\s,)]+)(?:[^\n]*?dimensions=\{([0-9,]*)\})?")
+_LAYOUT = re.compile(r"%(\S+) = [a-z0-9]+\[[0-9,]*\](\{[^}]*\})")
+_SPACE = re.compile(r"S\(\d+\)")  # a memory space (VMEM): a copy into it is a prefetch, not a relayout
 _MIN_TRACKED = 1 << 20  # weights / pool arrays under 1 MiB are not tracked (their shapes collide with activations)
 
 
@@ -67,13 +70,52 @@ def _tracked_shapes(state, pages) -> dict[tuple[int, ...], str]:  # noqa: ANN001
     return out
 
 
+def _written(comps: dict[str, list[Instr]]) -> set[str]:
+    """Names of the instructions whose result is written to memory: every instruction of a computation that is not
+    a fusion's body, and each fusion's root (through views, tuples and nested fusions' roots). Inside a fusion an
+    op's result stays on chip: XLA:TPU unpacks an FP8 weight's (32, 128) tiles to (8, 128) there before the convert
+    that dequantizes it (a nested `copy` of the weight's shape, reading the weight once as the dot does)."""
+    fused = {i.attr("calls") for body in comps.values() for i in body if i.op == "fusion"}
+    out: set[str] = set()
+
+    def roots(name: str, depth: int) -> None:
+        body = comps.get(name, [])
+        by_name = {i.name: i for i in body}
+        todo = [i for i in body if i.root]
+        while todo:
+            r = todo.pop()
+            out.add(r.name)
+            if r.op in ("bitcast", "reshape", "tuple"):
+                todo += [by_name[o] for o in r.operands if o in by_name]
+            elif r.op == "fusion" and depth < 8:
+                roots(r.attr("calls") or "", depth + 1)
+
+    for name, body in comps.items():
+        if name not in fused:
+            for i in body:
+                out.add(i.name)
+                if i.op == "fusion":
+                    roots(i.attr("calls") or "", 0)
+    return out
+
+
 def moves(hlo_text: str, tracked: dict[tuple[int, ...], str]) -> list[dict]:
-    """Copies, transposes and all-gathers in `hlo_text` whose result shape is a tracked weight / pool shape."""
+    """Copies, transposes and all-gathers in `hlo_text` whose result shape is a tracked weight / pool shape and is
+    written to memory (`_written`). A transpose that keeps its operand's element order and layout (memory space
+    aside) moves nothing and is not one: XLA:TPU's gather fusions end in an identity transpose, whose
+    [64 * 8, 6144] rows (the MoE's routed rows) have the shape of GLM-5.2's o_proj shard at 32 chips."""
+    layouts = {m.group(1): _SPACE.sub("", m.group(2)) for m in _LAYOUT.finditer(hlo_text)}
+    written = _written(parse(hlo_text)[0])
     hits: Counter = Counter()
     for m in _MOVE.finditer(hlo_text):
-        shape = tuple(int(d) for d in m.group(2).split(",") if d)
-        if shape in tracked:
-            hits[(m.group(4), tracked[shape], m.group(1), shape, m.group(3) or "")] += 1
+        name, dt, dims, layout, op, operand, perm = m.groups()
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        if shape not in tracked or name not in written:
+            continue
+        identity = perm is None or perm == ",".join(map(str, range(len(shape))))
+        if op == "transpose" and identity and layout and layouts.get(operand) == _SPACE.sub("", layout):
+            continue  # a view (a copy in the same layout still writes a second buffer)
+        hits[(op, tracked[shape], dt, shape, layout or "")] += 1
     return [{"op": op, "of": of, "dtype": dt, "shape": list(s), "layout": lay, "count": n,
              "bytes": math.prod(s) * _BYTES.get(dt, 4)} for (op, of, dt, s, lay), n in hits.items()]
 
@@ -110,10 +152,10 @@ def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # 
     from jaxserve.engine.layouts import kv_layout, prefill_kv_dtype
     from jaxserve.engine.programs import _pool_shardings, decode_step, prefill_step
     from jaxserve.models.attention_backend import AttentionBackend
-    from jaxserve.sharding import state_shardings
+    from jaxserve.sharding import state_formats
 
     graphdef, state = nnx.split(model)
-    state = _with_shardings(state, state_shardings(par, state))
+    state = _with_shardings(state, state_formats(par, state))
     rows = par.sharding(("batch",))
     dp = par.size("pages")
     ps = spec.page_size

@@ -250,6 +250,17 @@ def param_sharding(parallel: Parallel, name: str, var: nnx.Variable) -> NamedSha
     return NamedSharding(parallel.mesh, param_spec(parallel, name, var))
 
 
+def param_format(parallel: Parallel, name: str, var: nnx.Variable) -> NamedSharding | Format:
+    """`param_sharding`, and on a TPU mesh a parameter declared with a `tpu_major_to_minor` dim order (its
+    metadata) held in that order: the layout XLA:TPU's dots want it in, which the program would otherwise copy it
+    to on every call (an argument's layout is fixed; the weight is placed in it once)."""
+    sharding = param_sharding(parallel, name, var)
+    order = var.get_metadata().get("tpu_major_to_minor")
+    if order is None or parallel.mesh.devices.flat[0].platform != "tpu":
+        return sharding
+    return Format(Layout(major_to_minor=tuple(order)), sharding)
+
+
 def _map_params(fn: Callable[[str, nnx.Variable], object], state: nnx.State) -> nnx.State:
     def one(path: tuple, var: nnx.Variable) -> nnx.Variable:
         return var.replace(fn(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), var))
@@ -261,6 +272,12 @@ def state_shardings(parallel: Parallel, state: nnx.State) -> nnx.State:
     """The NamedSharding of every parameter of `state` (a State-shaped tree); raises ShardingError on a dim that
     does not divide."""
     return _map_params(lambda name, var: param_sharding(parallel, name, var), state)
+
+
+def state_formats(parallel: Parallel, state: nnx.State) -> nnx.State:
+    """`state_shardings`, with the parameters a TPU holds in their own dim order as Formats (`param_format`): what
+    a program's weights are placed with and compiled for."""
+    return _map_params(lambda name, var: param_format(parallel, name, var), state)
 
 
 def state_specs(parallel: Parallel, state: nnx.State) -> nnx.State:

@@ -46,7 +46,7 @@ from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
 from jaxserve.models.build import dtype_of, shard_model
 from jaxserve.models.sharded import import_fn
-from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_format, state_shardings
+from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_format, state_formats
 from jaxserve.quant.apply import compute_layout
 from jaxserve.quant.weight_format import WeightFormat
 
@@ -229,7 +229,7 @@ class Programs:
     def _phase(self, model: CausalLM, par: Parallel, layout: KVLayout, num_pages: int) -> Phase:
         """Put a phase's model on its mesh (already-placed arrays stay where they are) and create its pool."""
         model = shard_model(model, par if par.mesh.devices.size > 1 else None)
-        state_sharding = state_shardings(par, nnx.state(model))
+        state_sharding = state_formats(par, nnx.state(model))
         graphdef, state = nnx.split(model)
         state = jax.device_put(state, state_sharding)
         shape = jax.eval_shape(lambda: init_pages(layout, num_pages))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import LayerNorm, Linear, RMSNorm
+from jaxserve.models.layers import DENSE_FORMATS, LayerNorm, Linear, RMSNorm
 from jaxserve.models.rope import apply_rope
 from jaxserve.quant import ops
 from jaxserve.quant.weight_format import WeightPlan
@@ -121,6 +121,10 @@ class MLAttention(nnx.Module):
         self.kv_a = linear("kv_a", H, r + dr, (None, None), bias)
         self.kv_a_norm = RMSNorm(r, LATENT_NORM_EPS, dtype=dtype)
         self.kv_b = linear("kv_b", r, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), (None, "heads"))
+        if self.kv_b.fmt in DENSE_FORMATS:  # held [N*(dn+dv), r] in memory on TPU (sharding.param_format)
+            # the absorbed dots want r minor (W_UK's output dim; per-head 448 / 192-wide column blocks cut lane
+            # tiles): XLA:TPU copied every layer's kv_b shard to that layout on each decode and prefill call
+            self.kv_b.weight.set_metadata("tpu_major_to_minor", (1, 0))
         self.o = linear("o", N * cfg.v_head_dim, H, ("heads", "embed"), bias)
         self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs, path=f"{path}.indexer", weights=weights,
                                parallel=parallel) if cfg.full_indexer(layer_idx) else None

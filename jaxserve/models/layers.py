@@ -95,6 +95,10 @@ class Linear(nnx.Module):
         self.backend = fmt.backend  # the kernels' tiling: "gpu" (Triton) or "tpu" (Mosaic)
         self.parallel = parallel
         self.weight, scale = _weight(_init(rngs, (din, dout)), fmt, self.fmt, dtype, axes)
+        if self.use_kernel and self.backend == "tpu" and scale is not None:  # sharding.param_format
+            # the Mosaic kernels read it row-major; XLA:TPU's default put the long dim minor when a shard is
+            # narrower than a lane tile (GLM-5.2's 64-wide shared expert at 32 chips), copied back on every call
+            self.weight.set_metadata("tpu_major_to_minor", (0, 1))
         self.scale = nnx.data(scale)
         self.bias = nnx.Param(jnp.zeros((dout,), dtype), axes=axes[1:]) if bias else None
 

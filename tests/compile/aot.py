@@ -125,3 +125,9 @@ def copies_of(result: Compiled, shape: Sequence[int]) -> list[str]:
     dims = ",".join(str(d) for d in shape)
     return [line.strip() for line in result.hlo.splitlines()
             if re.search(rf"= \w+\[{dims}\]\{{[^}}]*\}} copy\(", line)]
+
+
+class NoPool:
+    """No page pool, for a bare block's compile (plan_compile._tracked_shapes reads these fields)."""
+
+    latent = latent_scale = k = v = k_scale = v_scale = index_k = index_k_scale = None

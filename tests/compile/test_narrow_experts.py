@@ -13,6 +13,7 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from aot import NoPool
 from jaxserve.config import from_hf_config
 from jaxserve.models.layers import MoE
 from jaxserve.plan import PRESETS
@@ -43,13 +44,7 @@ def _compiled(ffn: int) -> tuple[dict, list[dict]]:
     specs = {".".join(map(str, path)): s.spec for path, s in jax.tree_util.tree_flatten_with_path(
         shardings, is_leaf=lambda s: isinstance(s, NamedSharding))[0] if "experts" in str(path)}
     assert "tpu_custom_call" in hlo  # the Mosaic kernel ran, not the XLA path
-    return specs, moves(hlo, _tracked_shapes(args, _NoPool()))
-
-
-class _NoPool:
-    """No page pool in a bare MoE block (plan_compile._tracked_shapes reads these fields)."""
-
-    latent = latent_scale = k = v = k_scale = v_scale = index_k = index_k_scale = None
+    return specs, moves(hlo, _tracked_shapes(args, NoPool()))
 
 
 @pytest.mark.parametrize("ffn", [pytest.param(8 * 64, id="64-wide"),

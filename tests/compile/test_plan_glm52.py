@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
 from jaxserve.config import from_hf_config
 from jaxserve.models import dsa
 from jaxserve.models.build import shard_model
@@ -19,12 +21,12 @@ LAYERS = 4
 
 
 @functools.cache
-def _compiled(target: str, phase: str) -> tuple[PlanSpec, PhaseCompile]:
+def _compiled(target: str, phase: str, devices: int = 8, layers: int = LAYERS) -> tuple[PlanSpec, PhaseCompile]:
     t = TARGETS[target]
-    spec = PlanSpec(target=target, memory_bytes=t.memory_bytes)
-    par = Parallel(make_mesh(target_devices(t, 8), dp=1), ShardingRules.preset("tp"))
-    cfg = from_hf_config(dict(PRESETS["glm-5.2"], num_hidden_layers=LAYERS))
-    assert cfg.index_layers == (0, 1, 2) and dsa.is_sparse(spec.decode_context, cfg.index_topk)
+    spec = PlanSpec(devices=devices, target=target, memory_bytes=t.memory_bytes)
+    par = Parallel(make_mesh(target_devices(t, devices), dp=1), ShardingRules.preset("tp"))
+    cfg = from_hf_config(dict(PRESETS["glm-5.2"], num_hidden_layers=layers))
+    assert cfg.index_layers[:3] == (0, 1, 2) and dsa.is_sparse(spec.decode_context, cfg.index_topk)
     fmt = spec.decode_weights if phase == "decode" else spec.prefill_weights
     model = shard_model(_abstract(cfg, fmt, spec), par)
     return spec, compile_phase(cfg, model, par, spec, phase, t.attention, in_mesh=True)
@@ -50,3 +52,15 @@ def test_glm52_h200_prefill_sparse_rows_blockwise():
     assert {c["kind"] for c in r.collectives} == {"all-reduce"}
     assert not [m for m in r.moves if m["op"] == "all-gather"]
 
+
+
+@pytest.mark.slow  # two real-size compiles for 32 v6e chips (~1 and ~3 min)
+@pytest.mark.parametrize("phase,layers", [("decode", 4), ("prefill", 5)])
+def test_glm52_v6e_32_chips_moves_no_weight(phase, layers):
+    """GLM-5.2 over 32 v6e chips (2 heads and a 64-wide shared expert FFN a chip), the prefill at 5 layers so that
+    one MoE layer runs all 512 rows (the last layer's MLP runs the sampled row only): no weight is copied or
+    transposed (kv_b and the FP8 shared expert's gate / up are held in the layouts the dots and the Mosaic kernel
+    read, `sharding.param_format`; XLA:TPU relaid them out in every layer), and no weight or pool is gathered."""
+    _, r = _compiled("v6e", phase, devices=32, layers=layers)
+    assert r.memory["temp"] > 0
+    assert not [m for m in r.moves if m["of"] == "weight" or m["op"] == "all-gather"], r.moves
