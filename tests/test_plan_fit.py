@@ -93,3 +93,15 @@ def test_the_decode_is_recompiled_at_the_pool_that_fits(weights, temp_per_token)
         assert (r.pool_pages + 1) * PS * nominal * 1.1 > 0.99 * f.pool_bytes  # within a page and 1% of all that fits
     else:
         assert r is first and f.tokens < 2 * PS  # nothing fits: no pool compiled, the plan reports 0 tokens
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("plan_*.json")), ids=lambda p: p.stem)
+def test_committed_plans_report_tokens_only_beside_a_decode_that_fits(path):
+    """Every committed plan: where it reports KV tokens, its compiled decode's arguments + temporaries + unaliased
+    outputs are within one device's memory less the reserve."""
+    p = json.loads(path.read_text())
+    budget = p["spec"]["memory_bytes"] - p["spec"]["reserve_bytes"]
+    for mode, r in p["modes"].items():
+        m = r["phases"]["decode"].get("memory")
+        if m and r["kv_tokens"] > 0:
+            assert _peak(m) <= budget, (mode, _peak(m) / 1e9, r["kv_tokens"])
