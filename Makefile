@@ -54,10 +54,11 @@ plan-targets: $(AOT_STAMP)
 	for t in h200:8 v5p:8 v6e:32; do for m in $(PLAN_MODELS); do \
 		$(AOT_BIN)/python bench/plan_timed.py bench/results/plan_$${t%:*}_$$(echo $$m | sed "s/\.//; s/-/_/g").json \
 			--preset $$m --devices $${t#*:} --target $${t%:*} || exit 1; done; done
-	JAX_PLATFORMS=cpu $(AOT_BIN)/python -m jaxserve.cli plan --preset kimi-k2.6 --devices 8 --target h100 --json \
-		--no-progress > bench/results/plan_h100_kimi_k26.json
-	JAX_PLATFORMS=cpu $(AOT_BIN)/python -m jaxserve.cli plan --preset kimi-k2.6 --devices 8 --target h200 --json \
-		--attention dp --no-progress > bench/results/plan_h200_kimi_k26_dp.json
+	$(AOT_BIN)/python bench/plan_timed.py bench/results/plan_h100_kimi_k26.json --preset kimi-k2.6 --devices 8 --target h100
+	$(AOT_BIN)/python bench/plan_timed.py bench/results/plan_h200_kimi_k26_dp.json --preset kimi-k2.6 --devices 8 \
+		--target h200 --attention dp
+	$(AOT_BIN)/python bench/plan_timed.py bench/results/plan_v6e_kimi_k26_ep.json --preset kimi-k2.6 --devices 32 \
+		--target v6e --sharding ep
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

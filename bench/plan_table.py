@@ -25,6 +25,14 @@ def _handoff(m: dict, part: str) -> str:
             f"{coll} collectives")
 
 
+def _need(p: dict, ph: dict) -> str:
+    """A compiled phase's footprint on one device (plan_fit.Fit.need) and whether it fits, or "-" (planned before)."""
+    if ph.get("need_bytes") is None:
+        return "-"
+    budget = p["spec"]["memory_bytes"] - p["spec"]["reserve_bytes"]
+    return f"{ph['need_bytes'] / 1e9:.2f} GB {'fits' if ph['fits'] else f'> {budget / 1e9:.0f}: does not fit'}"
+
+
 def _run(p: dict, m: dict) -> str:
     """The plan's wall time and the host's mean 1-minute load while it ran, or "-" (run before they were recorded)."""
     r = p.get("run")
@@ -49,7 +57,7 @@ def rows(plans: list[dict], dps: list[dict | None] | None = None) -> list[str]:
                                 if x["of"].startswith("pool") and x["op"] in ("copy", "fusion"))
     table = [
         ("device (compiler's name), memory", lambda p, m: f"{p['device_kind']}, {p['spec']['memory_bytes'] / 1e9:.0f} GB"),
-        ("decode: arguments (weights + pool) / temporaries / code",
+        ("decode: arguments (weights + pool: the plan's where its need is given) / temporaries / code",
          lambda p, m: " / ".join(gb(ph(m, "decode")["memory"][k]) for k in ("argument", "temp", "generated_code"))),
         ("prefill: arguments / temporaries / code",
          lambda p, m: " / ".join(gb(ph(m, "prefill")["memory"][k]) for k in ("argument", "temp", "generated_code"))),
@@ -63,7 +71,10 @@ def rows(plans: list[dict], dps: list[dict | None] | None = None) -> list[str]:
          lambda p, m: _handoff(m, "import")),
         ("hand-off export (128 BF16 pages -> FP8 chunk): arguments / temp / aliased",
          lambda p, m: _handoff(m, "export")),
-        ("FP8 KV tokens, TP attention (6 GB reserve)", lambda p, m: f"{m['kv_tokens']:,}"),
+        ("a chip's need, decode at the plan's pool / prefill (of memory less the 6 GB reserve)",
+         lambda p, m: " / ".join(_need(p, ph(m, q)) for q in ("decode", "prefill"))),
+        ("FP8 KV tokens, TP attention (6 GB reserve) / a token's bytes as laid out",
+         lambda p, m: f"{m['kv_tokens']:,} / {m.get('kv_bytes_per_token_as_laid_out', '-')}"),
         ("plan wall time here (2 cores, niced) / host load: its `run` record (bench/plan_timed.py)", _run),
     ]
     dp_rows = [  # from the DP-attention plan where there is one (its compiled temporaries counted)

@@ -18,6 +18,13 @@ transpose or all-gather of a weight or pool shape in the compiled HLO (jaxserve/
 compiles the leading dense layers + 1 MoE layer and + one more period of the layer pattern, and scales every
 reported number linearly in the layer count to the model's (`--full-compile`: all layers). A target plan also
 compiles the prefill -> decode hand-off at every layer into the pool it says fits (`handoff`, jaxserve/plan_handoff.py).
+
+The KV pool is what the compiled decode program leaves (jaxserve/plan_fit.py): its arguments other than the pool
+and the weights, temporaries and unaliased outputs are the compiler's, and a token costs the pool's bytes as the
+compiler laid them out (the donated pool's aliased bytes: TPU tiles pad them). The decode program is then compiled
+again at that pool (not the decode rows' pages, which need not fit) and its figures reported; KV tokens are 0
+unless the program compiled at the pool fits. Each compiled phase says whether it fits (`need_bytes`, `fits`);
+a disaggregated plan's prefill runs on its own devices, and its not fitting does not change the decode pool.
 """
 from __future__ import annotations
 
@@ -26,12 +33,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jaxserve.errors import ConfigError
 from jaxserve.format_names import FORMATS, KV_DTYPES, canonical_format
-from jaxserve.plan_compile import compile_phase, scaled
+from jaxserve.plan_compile import PhaseCompile, compile_phase, scaled
+from jaxserve.plan_fit import Fit, kv_fit
 from jaxserve.plan_handoff import compile_handoff
 from jaxserve.targets import TARGETS, target, target_devices
 
@@ -121,6 +130,9 @@ class PhasePlan:
     memory: dict[str, int] | None = None  # memory_analysis(): argument, output, temp, generated_code, alias bytes
     moves: list[dict] = field(default_factory=list)  # copies / transposes / all-gathers of a weight or pool
     compiled_layers: int | list[int] | None = None  # a list: compiled at these counts, scaled to the model's
+    pool_pages: int | None = None  # the compiled program's pool (all page shards, null pages included)
+    need_bytes: int | None = None  # the program's footprint at that pool on one device (plan_fit.Fit.need)
+    fits: bool | None = None  # need_bytes within the device's memory less the reserve
 
 
 def _rules_name(spec: PlanSpec, dp_attention: bool) -> str:
@@ -173,8 +185,10 @@ def _layer_points(raw: dict, cfg) -> tuple[int, int] | None:  # noqa: ANN001
     return (la, la + period) if la + period < cfg.num_layers else None
 
 
-def _compile_target(raw: dict, cfg, fmt: str, par, spec: PlanSpec, phase: str):  # noqa: ANN001, ANN202
-    """One phase compiled for spec.target: at two small layer counts, scaled to the model's (else all layers)."""
+def _compile_target(raw: dict, cfg, fmt: str, par, spec: PlanSpec, phase: str,  # noqa: ANN001, ANN202
+                    pool_pages: int | None = None):
+    """One phase compiled for spec.target: at two small layer counts, scaled to the model's (else all layers).
+    pool_pages: the pool's pages exactly (plan_compile.compile_phase)."""
     from jaxserve.config import from_hf_config
     from jaxserve.models.build import shard_model
 
@@ -182,13 +196,91 @@ def _compile_target(raw: dict, cfg, fmt: str, par, spec: PlanSpec, phase: str): 
     points = _layer_points(raw, cfg) if spec.scale_layers else None
     if points is None:
         return compile_phase(cfg, shard_model(_abstract(cfg, fmt, spec), par), par, spec, phase, t.attention,
-                             in_mesh=True), cfg.num_layers
+                             in_mesh=True, pool_pages=pool_pages), cfg.num_layers
     runs = []
     for n in points:
         small = from_hf_config(dict(raw, num_hidden_layers=n))
         runs.append(compile_phase(small, shard_model(_abstract(small, fmt, spec), par), par, spec, phase,
-                                  t.attention, in_mesh=True))
+                                  t.attention, in_mesh=True, pool_pages=pool_pages))
     return scaled(runs[0], points[0], runs[1], points[1], cfg.num_layers), list(points)
+
+
+def _sized_decode(compile_at: Callable, first: PhaseCompile, fit_of: Callable, page_size: int, shards: int,
+                  tries: int = 3) -> tuple[PhaseCompile, Fit]:
+    """The decode program compiled at the pool that fits beside it: from `first` (compiled at the rows' pool),
+    recompiled (`compile_at(pages)`) at the pages its fit leaves (a null page per shard included) until the
+    compiled program fits and its pool is within 1% of what fits. fit_of(compile) -> its plan_fit.Fit. Nothing
+    fits (under 2 pages a shard): `first`, whose fit says so."""
+    r = first
+    for _ in range(tries + 1):
+        f = fit_of(r)
+        want = f.tokens // page_size  # per page shard
+        if want < 2 or (f.fits and r.pool_pages // shards >= 0.99 * want):
+            return r, f
+        if _ == tries:
+            break
+        r = compile_at(want * shards)
+    return r, f
+
+
+def _compile_one(raw: dict, cfg, model, fmt: str, par, spec: PlanSpec, phase: str,  # noqa: ANN001, ANN202
+                 pool_pages: int | None = None):
+    """One phase's program for spec.target -> (PhaseCompile, the layer counts compiled)."""
+    if spec.target == "cpu":
+        return compile_phase(cfg, model, par, spec, phase, pool_pages=pool_pages), cfg.num_layers
+    return _compile_target(raw, cfg, fmt, par, spec, phase, pool_pages)
+
+
+def _record(pp: PhasePlan, r: PhaseCompile, f: Fit) -> None:
+    """A phase's compile and its fit on one device, into its plan."""
+    pp.temp_bytes, pp.compile_s, pp.collectives, pp.memory, pp.moves = (r.memory["temp"], r.seconds,
+                                                                        r.collectives, r.memory, r.moves)
+    pp.pool_pages, pp.need_bytes, pp.fits = r.pool_pages, f.need, f.fits
+
+
+def _per_token(cfg, spec: PlanSpec, kv_dtype: str, par, dp_attention: bool) -> int:  # noqa: ANN001
+    """A token's nominal pool bytes on one device (GQA under TP: the device's kv heads)."""
+    from jaxserve.engine.layouts import kv_layout
+
+    layout = kv_layout(cfg, spec.page_size, kv_dtype)
+    per_token = layout.bytes_per_token()
+    return per_token // par.size("kv_heads") if layout.kind == "gqa" and not dp_attention else per_token
+
+
+def _fit_mode(raw: dict, cfg, models: dict, phases: dict[str, PhasePlan], runs: dict[str, PhaseCompile],  # noqa: ANN001
+              par, spec: PlanSpec, dp_attention: bool) -> dict:
+    """One attention mode's KV pool on a decode device. Compiled: from the decode program recompiled at the pool
+    that fits beside it (plan_fit.kv_fit: the pool as laid out, everything else the compiler reports), its tokens 0
+    unless that program fits; else from the weights alone, at the layout's nominal bytes a token."""
+    from jaxserve.engine.layouts import prefill_kv_dtype
+
+    shards, ps, budget = par.size("pages"), spec.page_size, spec.memory_bytes - spec.reserve_bytes
+    per_token = _per_token(cfg, spec, spec.kv_dtype, par, dp_attention)
+    resident = phases["decode"].weight_bytes  # + the prefill format when colocated and different
+    if spec.colocated and spec.prefill_weights != spec.decode_weights:
+        resident += phases["prefill"].weight_bytes
+    out = {"resident_weight_bytes": resident, "kv_bytes_per_token_per_device": per_token}
+    if not runs:
+        pool = budget - resident
+        tokens = max(int(pool // per_token), 0)
+        return dict(out, temp_bytes=0, kv_pool_bytes=max(int(pool), 0), kv_bytes_per_token_as_laid_out=per_token,
+                    kv_tokens_per_device=tokens, decode_pool_pages=0)
+    pre = runs["prefill"]
+    other = pre.memory["temp"] if spec.colocated else 0  # colocated: the devices run the prefill's program too
+    fit_of = lambda r: kv_fit(r.memory, r.pool_pages // shards * ps, per_token, resident,  # noqa: E731
+                              phases["decode"].weight_bytes, budget, other)
+    r, f = _sized_decode(lambda pages: _compile_one(raw, cfg, models["decode"], phases["decode"].fmt, par, spec,
+                                                    "decode", pages)[0],
+                         runs["decode"], fit_of, ps, shards)
+    _record(phases["decode"], r, f)
+    pre_token = _per_token(cfg, spec, prefill_kv_dtype(spec.kv_dtype), par, dp_attention)
+    pre_weights = resident if spec.colocated else phases["prefill"].weight_bytes
+    _record(phases["prefill"], pre, kv_fit(pre.memory, pre.pool_pages // shards * ps, pre_token, pre_weights,
+                                           phases["prefill"].weight_bytes, budget))
+    tokens = (r.pool_pages // shards - 1) * ps if f.fits and r.pool_pages // shards >= 2 else 0  # less null pages
+    return dict(out, temp_bytes=max(r.memory["temp"], other), kv_pool_bytes=f.pool_bytes,
+                kv_bytes_per_token_as_laid_out=round(f.bytes_per_token, 1), kv_tokens_per_device=tokens,
+                decode_pool_pages=r.pool_pages if tokens else 0)
 
 
 def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bool = True) -> dict:
@@ -214,45 +306,29 @@ def plan(cfg_or_preset: str | dict, spec: PlanSpec = PlanSpec(), *, progress: bo
         rules = ShardingRules.preset(_rules_name(spec, dp_attention))
         par = Parallel(make_mesh(devices, dp=spec.devices if dp_attention else 1), rules)
         phases: dict[str, PhasePlan] = {}
+        models, runs = {}, {}
         for phase, fmt in (("decode", spec.decode_weights), ("prefill", spec.prefill_weights)):
             if fmt not in abstract:
                 abstract[fmt] = _abstract(cfg, fmt, spec)
             # the same abstract model, switched to this mode's mesh (one device: no shard_maps)
-            model = shard_model(abstract[fmt], par if par.mesh.devices.size > 1 else None)
-            pp = PhasePlan(fmt, _per_device_bytes(model, par))
+            models[phase] = shard_model(abstract[fmt], par if par.mesh.devices.size > 1 else None)
+            phases[phase] = PhasePlan(fmt, _per_device_bytes(models[phase], par))
             if spec.compile and mode == spec.attention:
-                if spec.target == "cpu":
-                    r, pp.compiled_layers = compile_phase(cfg, model, par, spec, phase), cfg.num_layers
-                else:
-                    r, pp.compiled_layers = _compile_target(raw, cfg, fmt, par, spec, phase)
-                pp.temp_bytes, pp.compile_s, pp.collectives = r.memory["temp"], r.seconds, r.collectives
-                pp.memory, pp.moves = r.memory, r.moves
-            phases[phase] = pp
+                runs[phase], phases[phase].compiled_layers = _compile_one(raw, cfg, models[phase], fmt, par, spec,
+                                                                          phase)
             bar.update()
-        # the decode pool's devices hold decode weights (+ the prefill format when colocated and different)
-        resident = phases["decode"].weight_bytes
-        if spec.colocated and spec.prefill_weights != spec.decode_weights:
-            resident += phases["prefill"].weight_bytes
-        temps = [p.temp_bytes for p in phases.values() if p.temp_bytes is not None]
-        temp = max(temps) if spec.colocated and temps else (phases["decode"].temp_bytes or 0)
-        pool = spec.memory_bytes - resident - temp - spec.reserve_bytes
+        fit = _fit_mode(raw, cfg, models, phases, runs, par, spec, dp_attention)
+        per_device_tokens, pages = fit.pop("kv_tokens_per_device"), fit.pop("decode_pool_pages")
         layout = kv_layout(cfg, spec.page_size, spec.kv_dtype)
-        per_token = layout.bytes_per_token()
-        if layout.kind == "gqa" and not dp_attention:
-            per_token //= par.size("kv_heads")  # K/V split by kv head: each device holds its heads' share
-        per_device_tokens = max(int(pool // per_token), 0)
-        # TP: every device holds (a kv-head slice of) the same tokens; DP: each device its own requests' tokens
-        total = per_device_tokens * (spec.devices if dp_attention else 1)
         out["modes"][mode] = {
-            "phases": {k: asdict(v) for k, v in phases.items()},
-            "resident_weight_bytes": resident, "temp_bytes": temp, "kv_pool_bytes": max(int(pool), 0),
-            "kv_bytes_per_token_per_device": per_token, "kv_tokens": total,
+            "phases": {k: asdict(v) for k, v in phases.items()}, **fit,
+            # TP: every device holds (a kv-head slice of) the same tokens; DP: each device its own requests' tokens
+            "kv_tokens": per_device_tokens * (spec.devices if dp_attention else 1),
             # GLM-5.x: the DSA indexer keys' share of per_token (in every device's copy, like the latent rows)
             "kv_index_bytes_per_token": layout.index_bytes_per_token(),
             "kv_tokens_per_device": per_device_tokens,
         }
-        if spec.compile and mode == spec.attention and spec.target != "cpu":  # at the pool the plan says fits
-            pages = per_device_tokens // spec.page_size * (spec.devices if dp_attention else 1)
+        if runs and spec.target != "cpu":  # at the decode pool the plan compiled and says fits
             out["modes"][mode]["handoff"] = {
                 k: {"memory": r.memory, "collectives": r.collectives, "moves": r.moves, "compile_s": r.seconds,
                     "pool_pages": pages} for k, r in compile_handoff(cfg, par, spec, pages, in_mesh=True).items()}
@@ -284,7 +360,9 @@ def table(p: dict) -> str:
                 lines.append(f"{mode} {phase} on {p.get('target', 'cpu')} ({p.get('device_kind', '')}), layers "
                              f"{ph.get('compiled_layers', 'all')}: arguments {gb(m['argument'])} "
                              f"outputs {gb(m['output'])} "
-                             f"temp {gb(m['temp'])} code {gb(m['generated_code'])} aliased {gb(m['alias'])} GB")
+                             f"temp {gb(m['temp'])} code {gb(m['generated_code'])} aliased {gb(m['alias'])} GB"
+                             + (f"; with its {ph['pool_pages']}-page pool it needs {gb(ph['need_bytes'])} GB a device:"
+                                f" {'fits' if ph['fits'] else 'DOES NOT FIT'}" if ph.get("fits") is not None else ""))
             for mv in ph.get("moves", []):
                 lines.append(f"  {mv['count']:>4} x {mv['op']:<15} of {mv['of']} {mv['dtype']}{mv['shape']}"
                              f"{mv['layout']} ({mv['bytes'] / 1e6:.2f} MB each)")

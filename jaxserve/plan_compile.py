@@ -32,13 +32,15 @@ class PhaseCompile:
     all-gathers of a weight or pool shape, and fusions writing a whole pool shape (op "fusion") [{op, of, dtype,
     shape, layout, count, bytes}]; traffic: every
     instruction that runs, grouped (hlo_bytes.traffic) [{category, op, what, result, count, bytes}], a whole
-    pool's leading layer dim written "L" (the roofline's input, jaxserve/roofline.py)."""
+    pool's leading layer dim written "L" (the roofline's input, jaxserve/roofline.py); pool_pages: the compiled
+    pool's pages (all page shards, null pages included)."""
 
     seconds: float
     memory: dict[str, int]
     collectives: list[dict] = field(default_factory=list)
     moves: list[dict] = field(default_factory=list)
     traffic: list[dict] = field(default_factory=list)
+    pool_pages: int = 0
 
 
 def _tracked_shapes(state, pages) -> dict[tuple[int, ...], str]:  # noqa: ANN001
@@ -139,9 +141,11 @@ def fusion_copies(rows: list[Row], tracked: dict[tuple[int, ...], str]) -> list[
 
 
 def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # noqa: ANN001
-                  in_mesh: bool = False) -> PhaseCompile:
+                  in_mesh: bool = False, pool_pages: int | None = None) -> PhaseCompile:
     """Lower and compile one phase's real program on abstract inputs. in_mesh: lower inside `jax.set_mesh` (the
-    Pallas TPU kernels read their chip from the mesh's devices)."""
+    Pallas TPU kernels read their chip from the mesh's devices). pool_pages: the pool's pages exactly (a multiple of
+    the page shards: the pool a plan says fits, fewer than the rows' pages when they do not all fit); None: the
+    rows' pages + a null page per shard, or spec.pool_pages if more."""
     import contextlib
 
     import jax
@@ -167,6 +171,7 @@ def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # 
     num_pages = dp * (-(-b // dp) * m + 1)  # each page shard: its rows' pages + its null page
     if phase == "decode" and spec.pool_pages:  # a deployment's pool (what the plan says fits), page shards whole
         num_pages = max(num_pages, -(-spec.pool_pages // dp) * dp)
+    num_pages = num_pages if pool_pages is None else pool_pages
     pages = jax.eval_shape(lambda: init_pages(layout, num_pages))
     pool_shardings = _pool_shardings(pages, par)
     pages = _with_shardings(pages, pool_shardings)
@@ -190,7 +195,7 @@ def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # 
     pool_shapes = [tuple(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(pages) if x.ndim >= 2]
     tracked, runs = _tracked_shapes(state, pages), traffic(hlo)
     return PhaseCompile(seconds, memory, summarize(collectives(hlo)),
-                        moves(hlo, tracked) + fusion_copies(runs, tracked), traffic_rows(runs, pool_shapes))
+                        moves(hlo, tracked) + fusion_copies(runs, tracked), traffic_rows(runs, pool_shapes), num_pages)
 
 
 def traffic_rows(rows: list[Row], pool_shapes: list[tuple[int, ...]]) -> list[dict]:
@@ -266,4 +271,4 @@ def scaled(a: PhaseCompile, la: int, b: PhaseCompile, lb: int, layers: int) -> P
     return PhaseCompile(a.seconds + b.seconds, memory,
                         rows(a.collectives, b.collectives, ("kind", "dtype", "shape")),
                         rows(a.moves, b.moves, ("op", "of", "dtype", "shape", "layout")),
-                        rows(a.traffic, b.traffic, ("category", "op", "what", "result")))
+                        rows(a.traffic, b.traffic, ("category", "op", "what", "result")), b.pool_pages)
