@@ -123,21 +123,26 @@ def _mask(seqs: list[Sequence | None], vocab: int, eos: set[int], grammar: Gramm
     return m
 
 
-def sampling_arrays(seqs: list[Sequence | None], extras: SamplingExtras = SamplingExtras()) -> SamplingArrays:
-    """The sampling columns of a batch's rows (None = padding: greedy, top_p 1) on the device, with `extras`
-    (host arrays: `sampling_forms.SamplingForms` uploads them in its fixed widths)."""
+def sampling_columns(seqs: list[Sequence | None]) -> tuple[np.ndarray, ...]:
+    """The per-row sampling columns of a batch's rows (None = padding: greedy, top_p 1) as host arrays:
+    (temperature f32, top_k int32, top_p f32, seed uint32, step int32), each [B]."""
     def col(f, dtype, empty=0):  # noqa: ANN001
         return np.array([f(s) if s is not None else empty for s in seqs], dtype)
 
+    return (col(lambda s: s.req.params.temperature, np.float32), col(lambda s: s.req.params.top_k, np.int32),
+            col(lambda s: s.req.params.top_p, np.float32, 1.0), col(lambda s: request_seed(s.req), np.uint32),
+            col(lambda s: len(s.generated), np.int32))
+
+
+def sampling_arrays(seqs: list[Sequence | None], extras: SamplingExtras = SamplingExtras(),
+                    columns: tuple[jax.Array, ...] | None = None) -> SamplingArrays:
+    """The sampling columns of a batch's rows on the device (`sampling_columns`, uploaded; or `columns`, already
+    on the device: e.g. unpacked from a verify's one upload), with `extras` (host arrays:
+    `sampling_forms.SamplingForms` uploads them in its fixed widths)."""
     mode = sampling_mode((s.req.params.temperature, s.req.params.top_k, s.req.params.top_p) for s in seqs
                          if s is not None)
     # one device_put call for the five columns (JAX batches a pytree's transfers) instead of five
-    temperature, top_k, top_p, seed, step = jax.device_put((
-        col(lambda s: s.req.params.temperature, np.float32),
-        col(lambda s: s.req.params.top_k, np.int32),
-        col(lambda s: s.req.params.top_p, np.float32, 1.0),
-        col(lambda s: request_seed(s.req), np.uint32),
-        col(lambda s: len(s.generated), np.int32)))
+    temperature, top_k, top_p, seed, step = jax.device_put(sampling_columns(seqs)) if columns is None else columns
     return SamplingArrays(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, step=step,
                           adjust=extras.adjust, mask=extras.mask, mode=mode, top_n=extras.top_n)
 

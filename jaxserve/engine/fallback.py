@@ -93,14 +93,15 @@ def lone_shapes(programs: Programs) -> set[Shape]:
 
 def largest_keys(programs: Programs, keys: list[Key]) -> list[Key]:
     """The keys "fast" compiles before ready: the model programs of each kind's maximal shapes (no other shape of
-    that kind has rows, pages and chunk all >=) and of `lone_shapes`, the unpacking of those decode shapes, every
+    that kind has rows, pages and chunk all >=) and of `lone_shapes`, the unpacking of those decode and verify shapes, every
     other job (hand-off, tag syncs); not the scoring prefill (few requests use it: it compiles in the background)."""
     shapes = {k[:4] for k in keys if k[0] in MODEL_KINDS}
     maximal = {s for s in shapes if not any(o != s and o[0] == s[0] and all(o[i] >= s[i] for i in (1, 2, 3))
                                             for o in shapes)}
     first = (maximal | lone_shapes(programs)) - {s for s in shapes if s[0] == "prefill_scored"}
-    unpacks = {("unpack", b, m, 0, "") for kind, b, m, _ in first if kind == "decode"}
-    return [k for k in keys if k[:4] in first or k in unpacks or k[0] not in (*MODEL_KINDS, "unpack")]
+    unpacks = {(f"unpack{'' if kind == 'decode' else ' verify'}", b, m, 0, "") for kind, b, m, _ in first
+               if kind in ("decode", "verify")}
+    return [k for k in keys if k[:4] in first or k in unpacks or k[0] not in (*MODEL_KINDS, "unpack", "unpack verify")]
 
 
 class CompiledShapes:

@@ -153,7 +153,7 @@ class MTPPrograms:
                                                       next_tokens)
         return host_outputs(sampled, samp), np.asarray(ok), np.asarray(drafts)
 
-    def run_verify(self, batch: PrefillBatch, drafts: np.ndarray, samp: SamplingArrays
+    def run_verify(self, batch: PrefillBatch, drafts: jax.Array, samp: SamplingArrays
                    ) -> tuple[Verified, np.ndarray, np.ndarray]:
         """-> (Verified with numpy fields, ok [B] bool, next drafts [B, k] int32)."""
         ph = self.decode_phase

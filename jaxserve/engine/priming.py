@@ -23,7 +23,7 @@ import numpy as np
 from jaxserve.cache import NULL_PAGE
 from jaxserve.engine.batch import DecodeRows, padding_prefill, sampling_arrays
 from jaxserve.engine.sampling import TOP_LOGPROBS_MAX, SamplingArrays
-from jaxserve.engine.verify import dummy_verify
+from jaxserve.engine.verify import padding_verify
 from jaxserve.engine.warmup import Key, WarmupReport
 
 if TYPE_CHECKING:
@@ -60,9 +60,9 @@ def run_once(programs: Programs, key: Key, ranks: int = 1) -> bool:
         none = np.zeros(0, np.int64)
         batch, cols = rows.upload(none, none, ranks, b, m, programs.decode_rows)
         programs.run_decode(batch, _form(SamplingArrays(*cols, mode="greedy"), mode))
-    elif kind == "verify":
-        batch, drafts, samp = dummy_verify(b, programs.cfg.speculative.k, m)
-        programs.run_verify(batch, np.asarray(drafts), _form(samp, mode))
+    elif kind == "verify":  # as `speculative` builds one: one packed upload, split on the device
+        batch, drafts, cols = padding_verify(b, programs.cfg.speculative.k, m, programs.decode_rows)
+        programs.run_verify(batch, drafts, _form(sampling_arrays([None] * b, columns=cols), mode))
     else:  # hand-off of m pages: the null page to nowhere
         programs.handoff([NULL_PAGE] * m, [-1] * m, [0] * m, [0] * m)
         jax.block_until_ready(programs.decode_phase.pages)

@@ -303,10 +303,10 @@ class Programs:
         sampled, ok = pending
         return jax.tree.map(np.asarray, sampled), np.asarray(ok)
 
-    def run_verify(self, batch: PrefillBatch, drafts: np.ndarray, samp: SamplingArrays
+    def run_verify(self, batch: PrefillBatch, drafts: jax.Array, samp: SamplingArrays
                    ) -> tuple[Verified, np.ndarray]:
-        """One verify program over the decode pool (`verify.verify_batch`'s host batch and drafts, uploaded where
-        decode batches live) -> (Verified with numpy fields, ok [B] bool)."""
+        """One verify program over the decode pool (`verify.upload_verify`'s batch and drafts, placed where decode
+        batches live) -> (Verified with numpy fields, ok [B] bool)."""
         ph = self.decode_phase
         s = self.forms.form(samp, self.decode_rows, drafts.shape[1] + 1)  # a grammar mask per position
         # everything on the decode rows' sharding, as `_compile` lowers it: another placement is another program

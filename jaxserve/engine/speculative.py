@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from jaxserve.cache import PageAllocator
-from jaxserve.engine.batch import DecodeRows, rank_rows, sampling_arrays
+from jaxserve.engine.batch import DecodeRows, rank_rows, sampling_arrays, sampling_columns
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.fallback import fit
 from jaxserve.engine.mtp_draft import MTPDrafts
@@ -39,7 +39,7 @@ from jaxserve.engine.sampling import Sampled, SamplingArrays
 from jaxserve.engine.sequence import Sequence, Stats
 from jaxserve.engine.spec_grammar import GrammarDrafts, grammar_drafts, verify_extras
 from jaxserve.engine.structured import GrammarCompiler
-from jaxserve.engine.verify import verify_batch
+from jaxserve.engine.verify import upload_verify, verify_batch
 from jaxserve.errors import KVIntegrityError
 from jaxserve.models.paged import PrefillBatch
 
@@ -163,13 +163,15 @@ class Speculation:
         for i, seq in zip(place, seqs):
             by_row[i] = seq
         batch, draft_arr = verify_batch(s.rows, idx, place, drafts, B, self.k, M)
+        batch, draft_arr, cols = upload_verify(batch, draft_arr, sampling_columns(by_row), s.programs.decode_rows)
         s.programs.sync_tags(s.prefill_alloc, s.decode_alloc)
         extras = verify_extras(by_row, grammar, drafts, place, self.k, s.programs.forms.vocab)
+        samp = sampling_arrays(by_row, extras, cols)
         if self.mtp is not None:
-            out, ok, nxt = s.programs.mtp.run_verify(batch, draft_arr, sampling_arrays(by_row, extras))
+            out, ok, nxt = s.programs.mtp.run_verify(batch, draft_arr, samp)
             self.mtp.verified(seqs, place, nxt, ok)
         else:
-            out, ok = s.programs.run_verify(batch, draft_arr, sampling_arrays(by_row, extras))
+            out, ok = s.programs.run_verify(batch, draft_arr, samp)
         for i, seq, d in zip(place, seqs, drafts):
             if not ok[i]:  # its pages no longer hold its tags: it wrote and read nothing
                 s._fail(seq, s._integrity_error(seq, "verify"))

@@ -148,6 +148,7 @@ def plan_keys(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODE
     keys += [(kind, b, m, t, "") for kind, b, m, t in shapes if kind not in model]
     if programs.decode_phase is not None:
         keys += [("unpack", b, m, 0, "") for b in c.row_buckets for m in c.page_buckets]
+        keys += [("unpack verify", b, m, 0, "") for kind, b, m, t in shapes if kind == "verify"]
     return keys + [("tag sync", i, 0, 0, "") for i, _ in enumerate(programs.phases())]
 
 
@@ -156,6 +157,8 @@ def job_of(programs: Programs, key: Key) -> Job:
     kind, b, m, t, mode = key
     if kind == "unpack":
         return kind, functools.partial(compile_unpack, programs.decode_rows, b, m, tuple(programs.cfg.row_buckets))
+    if kind == "unpack verify":  # verify.unpack_verify, run once on a padding batch
+        return kind, functools.partial(padding_verify, b, programs.cfg.speculative.k, m, programs.decode_rows)
     if kind == "tag sync":
         tags = programs.phases()[b].pages.tags
         return kind, functools.partial(compile_tag_sync, tags, _pow2_upto(tags.shape[0]))

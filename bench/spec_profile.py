@@ -1,0 +1,195 @@
+"""Where a speculative decode step's time goes on this host: one c = 1 request on the embedded model (64-token
+prompt, greedy), plain decode vs "ngram:K" / "mtp:K" speculation.
+
+Usage: python bench/spec_profile.py [--k 3] [--steps 40] [--json bench/results/spec_profile.json]
+
+Per engine (plain, ngram:K, mtp:K; the serving `EngineConfig()` otherwise, no prefix cache), after an untimed pass
+that compiles its shapes:
+- step: the wall time of one `Engine.step()` in steady decode (median and min..max over --steps steps), tokens it
+  emitted, and so the ms per emitted token; traces (compiles) during the timed steps (a retrace shows here);
+- program: the device program alone, called back to back on the same steady-state arguments and blocked on
+  (decode at B = 1; verify over k + 1 positions; the MTP verify with its k - 1 chained draft steps), and the
+  same with `jax.jit`'s dispatch measured separately (time to return before the result is ready);
+- phases of a speculative step, timed by wrapping the scheduler's methods in this process only (the hot path has no
+  timers): host work before the verify (drafts, pages, batch, sampling arrays), the verify call to its
+  host copies, host work after (acceptance, rollback, page bookkeeping); host_ms_per_step: the speculative
+  steps' time less their verify programs', over the whole run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import common  # noqa: E402
+from bench.speculative import CKPT, prompts_for  # noqa: E402
+from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
+from jaxserve.engine.config import Speculative  # noqa: E402
+from jaxserve.engine.request import Status  # noqa: E402
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": float(np.median(xs)), "min": float(min(xs)), "max": float(max(xs)), "n": len(xs)}
+
+
+def run_once(engine: Engine, prompt: list[int], new: int) -> None:
+    engine.submit(Request(prompt, SamplingParams(max_tokens=new, ignore_eos=True)))
+    while engine.scheduler.has_work():
+        engine.step()
+
+
+class Timer:
+    """Wraps `obj.name` (an instance attribute shadowing the method) to add its wall time to `self.ms[key]`."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, list[float]] = {}
+
+    def wrap(self, obj: object, name: str, key: str, block: bool = False) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args: object):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            if block:
+                jax.block_until_ready(out)
+            self.ms.setdefault(key, []).append((time.perf_counter() - t0) * 1e3)
+            return out
+        setattr(obj, name, timed)
+
+
+def steps(engine: Engine, prompt: list[int], n: int, new: int) -> tuple[list[float], list[int], int]:
+    """Submit one request, step to steady decode, then time n steps -> (ms per step, tokens per step, traces)."""
+    sched = engine.scheduler
+    stream = engine.submit(Request(prompt, SamplingParams(max_tokens=new, ignore_eos=True)))
+    while not any(s.status is Status.DECODING for s in sched.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    seq = next(s for s in sched.running if s.status is Status.DECODING)
+    traces0 = sum(engine.scheduler.programs.compiles.values())
+    ms, toks = [], []
+    for _ in range(n):
+        before = len(seq.generated)
+        t0 = time.perf_counter()
+        engine.step()
+        ms.append((time.perf_counter() - t0) * 1e3)
+        toks.append(len(seq.generated) - before)
+        if seq.status is not Status.DECODING:
+            break
+    traces = sum(engine.scheduler.programs.compiles.values()) - traces0
+    while sched.has_work():
+        engine.step()
+    list(stream)
+    return ms, toks, traces
+
+
+def program_times(engine: Engine, prompt: list[int], reps: int, new: int) -> dict:
+    """The device program of a steady decode step alone: capture its arguments, call it back to back."""
+    prog = engine.scheduler.programs
+    captured: dict[str, tuple] = {}
+    spec = engine.scheduler._speculation
+    if spec is None:
+        target, attr = prog, "_decode"
+    elif spec.mtp is not None:
+        target, attr = prog.mtp, "_verify"
+    else:
+        target, attr = prog, "_verify"
+    fn = getattr(target, attr)
+
+    def capture(params, pages, *rest):
+        captured.setdefault("args", rest)
+        return fn(params, pages, *rest)
+    setattr(target, attr, capture)
+    engine.submit(Request(prompt, SamplingParams(max_tokens=new, ignore_eos=True)))
+    while "args" not in captured or not any(s.status is Status.DECODING for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(4):  # a steady step's arguments (drafts present)
+        captured.pop("args", None)
+        while "args" not in captured:
+            engine.step()
+    setattr(target, attr, fn)
+    rest = captured["args"]
+    ph = prog.decode_phase
+    total, dispatch = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn(ph.params, ph.pages, *rest)
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        ph.pages = out[2]
+        dispatch.append((t1 - t0) * 1e3)
+        total.append((t2 - t0) * 1e3)
+    while engine.scheduler.has_work():
+        engine.step()
+    return {"program": attr, "ms": spread(total), "dispatch_ms": spread(dispatch)}
+
+
+def phases(engine: Engine, prompt: list[int], n: int, new: int) -> dict:
+    """A speculative step's phases, by wrapping the scheduler's parts on this engine object only."""
+    sched, spec = engine.scheduler, engine.scheduler._speculation
+    t = Timer()
+    prog = sched.programs.mtp if spec.mtp is not None else sched.programs
+    t.wrap(prog, "_verify", "program_ms", block=True)  # the jitted verify, to its outputs (read at once anyway)
+    t.wrap(prog, "run_verify", "verify_call_ms")  # upload + program + host copies
+    t.wrap(spec, "_drafts", "drafts_ms")
+    t.wrap(spec, "_emit", "emit_ms")
+    t.wrap(spec, "_verify", "verify_phase_ms")  # batch + sampling arrays + verify call + acceptance loop
+    t.wrap(spec, "step", "spec_step_ms")
+    t.wrap(sched.programs, "sync_tags", "sync_tags_ms")
+    steps(engine, prompt, n, new)
+    out = {key: spread(v) for key, v in t.ms.items()}
+    # every speculative step of the run against every verify program in it: the host's share of a step
+    out["host_ms_per_step"] = (sum(t.ms["spec_step_ms"]) - sum(t.ms["program_ms"])) / len(t.ms["spec_step_ms"])
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--methods", default="plain,ngram,mtp")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "spec_profile.json")
+    args = ap.parse_args()
+    cfg = EngineConfig(prefix_cache=False)
+    out = {"bench": "spec_profile", "machine": common.machine(), "k": args.k, "rows": []}
+    lines = []
+    for name in args.methods.split(","):
+        c = cfg if name == "plain" else replace(cfg, speculative=Speculative(name, args.k))
+        engine = Engine.from_checkpoint(CKPT, c, start=False)
+        prompt = prompts_for(engine, 1, seed=1)[0]
+        run_once(engine, prompt, args.new_tokens)  # compiles
+        load0 = os.getloadavg()
+        ms, toks, traces = steps(engine, prompt, args.steps, args.new_tokens)
+        row = {"engine": name, "step_ms": spread(ms), "tokens_per_step": float(np.mean(toks)),
+               "ms_per_token": float(sum(ms) / max(sum(toks), 1)), "traces_in_timed_steps": traces,
+               "program": program_times(engine, prompt, args.steps, args.new_tokens)}
+        if name != "plain":
+            row["phases"] = phases(engine, prompt, args.steps, args.new_tokens)
+        row["loadavg_start"], row["loadavg_end"] = load0, os.getloadavg()
+        out["rows"].append(row)
+        p = row["program"]
+        lines.append(f"{name:>6}: step {row['step_ms']['median']:.2f} ms ({row['step_ms']['min']:.2f}.."
+                     f"{row['step_ms']['max']:.2f}), {row['tokens_per_step']:.2f} tok/step, "
+                     f"{row['ms_per_token']:.2f} ms/tok, traces {traces}; program {p['program']} "
+                     f"{p['ms']['median']:.2f} ms (dispatch {p['dispatch_ms']['median']:.2f}); load "
+                     f"{load0[0]:.1f}->{row['loadavg_end'][0]:.1f}")
+        for key, v in row.get("phases", {}).items():
+            if not isinstance(v, dict):
+                lines.append(f"        {key:<16} {v:.2f} ms")
+                continue
+            lines.append(f"        {key:<16} {v['median']:.2f} ms ({v['min']:.2f}..{v['max']:.2f}) x{v['n']}")
+    return common.write_result(out, "\n".join(lines), args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
