@@ -3,7 +3,6 @@
 its compiles are the cost)."""
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import threading
@@ -91,10 +90,8 @@ def serve(engine: Engine, name: str = MODEL, max_inflight: int = 8, **app: objec
 
 @functools.cache
 def shared_server() -> Served:
-    """One engine + server for the whole session (all three server test files)."""
-    served = serve(Engine(tiny_model(), engine_config(), tokenizer()))
-    atexit.register(served.close)
-    return served
+    """One engine + server for the whole session (the server test files); closed when it ends (conftest.py)."""
+    return serve(Engine(tiny_model(), engine_config(), tokenizer()))
 
 
 def pool_is_full(engine: Engine) -> bool:
