@@ -211,15 +211,13 @@ def _sized_decode(compile_at: Callable, first: PhaseCompile, fit_of: Callable, p
     recompiled (`compile_at(pages)`) at the pages its fit leaves (a null page per shard included) until the
     compiled program fits and its pool is within 1% of what fits. fit_of(compile) -> its plan_fit.Fit. Nothing
     fits (under 2 pages a shard): `first`, whose fit says so."""
-    r = first
-    for _ in range(tries + 1):
-        f = fit_of(r)
+    r, f = first, fit_of(first)
+    for _ in range(tries):
         want = f.tokens // page_size  # per page shard
         if want < 2 or (f.fits and r.pool_pages // shards >= 0.99 * want):
-            return r, f
-        if _ == tries:
             break
         r = compile_at(want * shards)
+        f = fit_of(r)
     return r, f
 
 
