@@ -29,7 +29,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig, RopeConfig, _rope_from_hf
 from jaxserve.errors import CheckpointError, ConfigError
 from jaxserve.models.decoder import causal_mask
-from jaxserve.models.layers import INIT_STD, RMSNorm
+from jaxserve.models.layers import INIT_STD, RMSNorm, abstract_build
 from jaxserve.models.rope import apply_rope, cos_sin
 
 NEG = -1e30  # masked attention score: finite, so a fully masked (padding) row stays NaN-free
@@ -220,7 +220,7 @@ def load_eagle3(folder: str | Path, target: ModelConfig, dtype: jnp.dtype = jnp.
         raise CheckpointError(f"EAGLE-3 draft {folder}: no embed_tokens.weight, and its hidden_size "
                               f"{cfg.hidden_size} differs from the target's {target.hidden_size} (whose embedding "
                               "it would share)", value="embed_tokens.weight", param="embed_tokens.weight")
-    draft = nnx.eval_shape(lambda: Eagle3Draft(cfg, dtype=dtype, rngs=nnx.Rngs(0), embed=has_embed))
+    draft = abstract_build(lambda rngs: Eagle3Draft(cfg, dtype=dtype, rngs=rngs, embed=has_embed))
     for name, (attr, transposed) in names.items():
         var = draft
         for part in attr.split("."):
