@@ -64,6 +64,9 @@ def _tracked_shapes(state, pages) -> dict[tuple[int, ...], str]:  # noqa: ANN001
             out.setdefault(shard[1:], what)
             if what[5:] in ("k", "v", "k_scale", "v_scale"):  # a GQA layer as a kernel's rows [P, ps * Hkv, ...]
                 out.setdefault((shard[1], shard[2] * shard[3], *shard[4:]), what)
+            # and with unit dims dropped, as XLA holds a device's one kv head (TP): f32[L, P, ps] is its scale pool
+            out.setdefault(tuple(d for d in shard if d != 1), what + " (all layers)")
+            out.setdefault(tuple(d for d in shard[1:] if d != 1), what)
 
     for x in jax.tree.leaves(state):
         add(x, "weight")
@@ -102,22 +105,24 @@ def _written(comps: dict[str, list[Instr]]) -> set[str]:
 
 
 def moves(hlo_text: str, tracked: dict[tuple[int, ...], str]) -> list[dict]:
-    """Copies, transposes and all-gathers in `hlo_text` whose result shape is a tracked weight / pool shape and is
-    written to memory (`_written`). A transpose that keeps its operand's element order and layout (memory space
-    aside) moves nothing and is not one: XLA:TPU's gather fusions end in an identity transpose, whose
-    [64 * 8, 6144] rows (the MoE's routed rows) have the shape of GLM-5.2's o_proj shard at 32 chips."""
+    """Copies, transposes and all-gathers in `hlo_text` whose result shape is a tracked weight / pool shape (a pool's
+    with any unit dims) and is written to memory (`_written`). A transpose that keeps its operand's element order
+    and layout (memory space aside) moves nothing and is not one: XLA:TPU's gather fusions end in an identity
+    transpose, whose [64 * 8, 6144] rows (the MoE's routed rows) have the shape of GLM-5.2's o_proj shard at 32
+    chips."""
     layouts = {m.group(1): _SPACE.sub("", m.group(2)) for m in _LAYOUT.finditer(hlo_text)}
     written = _written(parse(hlo_text)[0])
     hits: Counter = Counter()
     for m in _MOVE.finditer(hlo_text):
         name, dt, dims, layout, op, operand, perm = m.groups()
         shape = tuple(int(d) for d in dims.split(",") if d)
-        if shape not in tracked or name not in written:
-            continue
+        of = tracked.get(shape) or tracked.get(tuple(d for d in shape if d != 1), "")
+        if not (shape in tracked or of.startswith("pool")) or name not in written:
+            continue  # a pool also with unit dims moved or dropped (a GQA scale pool [L, 1, P, ps] or [L, P, ps])
         identity = perm is None or perm == ",".join(map(str, range(len(shape))))
         if op == "transpose" and identity and layout and layouts.get(operand) == _SPACE.sub("", layout):
             continue  # a view (a copy in the same layout still writes a second buffer)
-        hits[(op, tracked[shape], dt, shape, layout or "")] += 1
+        hits[(op, of, dt, shape, layout or "")] += 1
     return [{"op": op, "of": of, "dtype": dt, "shape": list(s), "layout": lay, "count": n,
              "bytes": math.prod(s) * _BYTES.get(dt, 4)} for (op, of, dt, s, lay), n in hits.items()]
 

@@ -327,13 +327,18 @@ def pool_format(parallel: Parallel, field: str, shape: Sequence[int]) -> NamedSh
     576-wide latent rows), so the compiled decode copied the pool to and from it on every call (2 x the pool).
     Row-major pads a row to a multiple of 128 elements (576 -> 640: 11% more bytes). A tiling cannot be pinned:
     on a multi-device mesh XLA:TPU overrides (8, 128) with (32, 128) for 8-bit pools (hence the row writes of
-    `cache.pool._store_rows`: the scatter wants (8, 128)). GQA K / V (and scales) are pinned head-major, [L, P,
-    Hkv, ps, D] in memory: the Mosaic GQA kernels read a page as [Hkv * ps, D] rows, and row-major put a device's
-    one kv head (TP) in the tiled minor dims, padding K / V 4x and the scales 128x (GLM-4.5 on v5p)."""
+    `cache.pool._store_rows`: the scatter wants (8, 128)). GQA K / V are pinned head-major, [L, P, Hkv, ps, D] in
+    memory: the Mosaic GQA kernels read a page as [Hkv * ps, D] rows, and row-major put a device's one kv head (TP)
+    in the tiled minor dims, padding K / V 4x and the scales 128x (GLM-4.5 on v5p). GQA scales are pinned [L, Hkv,
+    P, ps]: one [ps] row per (layer, head, page), (8, 128)-tiled over (P, ps), which the decode kernel reads and
+    the page-row write (`cache.pool._store_page_rows`) updates in place; head-major ([L, P, 1, ps] on a device)
+    was (1, 128)-tiled and the scales' scatter relaid both scale pools out every step."""
     sharding = pool_sharding(parallel, field, shape)
     if len(shape) < 2 or parallel.mesh.devices.flat[0].platform != "tpu":
         return sharding
     order = tuple(range(len(shape)))
-    if field in ("k", "v", "k_scale", "v_scale"):  # GQA: a page stored head-major, [L, P, Hkv, ps(, D)]
-        order = (0, 1, 3, 2, *order[4:])
+    if field in ("k", "v"):  # GQA: a page stored head-major, [L, P, Hkv, ps, D]
+        order = (0, 1, 3, 2, 4)
+    elif field in ("k_scale", "v_scale"):  # GQA scales: a [ps] row per (layer, kv head, page), [L, Hkv, P, ps]
+        order = (0, 3, 1, 2)
     return Format(Layout(major_to_minor=order), sharding)

@@ -19,8 +19,9 @@ the last used chunk (no new SMEM copy). Pages past the length are not copied; to
 a block are masked (logits to a large negative, V rows to 0, so stale or NaN buffer contents cannot leak).
 
 Dequantization: BF16 or FP8 e4m3 pages are cast to the compute dtype (the query's, bf16 or f32; e4m3 -> bf16 is
-exact) and fed to the MXU with f32 accumulation. The per-token f32 scales (MLA [P, ps]; GQA [P, ps, Hkv] viewed
-as [P, Hkv * ps] head-major) arrive one page row per DMA; an exact 0/1 matmul spreads them into the block's [1, rows] row, which multiplies the logits (K side) and the probabilities after the softmax
+exact) and fed to the MXU with f32 accumulation. The per-token f32 scales (MLA [P, ps]; GQA [P, ps, Hkv] read
+as [Hkv, P, ps], `scale_rows`) arrive one [ps] page row (per kv head) per DMA; an exact 0/1 matmul spreads them
+into the block's [1, rows] row, which multiplies the logits (K side) and the probabilities after the softmax
 sum (V side), as in the GPU kernel. A length of 0 gives an output of 0.
 
 Not done (yet): prefetch across grid steps (the first block of every chunk and sequence is waited for, one
@@ -42,8 +43,9 @@ kernel's call requires: the caller must hold the pool row-major (tests/compile/t
 engine does (`sharding.pool_format`), passes the whole pool + layer (no per-layer slice) and writes new rows with
 dynamic_update_slices (`cache.pool._store_rows`): its Kimi K2.6 decode on v5p copies no pool
 (tests/compile/test_plan_targets.py). The GQA kernel likewise takes the whole pool + layer, stored head-major
-([L, P, Hkv, ps, D] in memory: row-major padded a one-kv-head pool's (1, 128) minor tiles 4x, its scales 128x):
-GLM-4.5's decode and prefill on v5p copy no K / V layer or pool (test_plan_targets.py, slow).
+([L, P, Hkv, ps, D] in memory: row-major padded a one-kv-head pool's (1, 128) minor tiles 4x, its scales 128x),
+and its scales [L, Hkv, P, ps] (`scale_rows`; head-major they were (1, 128)-tiled and the scale scatter relaid
+them out): GLM-4.5's decode and prefill on v5p and v6e copy no pool array (test_plan_targets.py, slow).
 What was NOT checked: running on any TPU, DMA overlap and speed. No TPU was available.
 """
 from __future__ import annotations
@@ -131,6 +133,14 @@ def head_major(pool: jax.Array, lead: int = 2) -> jax.Array:
     return jnp.swapaxes(pool, lead, lead + 1).reshape(*pool.shape[:lead], hkv * ps, *pool.shape[lead + 2:])
 
 
+def scale_rows(scales: jax.Array) -> jax.Array:
+    """GQA scales [L, P, ps, Hkv] f32 as [L, Hkv, P, ps]: one [ps] row per (layer, kv head, page), free on a TPU
+    pool stored so (`jaxserve.sharding.pool_format`), a transpose elsewhere (interpret mode). Head-major pages
+    ([L, P, Hkv, ps]) put a device's one kv head (TP) second-minor: XLA:TPU tiled that (1, 128), which its scatter
+    of new scales relaid out to (8, 128) tiles over (P, ps) and back, copying the scale pools every step."""
+    return jnp.transpose(scales, (0, 3, 1, 2))
+
+
 def dot_precision(dtype) -> lax.Precision | None:
     """Mosaic refuses an fp32-precision contraction of bf16 operands (jax_default_matmul_precision="highest")."""
     return None if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
@@ -184,9 +194,9 @@ def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bo
     HBM refs carry a leading layer axis (the whole pool, or one layer as [1, ...]): page p of layer_ref[0] is read.
     MLA HBM refs: latent pages [L, P, ps, Dl], (scales [L, P, ps] f32). GQA (all kv heads in one program, rows = all q
     heads, query head r reads kv head r // (rows / Hkv)): k, v pages [L, P, Hkv * ps, D] (row = head * ps + slot),
-    (k, v scales [L, P, Hkv * ps] f32). o_ref [rows, Dv] f32. Scratch: one [2, ppcb, Hkv * ps, width] page buffer
-    per K/V part, (one [2, ppcb, Hkv * ps] f32 scale buffer per part), DMA semaphores [2], m, l [rows, 1] f32,
-    acc [rows, Dv] f32.
+    (k, v scales [L, Hkv, P, ps] f32). o_ref [rows, Dv] f32. Scratch: one [2, ppcb,
+    Hkv * ps, width] page buffer per K/V part, (one [2, ppcb * Hkv, ps] f32 scale buffer per part: row = page *
+    Hkv + head), DMA semaphores [2], m, l [rows, 1] f32, acc [rows, Dv] f32.
     """
     n_parts = 1 if mla else 2
     hbm, rest = refs[:n_parts], refs[n_parts:]
@@ -213,9 +223,10 @@ def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bo
             for part in range(n_parts):
                 out.append((p < n_pages, pltpu.make_async_copy(hbm[part].at[layer, page], bufs[part].at[slot, j],
                                                                sems.at[slot])))
-                if fp8:
-                    out.append((p < n_pages, pltpu.make_async_copy(s_hbm[part].at[layer, page],
-                                                                   s_bufs[part].at[slot, j], sems.at[slot])))
+                for h in range(kv_heads if fp8 else 0):  # one [ps] scale row per kv head
+                    src = s_hbm[part].at[layer, page] if mla else s_hbm[part].at[layer, h, page]
+                    out.append((p < n_pages, pltpu.make_async_copy(src, s_bufs[part].at[slot, j * kv_heads + h],
+                                                                   sems.at[slot])))
         return out
 
     def start(blk, slot):
@@ -240,7 +251,8 @@ def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bo
         col = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         valid = tok0 + token_of_row(col, kv_heads, page_size) < length  # [1, bk]
         # scale rows of uncopied pages are stale (NaN in interpret mode): zero them, 0 * NaN would leak
-        scale = lambda part: jnp.where(valid, _scale_row(s_bufs[part][slot], page_rows), 0.0)  # noqa: E731
+        # scale rows [ppcb * Hkv, ps] (row = page * Hkv + head): spread in the K rows' order, page-, then head-major
+        scale = lambda part: jnp.where(valid, _scale_row(s_bufs[part][slot], page_size), 0.0)  # noqa: E731
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                  precision=dot_precision(compute_dtype))
         if fp8:
@@ -385,9 +397,9 @@ def paged_gqa_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, b
     bt, lens = _prepare_tables(block_tables, lengths, page_size, blocks)
     ppcb, rows = blocks.pages_per_compute_block, page_size * hkv
     hbm = [head_major(k_pages), head_major(v_pages)]
-    s_hbm = [head_major(s.astype(jnp.float32)) for s in (k_scales, v_scales)] if fp8 else []
+    s_hbm = [scale_rows(s.astype(jnp.float32)) for s in (k_scales, v_scales)] if fp8 else []
     scratch = [pltpu.VMEM((2, ppcb, rows, d), k_pages.dtype)] * 2
-    scratch += [pltpu.VMEM((2, ppcb, rows), jnp.float32)] * 2 if fp8 else []
+    scratch += [pltpu.VMEM((2, ppcb * hkv, page_size), jnp.float32)] * 2 if fp8 else []
     row_map = lambda b_, h_, c_, *_: (b_, 0, 0)  # noqa: E731
     kernel = functools.partial(_decode_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size,
                                kv_heads=hkv, pages_per_compute_block=ppcb, softmax_scale=softmax_scale,

@@ -173,7 +173,8 @@ def prefill_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, bat
         o = attn.absorb_output(o_lat, x.dtype)
     else:
         q, k, v = attn.project(x, cos, sin)
-        pages = _write(model.parallel, _rows_of(i), pages,
+        # the TPU kernels' FP8 pool (speculative verify): scales by page rows, in place (cache.pool._store_page_rows)
+        pages = _write(model.parallel, _rows_of(i, rowwise=attention.tiling == "tpu"), pages,
                        (k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])), flat_slots, slot_tags)
         o = attention.prefill(model.parallel, q, pages, i, tables, softmax_scale=cfg.softmax_scale,
                               act_dtype=x.dtype)
@@ -243,7 +244,8 @@ def decode_attention(model: CausalLM, i: int, x: jax.Array, pages: KVPages, batc
         o = attn.absorb_output(mask_outputs(ok, o_lat)[:, None], x.dtype)
     else:
         q, k, v = attn.project(x, cos, sin)
-        pages = _write(model.parallel, _rows_of(i), pages, (k[:, 0], v[:, 0]), batch.slots, slot_tags)
+        pages = _write(model.parallel, _rows_of(i, rowwise=attention.tiling == "tpu"), pages, (k[:, 0], v[:, 0]),
+                       batch.slots, slot_tags)
         o = attention.decode(model.parallel, q[:, 0], pages, i, batch.block_tables, batch.lengths,
                              softmax_scale=cfg.softmax_scale)
         o = mask_outputs(ok, o)[:, None].astype(x.dtype)

@@ -175,13 +175,19 @@ def test_slot_minus_one_writes_nothing():
     np.testing.assert_array_equal(np.asarray(out.latent_scale), np.asarray(pages.latent_scale))
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
-def test_rowwise_write_equals_the_scatter(dtype):
-    """The TPU decode's row-by-row writes (`rowwise=True`) leave the same pool as the scatter: padding (-1) and slots
-    past the pool write nothing, every other row lands at its (layer, page, offset)."""
-    lay = KVLayout.mla(3, 8, 8, page_size=4, dtype=dtype)
-    pages = write_tokens(init_pages(lay, 5), 1, jnp.ones((20, 16)), jnp.arange(20, dtype=jnp.int32))
-    rows = jax.random.normal(jax.random.key(9), (6, 16)) * 5
+@pytest.mark.parametrize("kind,dtype", [("mla", "fp8"), ("mla", "bf16"), ("gqa", "fp8")])
+def test_rowwise_write_equals_the_scatter(kind, dtype):
+    """The TPU programs' writes (`rowwise=True`: MLA rows one by one, GQA's FP8 scales as whole page rows) leave the
+    same pool as the scatter: padding (-1) and slots past the pool write nothing, every other row lands at its
+    (layer, page, offset), several new tokens of one page (0 and 3, 17 and 19) all kept."""
+    if kind == "mla":
+        lay = KVLayout.mla(3, 8, 8, page_size=4, dtype=dtype)
+        old, rows = jnp.ones((20, 16)), jax.random.normal(jax.random.key(9), (6, 16)) * 5
+    else:
+        lay = KVLayout.gqa(3, 2, 8, page_size=4, dtype=dtype)
+        old = (jnp.ones((20, 2, 8)), jnp.full((20, 2, 8), 2.0))
+        rows = tuple(jax.random.normal(k, (6, 2, 8)) * 5 for k in jax.random.split(jax.random.key(9)))
+    pages = write_tokens(init_pages(lay, 5), 1, old, jnp.arange(20, dtype=jnp.int32))
     slots = jnp.asarray([3, -1, 17, 19, 20, 0], jnp.int32)  # 20: page 5, past the pool
     tags = jnp.arange(1, 7, dtype=jnp.uint32)
     for layer in (0, 1):
