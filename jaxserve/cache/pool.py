@@ -435,12 +435,13 @@ def gather_index_keys(pages: KVPages, index_layer: int | jax.Array, block_tables
     return keys if scale is None else keys * scale[..., None]
 
 
-def gather_latent_rows(pages: KVPages, layer: int | jax.Array, block_tables: jax.Array, positions: jax.Array
-                       ) -> jax.Array:
-    """MLA latent rows of given token positions, read by (page, slot) through the block table.
+def latent_rows(pages: KVPages, layer: int | jax.Array, block_tables: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, jax.Array | None]:
+    """MLA latent rows of given token positions, as stored, read by (page, slot) through the block table.
 
     block_tables [B, M] int32; positions [B, ...] int32 (token index within the row's sequence, in [0, M * ps))
-    -> [B, ..., latent_dim] f32 (dequantized). Only the named rows are read.
+    -> (bits [B, ..., latent_dim] `layout.storage_dtype`, their per-token f32 scales [B, ...] or None). Only the
+    named rows are read.
     """
     lay = pages.layout
     b = block_tables.shape[0]
@@ -448,10 +449,18 @@ def gather_latent_rows(pages: KVPages, layer: int | jax.Array, block_tables: jax
     page = jnp.take_along_axis(block_tables.astype(jnp.int32), flat // lay.page_size, axis=1)
     off = flat % lay.page_size
     # the layer inside the gather's indices: `latent[layer]` first made XLA:TPU copy the whole layer per call
-    x = from_bits(pages.latent[layer, page, off], lay).astype(jnp.float32)
-    if pages.latent_scale is not None:
-        x = x * pages.latent_scale[layer, page, off][..., None]
-    return x.reshape(*positions.shape, lay.latent_dim)
+    x = pages.latent[layer, page, off].reshape(*positions.shape, lay.latent_dim)
+    if pages.latent_scale is None:
+        return x, None
+    return x, pages.latent_scale[layer, page, off].reshape(positions.shape)
+
+
+def gather_latent_rows(pages: KVPages, layer: int | jax.Array, block_tables: jax.Array, positions: jax.Array
+                       ) -> jax.Array:
+    """`latent_rows` dequantized: [B, ..., latent_dim] f32."""
+    bits, scale = latent_rows(pages, layer, block_tables, positions)
+    x = from_bits(bits, pages.layout).astype(jnp.float32)
+    return x if scale is None else x * scale[..., None]
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -12,9 +12,10 @@ the last full layer before them.
 
 Attention (`sparse_attention`): in decode (one query per row) under attention="pallas" the Triton kernel
 `sparse_mla_decode` reads the selected rows in place from the whole FP8/BF16 pool (no f32 [B, K, r + dr] gather);
-otherwise XLA gathers them (f32) and attends. Per shard on a mesh, inside one shard_map with the selection (no
-collective), and blockwise over queries (`QUERY_BLOCK` at a time: selection, gathered rows and attention), so a
-prefill chunk never holds every query's K gathered latent rows at once.
+otherwise XLA gathers them as stored (FP8 / BF16 bits) and attends, widening them in the dots' operands. Per
+shard on a mesh, inside one shard_map with the selection (no collective), and blockwise over queries
+(`QUERY_BLOCK` at a time: selection, gathered rows and attention), so a prefill chunk never holds every query's K
+gathered latent rows at once.
 
 When a program's whole block table spans at most `index_topk` tokens every query's context fits in its top-k, so
 the selection is every causal key and DSA is dense attention: callers then keep their dense path (static: the
@@ -27,8 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.cache import KVPages, gather_latent_rows
-from jaxserve.cache.pool import index_key_rows
+from jaxserve.cache import KVLayout, KVPages
+from jaxserve.cache.pool import from_bits, index_key_rows, latent_rows
 from jaxserve.models import sharded
 from jaxserve.models.attention import masked_softmax
 from jaxserve.models.attention_backend import AttentionBackend
@@ -38,7 +39,7 @@ from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 
 Selection = tuple[jax.Array, jax.Array]  # (positions [B, T, K] int32, valid [B, T, K] bool)
 BLOCK_TOKENS = 2048  # keys scored per step of the blockwise top-k (bounds the [B, T, nh, block] scores)
-QUERY_BLOCK = 16  # queries per step of sparse prefill (bounds the gathered rows at [B, 16, K, r + dr] f32)
+QUERY_BLOCK = 16  # queries per step of sparse prefill (bounds the gathered rows at [B, 16, K, r + dr])
 _POOLS = ("latent", "latent_scale", "index_k", "index_k_scale")  # the pool arrays DSA reads (all layers)
 
 
@@ -127,12 +128,14 @@ def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, bl
     return idx, vals > -jnp.inf
 
 
-def sparse_rows(pages: KVPages, layer: int, block_tables: jax.Array, sel: Selection) -> jax.Array:
-    """The selected tokens' latent rows of one layer: [B, T, K, r + dr] f32; invalid slots are zeros (they read
-    position 0 of the row's first page, whatever it holds, and are masked out of the softmax as well)."""
+def sparse_rows(pages: KVPages, layer: int, block_tables: jax.Array, sel: Selection
+                ) -> tuple[jax.Array, jax.Array | None]:
+    """The selected tokens' latent rows of one layer as stored: (bits [B, T, K, r + dr] `layout.storage_dtype`,
+    per-token f32 scales [B, T, K] or None). Invalid slots are zero bits (they read position 0 of the row's first
+    page, whatever it holds: a NaN there would survive its masked probability), masked out of the softmax too."""
     idx, valid = sel
-    rows = gather_latent_rows(pages, layer, block_tables, jnp.where(valid, idx, 0))
-    return jnp.where(valid[..., None], rows, 0.0)
+    bits, scale = latent_rows(pages, layer, block_tables, jnp.where(valid, idx, 0))
+    return jnp.where(valid[..., None], bits, jnp.zeros((), bits.dtype)), scale
 
 
 def query_block(num_queries: int, limit: int = QUERY_BLOCK) -> int:
@@ -143,13 +146,24 @@ def query_block(num_queries: int, limit: int = QUERY_BLOCK) -> int:
     return b
 
 
-def latent_attention(q: jax.Array, rows: jax.Array, valid: jax.Array, *, softmax_scale: float, kv_lora_rank: int
-                     ) -> jax.Array:
+def latent_attention(q: jax.Array, rows: tuple[jax.Array, jax.Array | None], valid: jax.Array, layout: KVLayout, *,
+                     softmax_scale: float) -> jax.Array:
     """Absorbed MLA attention of each query over its own selected latent rows: q [B, T, N, r + dr] f32 (absorbed),
-    rows [B, T, K, r + dr] f32, valid [B, T, K] bool -> softmax-weighted c_kv [B, T, N, r] f32."""
-    s = jnp.einsum("btnc,btkc->bntk", q, rows)
+    rows `sparse_rows`' (bits [B, T, K, r + dr], scales [B, T, K] f32 | None), valid [B, T, K] bool -> softmax-
+    weighted c_kv [B, T, N, r] f32. The stored values are widened inside each dot's operand and an FP8 row's scale
+    multiplies its logits and its probabilities, so no f32 copy of the rows is written: dequantized before the
+    dots, XLA:TPU wrote the rows in f32 and then relaid them out for the dots (GLM-5.2 v6e decode, 64 rows x 2048:
+    377 + 604 MB moved a layer; now the 8-bit rows' relayout, 151 MB)."""
+    bits, scale = rows
+    c = from_bits(bits, layout).astype(jnp.float32)  # the widening fuses into each dot's operand
+    s = jnp.einsum("btnc,btkc->bntk", q, c, preferred_element_type=jnp.float32)
+    scale = None if scale is None else scale[:, None]  # [B, 1, T, K], as s's [B, N, T, K]
+    if scale is not None:
+        s = s * scale
     p = masked_softmax(s * softmax_scale, valid)
-    return jnp.einsum("bntk,btkr->btnr", p, rows[..., :kv_lora_rank])
+    if scale is not None:
+        p = p * scale
+    return jnp.einsum("bntk,btkr->btnr", p, c[..., :layout.kv_lora_rank], preferred_element_type=jnp.float32)
 
 
 def kernel_attention(q: jax.Array, pages: KVPages, layer: int, block_tables: jax.Array, sel: Selection, *,
@@ -178,7 +192,6 @@ def attend(q: jax.Array, index_q: tuple[jax.Array, jax.Array] | None, prev: Sele
     -> (softmax-weighted c_kv [B, T, N, r] f32, the selection [B, T, K])."""
     bt, positions, ctx_lens = tables
     B, T = q.shape[:2]
-    rank = pages.layout.kv_lora_rank
     kernel = attention.implementation == "pallas" and T == 1
 
     def one(xs: tuple) -> tuple[jax.Array, Selection]:
@@ -188,8 +201,8 @@ def attend(q: jax.Array, index_q: tuple[jax.Array, jax.Array] | None, prev: Sele
         if kernel:
             return kernel_attention(qb, pages, layer, bt, sel, softmax_scale=softmax_scale,
                                     interpret=attention.interpret), sel
-        rows = sparse_rows(pages, layer, bt, sel)
-        return latent_attention(qb, rows, sel[1], softmax_scale=softmax_scale, kv_lora_rank=rank), sel
+        return latent_attention(qb, sparse_rows(pages, layer, bt, sel), sel[1], pages.layout,
+                                softmax_scale=softmax_scale), sel
 
     xs = (q, index_q, prev, positions)
     tb = query_block(T, block)

@@ -6,10 +6,12 @@ prefill's gathered latent rows are blockwise over queries (the temporaries stay 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 
 from jaxserve.config import from_hf_config
+from jaxserve.hlo_bytes import _types
 from jaxserve.models import dsa
 from jaxserve.models.build import shard_model
 from jaxserve.plan import PRESETS, PlanSpec, _abstract
@@ -64,3 +66,23 @@ def test_glm52_v6e_32_chips_moves_no_weight(phase, layers):
     _, r = _compiled("v6e", phase, devices=32, layers=layers)
     assert r.memory["temp"] > 0
     assert not [m for m in r.moves if m["of"] == "weight" or m["op"] == "all-gather"], r.moves
+
+
+def widened_sparse_rows(traffic: list[dict], rows: int, topk: int, latent_dim: int) -> list[dict]:
+    """The traffic rows (plan_compile.PhaseCompile.traffic) outside the kernels that write the decode's gathered
+    top-k latent rows ([rows, topk, latent_dim] elements, any shape) wider than the pool's 8 bits."""
+    n = rows * topk * latent_dim
+    return [t for t in traffic if t["category"] == "outside"
+            and any(math.prod(s) == n and dt not in ("u8", "s8", "f8e4m3fn") for dt, s in _types(t["result"]))]
+
+
+@pytest.mark.slow  # reuses test_glm52_v6e_32_chips_moves_no_weight[decode-4]'s compile (~1-3 min alone)
+def test_glm52_v6e_decode_sparse_rows_stay_8_bit():
+    """GLM-5.2's sparse decode on v6e (attention="pallas_tpu": the top-k rows gathered and attended in XLA) keeps
+    the 2048 gathered latent rows of each of the 64 rows in the pool's FP8 bits up to the dots, which widen them in
+    their operands (dsa.latent_attention): dequantized first, XLA:TPU wrote them in f32 and relaid the f32 array
+    out for the dots (f32[64, 2048, 576]: 377 + 604 MB a layer). What is left: the 8-bit rows' relayout (151 MB)."""
+    spec, r = _compiled("v6e", "decode", devices=32, layers=4)
+    cfg = from_hf_config(PRESETS["glm-5.2"])
+    rows = widened_sparse_rows(r.traffic, spec.decode_rows, cfg.index_topk, cfg.latent_dim)
+    assert not rows, rows
