@@ -2,7 +2,7 @@
 in one run.
 
 Usage: python bench/speculative.py [--method ngram|mtp] [--reps N] [--concurrency 1,16] [--k 3] [--new-tokens 128] [--quick]
-                                   [--grammar] [--json bench/results/speculative.json]
+                                   [--grammar] [--unchained] [--json bench/results/speculative.json]
 
 Workload: c requests at once, each a 64-token window of held-out stdlib text (the embedded model's own domain,
 `jaxserve.eval.quality.heldout_tokens`), 128 new tokens, greedy, ignore_eos; the serving engine configuration
@@ -17,6 +17,8 @@ the host's load average at the start and end (the host may be shared with other 
 --grammar: every request has a JSON-schema response format (GRAMMAR: a record with free-text fields, so its
 length is the model's; tokens/s counts the tokens emitted): grammar rows' drafts are cut and extended by the
 grammar and verified under its masks (engine.spec_grammar).
+--unchained: a third engine, interleaved with the two, speculating with the same drafts but reading each verify
+before building the next (n-gram verifies otherwise chain on the device, engine.spec_chain): the chain's own gain.
 """
 from __future__ import annotations
 
@@ -73,23 +75,28 @@ def timed(engine: Engine, prompts: list[list[int]], new_tokens: int, grammar: St
 
 
 def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int, method: str = "ngram",
-        grammar: StructuredOutput | None = None) -> dict:
+        grammar: StructuredOutput | None = None, unchained: bool = False) -> dict:
     cfg = EngineConfig(prefix_cache=False)  # every pass prefills its prompt: the passes are alike
     plain = Engine.from_checkpoint(CKPT, cfg, start=False)
     rows = []
     for k in ks:
         spec = Engine.from_checkpoint(CKPT, replace(cfg, speculative=Speculative(method, k)), start=False)
+        sides = [("plain", plain), ("spec", spec)]
+        if unchained:  # the same drafts, every verify read before the next is built (as before engine.spec_chain)
+            sides.append(("unchained", Engine.from_checkpoint(CKPT, replace(cfg, speculative=Speculative(method, k)),
+                                                              start=False)))
+            sides[-1][1].scheduler._speculation.chains = False
         for c in concurrency:
             prompts = prompts_for(plain, c, seed=c)
-            timed(plain, prompts, new_tokens, grammar)  # untimed: compiles this workload's shapes
-            timed(spec, prompts, new_tokens, grammar)
+            for _, e in sides:
+                timed(e, prompts, new_tokens, grammar)  # untimed: compiles this workload's shapes
             load0 = os.getloadavg()
-            walls: dict[str, list[float]] = {"plain": [], "spec": []}
+            walls: dict[str, list[float]] = {name: [] for name, _ in sides}
             emitted: dict[str, int] = {}
             outs: dict[str, list] = {}
             acc = {"verify_rows": 0, "draft_tokens": 0, "accepted_tokens": 0}
             for _ in range(reps):
-                for name, e in (("plain", plain), ("spec", spec)):
+                for name, e in sides:
                     wall, toks, delta = timed(e, prompts, new_tokens, grammar)
                     walls[name].append(wall)
                     emitted[name] = sum(map(len, toks))
@@ -98,6 +105,8 @@ def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int, metho
                         acc = {key: acc[key] + delta[key] for key in acc}
             tps = {n: [emitted[n] / w for w in ws] for n, ws in walls.items()}
             sp_, pl = common.spread(tps["spec"]), common.spread(tps["plain"])
+            extra = {"unchained_tokens_per_s": common.spread(tps["unchained"]),
+                     "speedup_unchained": common.spread(tps["unchained"])["median"] / pl["median"]} if unchained else {}
             rows.append({
                 "method": method, "c": c, "k": k, "new_tokens": new_tokens, "prompt_len": PROMPT_LEN,
                 "grammar": grammar is not None, "emitted_tokens": emitted["spec"],
@@ -105,7 +114,7 @@ def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int, metho
                 "accept_length": (acc["accepted_tokens"] + acc["verify_rows"]) / max(acc["verify_rows"], 1),
                 "draft_acceptance": acc["accepted_tokens"] / max(acc["draft_tokens"], 1),
                 "identical_requests": sum(a == b for a, b in zip(outs["plain"], outs["spec"])), "requests": c,
-                "loadavg_start": load0, "loadavg_end": os.getloadavg()})
+                "loadavg_start": load0, "loadavg_end": os.getloadavg(), **extra})
     return {"bench": "speculative", "machine": common.machine(), "engine_config": repr(cfg), "reps": reps,
             "note": f"embedded model, greedy, {method} drafts{', JSON-schema rows' if grammar else ''}; timed passes interleaved plain/spec; the host may be "
                     "shared with other processes (see the load averages)", "rows": rows}
@@ -120,7 +129,9 @@ def table(result: dict) -> str:
                      + f"{s['median']:>8.1f} ({s['min']:.1f}..{s['max']:.1f})".ljust(27)
                      + f"{r['speedup']:>6.2f} {r['accept_length']:>7.2f} {r['draft_acceptance']:>9.2f} "
                      f"{r['identical_requests']:>3}/{r['requests']:<2} "
-                     f"{r['loadavg_start'][0]:>6.2f}->{r['loadavg_end'][0]:.2f}")
+                     f"{r['loadavg_start'][0]:>6.2f}->{r['loadavg_end'][0]:.2f}"
+                     + (f"   unchained {r['unchained_tokens_per_s']['median']:.1f} tok/s ({r['speedup_unchained']:.2f}x)"
+                        if "speedup_unchained" in r else ""))
     return "\n".join(lines)
 
 
@@ -133,10 +144,12 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="2 timed passes per side")
     ap.add_argument("--grammar", action="store_true", help="every request with the GRAMMAR JSON schema")
+    ap.add_argument("--unchained", action="store_true", help="a third side: the same drafts without chained verifies")
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args()
     result = run([int(x) for x in args.concurrency.split(",")], [int(x) for x in args.k.split(",")],
-                 2 if args.quick else args.reps, args.new_tokens, args.method, GRAMMAR if args.grammar else None)
+                 2 if args.quick else args.reps, args.new_tokens, args.method, GRAMMAR if args.grammar else None,
+                 args.unchained)
     return common.write_result(result, table(result), args.json)
 
 

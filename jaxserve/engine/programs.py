@@ -303,16 +303,16 @@ class Programs:
         sampled, ok = pending
         return jax.tree.map(np.asarray, sampled), np.asarray(ok)
 
-    def run_verify(self, batch: PrefillBatch, drafts: jax.Array, samp: SamplingArrays
+    def run_verify(self, batch: PrefillBatch, drafts: jax.Array, samp: SamplingArrays, read: bool = True
                    ) -> tuple[Verified, np.ndarray]:
         """One verify program over the decode pool (`verify.upload_verify`'s batch and drafts, placed where decode
-        batches live) -> (Verified with numpy fields, ok [B] bool)."""
+        batches live) -> (Verified with numpy fields, ok [B] bool); read False: the device arrays, not waited for."""
         ph = self.decode_phase
         s = self.forms.form(samp, self.decode_rows, drafts.shape[1] + 1)  # a grammar mask per position
         # everything on the decode rows' sharding, as `_compile` lowers it: another placement is another program
         batch, drafts, s = jax.device_put((batch, drafts, s), self.decode_rows)
         out, ok, ph.pages = self._verify(ph.params, ph.pages, batch, drafts, s)
-        return host_outputs(out, samp), np.asarray(ok)
+        return (host_outputs(out, samp), np.asarray(ok)) if read else (out, ok)
 
     def sync_tags(self, prefill_alloc: PageAllocator, decode_alloc: PageAllocator) -> None:
         """Send each allocator's tag changes since the last call (allocations: the new tag; frees: 0) to its

@@ -23,8 +23,10 @@ no overlap while speculating), as does the whole batch when no row has a draft, 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+import jax
 import numpy as np
 
 from jaxserve.cache import PageAllocator
@@ -37,11 +39,30 @@ from jaxserve.engine.programs import Programs
 from jaxserve.engine.request import Status
 from jaxserve.engine.sampling import Sampled, SamplingArrays
 from jaxserve.engine.sequence import Sequence, Stats
+from jaxserve.engine.spec_chain import chain_host, chain_inputs, chain_start, unpack_results
 from jaxserve.engine.spec_grammar import GrammarDrafts, grammar_drafts, verify_extras
 from jaxserve.engine.structured import GrammarCompiler
-from jaxserve.engine.verify import upload_verify, verify_batch
+from jaxserve.engine.verify import Verified, upload_verify, verify_batch
 from jaxserve.errors import KVIntegrityError
 from jaxserve.models.paged import PrefillBatch
+
+
+@dataclass
+class _Flight:
+    """A verify dispatched and not read yet (an n-gram chain): its device outputs, drafts per row, the (sequence,
+    DecodeRows slot, batch row, preemption count) of its rows, and what `spec_chain.chain_inputs` needs to make the
+    next verify from it; packed: its results, packed by the next verify's `chain_inputs` (None: not chained)."""
+
+    out: Verified
+    ok: jax.Array
+    ndrafts: jax.Array
+    rows: list[tuple[Sequence, int, int, int]]
+    state: jax.Array
+    hist: jax.Array
+    columns: tuple[jax.Array, ...]
+    mode: str
+    b: int
+    packed: jax.Array | None = None
 
 
 class SchedulerParts(Protocol):
@@ -85,6 +106,10 @@ class Speculation:
         self.k = spec.k
         # "mtp:K" / "eagle3:PATH:K": drafts come out of the device programs (engine.mtp_draft); "ngram:K": the host
         self.mtp = MTPDrafts(sched.programs.mtp, spec.k) if spec.method in ("mtp", "eagle3") else None
+        self._flight: _Flight | None = None  # the n-gram verify dispatched but not read yet (overlap)
+        # chains need the verify's inputs where `chain_inputs` makes them: one decode device, one rank, overlap on
+        self.chains = self.mtp is None and sched.cfg.overlap and sched.ranks == 1 and \
+            len(sched.programs.decode_rows.device_set) == 1
 
     def prefill(self, rows: list[tuple[Sequence, int, int]], place: list[int], batch: PrefillBatch,
                 samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:
@@ -95,8 +120,16 @@ class Speculation:
 
     def step(self) -> None:
         """Grow pages (may preempt), draft, then run the plain decode for rows that cannot speculate and one verify
-        for the rest; every token read is accepted before this returns."""
+        for the rest; every token read is accepted before this returns, but an n-gram chain's: with a verify in
+        flight, the next is dispatched from it on the device (`_chain`) before it is read."""
         s, ps = self.s, self.s.cfg.page_size
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            self._flight = self._chain(flight)
+            self._land(flight, chained=self._flight is not None)
+            if self._flight is not None:
+                s.stats.overlapped += 1
+                return
         limit = s.cfg.speculative.max_rows
         if limit is not None and sum(x.status is Status.DECODING for x in s.running) > limit:
             s._decode_step()  # too many rows for drafts to pay: the plain (overlapped) decode
@@ -113,8 +146,9 @@ class Speculation:
         drafts = {id(x): self._drafts(x) for x in ready if speculates(x)}
         grammar = {key: g for key, (_, g) in drafts.items() if g is not None}
         # rows without a draft ride along in the verify (as a plain decode); with no draft at all, no verify (but
-        # MTP rows always verify: that program makes their next drafts)
-        spec = [x for x in ready if id(x) in drafts] if any(d for d, _ in drafts.values()) or self.mtp else []
+        # MTP rows always verify: that program makes their next drafts; nor n-gram rows that may chain)
+        spec = [x for x in ready if id(x) in drafts] \
+            if any(d for d, _ in drafts.values()) or self.mtp or self.chains and len(drafts) == len(ready) else []
         plain = [x for x in ready if id(x) not in drafts or not spec]
         if s.ranks > 1:
             plain.sort(key=lambda x: x.rank)
@@ -122,7 +156,7 @@ class Speculation:
         if plain:
             s._collect(s._dispatch(plain))
         if spec:
-            self._verify(spec, [self._room(x, drafts[id(x)][0]) for x in spec], grammar)
+            self._verify(spec, [self._room(x, drafts[id(x)][0]) for x in spec], grammar, hold=not plain)
 
     def _drafts(self, seq: Sequence) -> tuple[list[int], GrammarDrafts | None]:
         """Up to k drafts, no more than the row may still emit (max_tokens, the context window) less one; a grammar
@@ -151,9 +185,11 @@ class Speculation:
                 s.rows.add_page(seq, page, tag)
         return drafts
 
-    def _verify(self, seqs: list[Sequence], drafts: list[list[int]], grammar: dict[int, GrammarDrafts]) -> None:
+    def _verify(self, seqs: list[Sequence], drafts: list[list[int]], grammar: dict[int, GrammarDrafts],
+                hold: bool = False) -> None:
         """One verify program over `seqs` with their drafts (grammar rows' masks in `grammar`, by id); each row's
-        tokens go through `_accept`."""
+        tokens go through `_accept`. hold (no plain rows this step): an n-gram batch without grammars or top
+        logprobs is left in flight, to chain the next verify from it (`_chain`)."""
         s, cfg = self.s, self.s.cfg
         B, place = rank_rows([x.rank for x in seqs], s.ranks, cfg.row_buckets)
         idx = np.fromiter((x.slot for x in seqs), np.int64, len(seqs))
@@ -170,24 +206,106 @@ class Speculation:
         if self.mtp is not None:
             out, ok, nxt = s.programs.mtp.run_verify(batch, draft_arr, samp)
             self.mtp.verified(seqs, place, nxt, ok)
+        elif hold and self.chains and not grammar and not extras.top_n:
+            self._flight = self._start(seqs, place, drafts, (batch, draft_arr, cols), samp)
+            return
         else:
             out, ok = s.programs.run_verify(batch, draft_arr, samp)
+        top = extras.top_n
         for i, seq, d in zip(place, seqs, drafts):
             if not ok[i]:  # its pages no longer hold its tags: it wrote and read nothing
                 s._fail(seq, s._integrity_error(seq, "verify"))
                 continue
             count = min(int(out.count[i]), len(d) + 1)
-            s.stats.verify_rows += 1
-            s.stats.draft_tokens += len(d)
-            s.stats.accepted_tokens += count - 1
-            top = seq.req.params.top_logprobs
-            alts = [tuple(zip(out.top_ids[i, j, :top].tolist(), out.top_logprobs[i, j, :top].tolist()))
-                    for j in range(count)] if extras.top_n else [()] * count
+            self._count(len(d), count)
+            n = seq.req.params.top_logprobs
+            alts = [tuple(zip(out.top_ids[i, j, :n].tolist(), out.top_logprobs[i, j, :n].tolist()))
+                    for j in range(count)] if top else [()] * count
             self._emit(seq, out.tokens[i, :count].tolist(), out.logprobs[i, :count].tolist(), alts)
 
-    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], tops: list[tuple]) -> None:
+    def _count(self, drafts: int, count: int) -> None:
+        st = self.s.stats
+        st.verify_rows += 1
+        st.draft_tokens += drafts
+        st.accepted_tokens += count - 1
+
+    def _start(self, seqs: list[Sequence], place: list[int], drafts: list[list[int]], uploaded: tuple,
+               samp: SamplingArrays) -> _Flight:
+        """Dispatch the host-built verify (`_verify`'s batch, already uploaded) without reading it: a chain's
+        first, with its rows' token histories uploaded for `chain_inputs`."""
+        s, (batch, draft_arr, cols) = self.s, uploaded
+        b = draft_arr.shape[0]
+        out, ok = s.programs.run_verify(batch, draft_arr, samp, read=False)
+        state, hist = chain_start([x.tokens for x in seqs], place, [x.decode_len for x in seqs],
+                                  [len(x.generated) for x in seqs], [x.req.params.max_tokens for x in seqs], b,
+                                  s.cfg.max_model_len + self.k + 1)
+        nd = np.zeros(b, np.int32)
+        nd[place] = [len(d) for d in drafts]
+        state, hist, nd = jax.device_put((state, hist, nd))
+        return _Flight(out, ok, nd, [(x, x.slot, i, x.preemptions) for x, i in zip(seqs, place)], state, hist,
+                       cols, samp.mode, b)
+
+    def _chain(self, f: _Flight) -> _Flight | None:
+        """Dispatch the verify after `f` from its device outputs (`spec_chain.chain_inputs`) before `f` is read, or
+        None when that cannot be: a decoding row not in `f` (it needs host inputs), more rows than max_rows, a
+        shape the fallback pads, or a row whose next first position has no page free without a preemption."""
+        s, cfg, ps, k1 = self.s, self.s.cfg, self.s.cfg.page_size, self.k + 1
+        live = [(seq, i) for seq, slot, i, pre in f.rows if _live(seq, slot, pre)]
+        decoding = [x for x in s.running if x.status is Status.DECODING]
+        limit = cfg.speculative.max_rows
+        if {id(x) for x in decoding} != {id(seq) for seq, _ in live} or limit is not None and len(decoding) > limit:
+            return None
+        go = [(seq, i) for seq, i in live if not seq.at_length_limit(cfg.max_model_len, pending=1)]
+        for seq, _ in go:  # pages for every position the next verify may write, the first one at least
+            need = -(-(seq.decode_len + k1 + 1) // ps)
+            for _ in range(min(-(-(seq.decode_len + 2 * k1) // ps), cfg.max_pages_per_seq) - len(seq.decode_pages)):
+                pages = s._allocate(s.decode_alloc, 1, evict=False, rank=seq.rank)
+                if pages is None:
+                    break
+                seq.decode_pages += pages
+                s.rows.add_page(seq, *pages[0])
+            if len(seq.decode_pages) < need:
+                return None
+        if not go:
+            return None
+        M = cfg.pick(cfg.page_buckets, max(int(s.rows.num_pages[seq.slot]) for seq, _ in go))
+        B, place, M, _ = fit(s.shapes, "verify", [0] * len(go), 1, f.b, [i for _, i in go], M)
+        if B != f.b or place != [i for _, i in go]:
+            return None
+        r = s.rows
+        host = chain_host([(i, r.num_pages[x.slot], r.tables[x.slot], r.tags[x.slot]) for x, i in go], B, M)
+        s.programs.sync_tags(s.prefill_alloc, s.decode_alloc)
+        batch, drafts, cols, state, hist, nd, f.packed = chain_inputs(
+            f.out.tokens, f.out.count, f.out.logprobs, f.ok, f.ndrafts, f.state, f.hist, f.columns,
+            jax.device_put(host), page_size=ps, max_model_len=cfg.max_model_len)
+        out, ok = s.programs.run_verify(batch, drafts, SamplingArrays(*cols, mode=f.mode), read=False)
+        return _Flight(out, ok, nd, [(x, x.slot, i, x.preemptions) for x, i in go], state, hist, cols, f.mode, B)
+
+    def _land(self, f: _Flight, chained: bool) -> None:
+        """Read a verify left in flight (one copy when the next was chained from it) and accept its rows' tokens;
+        rows that ended since it was dispatched are dropped. chained: the next verify is in flight, so the rows
+        keep the pages it may write."""
+        s = self.s
+        if f.packed is not None:
+            tokens, logprobs, count, ok, nd = unpack_results(np.asarray(f.packed))
+        else:
+            tokens, logprobs, count, ok, nd = (np.asarray(x) for x in (f.out.tokens, f.out.logprobs, f.out.count,
+                                                                      f.ok, f.ndrafts))
+        for seq, slot, i, pre in f.rows:
+            if not _live(seq, slot, pre):
+                continue
+            if not ok[i]:
+                s._fail(seq, s._integrity_error(seq, "verify"))
+                continue
+            c = min(int(count[i]), int(nd[i]) + 1)
+            self._count(int(nd[i]), c)
+            self._emit(seq, tokens[i, :c].tolist(), logprobs[i, :c].tolist(), [()] * c, keep=chained)
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], tops: list[tuple],
+              keep: bool = False) -> None:
         """Accept a row's verified tokens one by one (each one's input is now in the pool) until one ends it, then
-        give back the pages past its accepted length and mirror its state into DecodeRows."""
+        give back the pages past its accepted length (keep: not while a verify in flight may write them) and mirror
+        its state into DecodeRows."""
         s, ps = self.s, self.s.cfg.page_size
         start = seq.decode_len
         for j, (tok, lp, top) in enumerate(zip(tokens, logprobs, tops)):
@@ -195,9 +313,15 @@ class Speculation:
             s._accept(seq, tok, lp, top)
             if seq.status is not Status.DECODING:
                 return  # finished: every page went back
-        keep = -(-seq.decode_len // ps)
-        extra, seq.decode_pages = seq.decode_pages[keep:], seq.decode_pages[:keep]
-        s._release(s.decode_alloc, extra)
-        s.rows.num_pages[seq.slot] = keep
+        if not keep:
+            n = -(-seq.decode_len // ps)
+            extra, seq.decode_pages = seq.decode_pages[n:], seq.decode_pages[:n]
+            s._release(s.decode_alloc, extra)
+            s.rows.num_pages[seq.slot] = n
         s.rows.length[seq.slot] = seq.decode_len
         s.rows.accepted(seq)
+
+
+def _live(seq: Sequence, slot: int, preemptions: int) -> bool:
+    """The row is still the same decoding sequence it was at dispatch."""
+    return seq.status is Status.DECODING and seq.slot == slot and seq.preemptions == preemptions

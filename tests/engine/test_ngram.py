@@ -2,10 +2,12 @@
 without a match; a continuation that runs into the end keeps copying (a loop stays a loop)."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from jaxserve.engine.ngram import ngram_drafts
+from jaxserve.engine.spec_chain import device_ngram
 from jaxserve.errors import ConfigError
 
 
@@ -57,6 +59,20 @@ def test_random_sequences_match_the_definition():
         k, n_min = int(rng.integers(0, 8)), int(rng.integers(1, 3))
         n_max = n_min + int(rng.integers(0, 3))
         assert ngram_drafts(tokens, k, n_max, n_min) == reference(tokens, k, n_max, n_min), (tokens, k, n_max, n_min)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_device_lookup_proposes_the_host_drafts(k):
+    """spec_chain.device_ngram (chained verifies draft on the device) equals ngram_drafts row by row, padding after
+    each row's length ignored."""
+    rng = np.random.default_rng(k)
+    rows = [rng.integers(0, 3 if i % 2 else 10, size=rng.integers(0, 30)).tolist() for i in range(48)]
+    hist = rng.integers(0, 10, size=(len(rows), 32)).astype(np.int32)  # garbage past each row's tokens
+    for i, r in enumerate(rows):
+        hist[i, :len(r)] = r
+    drafts, found = jax.jit(device_ngram, static_argnums=2)(hist, np.array([len(r) for r in rows], np.int32), k)
+    got = [d.tolist() if f else [] for d, f in zip(np.asarray(drafts), np.asarray(found))]
+    assert got == [ngram_drafts(r, k) for r in rows] and any(got) and not all(got)
 
 
 @pytest.mark.parametrize("k,n_max,n_min", [(-1, 3, 1), (2, 1, 2), (2, 3, 0)])
