@@ -1,6 +1,6 @@
 """Every CPU core: which layout of the embedded model uses a multi-core CPU host best, measured side by side.
 
-Usage: python bench/cpu_cores.py [--reps N] [--layouts NAME ...] [--json OUT.json]
+Usage: python bench/cpu_cores.py [--reps N] [--layouts NAME ...] [--new-tokens N] [--before DIR] [--json OUT.json]
 
 Each candidate runs in its own child process (the XLA CPU device count and XLA flags are fixed when JAX starts),
 loaded and warmed up once, then the parent asks each in turn for one timed run - A B C ... A B C ... - so a drift
@@ -42,15 +42,17 @@ class Layout:
     workers: int = 1
     pin: int | None = None
     xla_flags: str = ""
+    root: str | None = None  # the jaxserve source tree the candidate runs (None: this one; `--before DIR`)
 
 
 XNN = "--xla_cpu_use_xnnpack=true"
 SCHED = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
 
 
-def layouts(cores: int) -> dict[str, Layout]:
+def layouts(cores: int, before: str | None = None) -> dict[str, Layout]:
     n = cores
-    return {"1core": Layout(pin=1), "1dev": Layout(), f"tp{n}": Layout(devices=n),
+    old = {} if before is None else {"before-1core": Layout(pin=1, root=before), "before-1dev": Layout(root=before)}
+    return {**old, "1core": Layout(pin=1), "1dev": Layout(), f"tp{n}": Layout(devices=n),
             f"dp{n}": Layout(devices=n, sharding="dp_attention"), f"workers{n}": Layout(devices=n, workers=n),
             "eigen-off": Layout(xla_flags="--xla_cpu_multi_thread_eigen=false"),
             "xnn": Layout(xla_flags=XNN), f"xnn-workers{n}": Layout(devices=n, workers=n, xla_flags=XNN),
@@ -82,7 +84,7 @@ def child(name: str, layout: Layout, wl: Workload) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", layout.devices)
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, layout.root or str(ROOT))
     from jaxserve.cli import default_checkpoint
     from jaxserve.engine import Engine, EngineConfig
 
@@ -142,11 +144,13 @@ def generate(engine: object, rows: list[list[int]], new_tokens: int) -> list[lis
 class Candidate:
     """A child process serving timed runs over pipes."""
 
-    def __init__(self, name: str, log: Path) -> None:
+    def __init__(self, name: str, log: Path, wl: Workload, before: str | None) -> None:
         self.name = name
         self.log = log.open("w")
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", name], stdin=subprocess.PIPE,
+        root = layouts(os.cpu_count(), before)[name].root or str(ROOT)
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+        args = ["--child", name, "--new-tokens", str(wl.new_tokens)] + (["--before", before] if before else [])
+        self.proc = subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         self.info: dict = {}
 
@@ -174,13 +178,13 @@ def loadavg() -> list[float]:
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
-def run(names: list[str], reps: int, wl: Workload, logdir: Path) -> dict:
+def run(names: list[str], reps: int, wl: Workload, logdir: Path, before: str | None = None) -> dict:
     import statistics
 
     cands = []
     try:
         for n in names:  # started one at a time: concurrent start-ups (compiles) would only fight for the cores
-            cands.append(Candidate(n, logdir / f"cpu_cores_{n}.log"))
+            cands.append(Candidate(n, logdir / f"cpu_cores_{n}.log", wl, before))
             cands[-1].wait_ready()
         load_before = loadavg()
         times: dict[str, dict[int, list[float]]] = {n: {c: [] for c in wl.concurrency} for n in names}
@@ -204,7 +208,7 @@ def run(names: list[str], reps: int, wl: Workload, logdir: Path) -> dict:
             cand.close()
     rows = {}
     for n in names:
-        rows[n] = {"layout": vars(layouts(os.cpu_count())[n]), "devices": cands[names.index(n)].info.get("devices"),
+        rows[n] = {"layout": vars(layouts(os.cpu_count(), before)[n]), "devices": cands[names.index(n)].info.get("devices"),
                    "affinity": cands[names.index(n)].info.get("affinity"),
                    "agreement_with_1dev": statistics.mean(agree[n]) if agree[n] else None}
         for c in wl.concurrency:
@@ -246,14 +250,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", nargs="+", default=None,
                     help="candidates (default: tp, dp, workers at the core count, sched, xnn; 1core and 1dev always run)")
     ap.add_argument("--json", dest="json_out", type=Path, default=RESULT)
+    ap.add_argument("--new-tokens", type=int, default=Workload.new_tokens)
+    ap.add_argument("--before", default=None, metavar="DIR",
+                    help="a jaxserve source tree (e.g. `git archive` of an earlier commit): adds its candidates "
+                         "before-1core and before-1dev, run interleaved with this tree's")
     args = ap.parse_args(argv)
-    all_layouts = layouts(os.cpu_count())
-    wl = Workload()
+    all_layouts = layouts(os.cpu_count(), args.before)
+    wl = Workload(new_tokens=args.new_tokens)
     if args.child:
         child(args.child, all_layouts[args.child], wl)
         return 0
     names = list(dict.fromkeys(["1core", "1dev", *(args.layouts or default_names(os.cpu_count()))]))
-    r = run(names, args.reps, wl, Path("/tmp"))
+    r = run(names, args.reps, wl, Path("/tmp"), args.before)
     sys.path.insert(0, str(ROOT))
     from bench import common
 

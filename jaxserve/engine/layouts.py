@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.cache import KVLayout
 from jaxserve.config import ModelConfig
@@ -17,8 +18,8 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.format_names import KVDtype
 from jaxserve.models import CausalLM
-from jaxserve.models.build import matmuls
-from jaxserve.quant.apply import quantize_model
+from jaxserve.models.build import dtype_of, matmuls
+from jaxserve.quant.apply import compute_layout, quantize_model
 from jaxserve.quant.weight_format import WeightFormat
 
 
@@ -69,3 +70,16 @@ def in_format(model: CausalLM, wf: WeightFormat) -> CausalLM:
             raise ConfigError(f"{path} is stored as {module.fmt}, but this phase runs {wf.fmt} weights",
                               value=module.fmt, param="weights")
     return out
+
+
+def wide_weights(model: CausalLM, devices: list[jax.Device]) -> bool:
+    """Whether a phase's compute layout also holds its bf16 matmul weights in f32 (`MatmulFormat.wide`): on CPU
+    devices, where XLA converts a bf16 weight to f32 for every one-row (c = 1) product - the 4 MB head and every
+    layer's weights on each step - and runs bf16 natively from two rows on (bench/decode_profile.py)."""
+    return dtype_of(model) == jnp.bfloat16 and all(d.platform == "cpu" for d in devices)
+
+
+def phase_weights(model: CausalLM, wf: WeightFormat, layout: str, devices: list[jax.Device]) -> CausalLM:
+    """`model` in a phase's format `wf` and weight layout ("packed" | "compute", `weight_layout`) on `devices`."""
+    out = in_format(model, wf)
+    return compute_layout(out, dtype_of(out), wide_weights(out, devices)) if layout == "compute" else out

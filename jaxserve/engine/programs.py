@@ -33,7 +33,7 @@ from jaxserve.cache import KVLayout, KVPages, PageAllocator, compile_tag_sync, i
 from jaxserve.cache.checksum import page_checksums
 from jaxserve.engine.batch import dummy_decode, dummy_prefill
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.layouts import PhaseLayouts, in_format, weight_layout
+from jaxserve.engine.layouts import PhaseLayouts, phase_weights, weight_layout
 from jaxserve.engine.eagle3_programs import draft_layouts, drafter_programs, load_draft
 from jaxserve.engine.sampling import TOP_LOGPROBS_MAX, Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.engine.invariant import decode_program, prefill_program
@@ -44,10 +44,9 @@ from jaxserve.errors import ConfigError
 from jaxserve.models import CausalLM
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.models.paged import DecodeBatch, PrefillBatch, decode, prefill
-from jaxserve.models.build import dtype_of, shard_model
+from jaxserve.models.build import shard_model
 from jaxserve.models.sharded import import_fn
 from jaxserve.sharding import POOL_AXES, Parallel, ShardingRules, make_mesh, pool_format, state_formats
-from jaxserve.quant.apply import compute_layout
 from jaxserve.quant.weight_format import WeightFormat
 
 
@@ -177,8 +176,7 @@ class Programs:
         self.weight_layout = {"prefill": weight_layout(cfg, p_dev), "decode": weight_layout(cfg, d_dev)}
 
         def phase_model(m: CausalLM, name: str, weights: str) -> CausalLM:
-            out = in_format(m, fmt(weights))
-            return compute_layout(out, dtype_of(out)) if self.weight_layout[name] == "compute" else out
+            return phase_weights(m, fmt(weights), self.weight_layout[name], p_dev if name == "prefill" else d_dev)
 
         has = cfg.phases
         self.prefill_phase = self._phase(phase_model(model, "prefill", cfg.prefill_weights), self.prefill_parallel,

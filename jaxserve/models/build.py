@@ -50,17 +50,20 @@ def _converted(model: nnx.Module, target: nnx.Module, group_size: int) -> dict[s
     out: dict[str, jax.Array] = {}
     for path, dst in matmuls(target):
         src = source[path]
-        if src.fmt == dst.fmt:
-            continue
         pairs = ((("weight", "scale"),) if isinstance(dst, Linear)
                  else tuple((n, f"{n}_scale") for n in EXPERT_WEIGHTS))
         for w_name, s_name in pairs:
             s = getattr(src, s_name)
-            w, scale = _convert(getattr(src, w_name)[...], None if s is None else s[...], src.fmt, dst,
-                                f"{path}.{w_name}", getattr(dst, w_name), group_size)
-            out[f"{path}.{w_name}"] = w
-            if scale is not None:
-                out[f"{path}.{s_name}"] = scale
+            w = getattr(src, w_name)[...]
+            if src.fmt != dst.fmt:
+                w, scale = _convert(w, None if s is None else s[...], src.fmt, dst, f"{path}.{w_name}",
+                                    getattr(dst, w_name), group_size)
+                out[f"{path}.{w_name}"] = w
+                if scale is not None:
+                    out[f"{path}.{s_name}"] = scale
+            wide = "wide" if w_name == "weight" else f"{w_name}_wide"
+            if getattr(dst, wide) is not None and getattr(src, wide) is None:  # a new f32 twin (MatmulFormat.wide)
+                out[f"{path}.{wide}"] = w.astype(jnp.float32)
     return out
 
 

@@ -66,6 +66,13 @@ class LayerNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def _wide(weight: nnx.Param, fmt: MatmulFormat, stored: str, axes: Axes) -> nnx.Param | None:
+    """The f32 twin of a bf16 weight when `fmt.wide` (`MatmulFormat.wide`), else None: the same values, exactly."""
+    if not fmt.wide or stored != "bf16":
+        return None
+    return nnx.Param(weight[...].astype(jnp.float32), axes=axes)
+
+
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...]) -> jax.Array:
     return jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD
 
@@ -100,10 +107,13 @@ class Linear(nnx.Module):
             # narrower than a lane tile (GLM-5.2's 64-wide shared expert at 32 chips), copied back on every call
             self.weight.set_metadata("tpu_major_to_minor", (0, 1))
         self.scale = nnx.data(scale)
+        self.wide = nnx.data(_wide(self.weight, fmt, self.fmt, axes))
         self.bias = nnx.Param(jnp.zeros((dout,), dtype), axes=axes[1:]) if bias else None
 
     def dense_weight(self) -> jax.Array:
-        """The weight as a dense [din, dout] array (dequantized f32 for quantized formats)."""
+        """The weight as a dense [din, dout] array (dequantized f32 for quantized formats; the f32 twin if held)."""
+        if self.wide is not None:
+            return self.wide[...]
         if self.fmt in DENSE_FORMATS:
             return self.weight[...]
         return formats.dequantize(self.weight[...], local_scale(self.parallel, self.scale, self.weight.shape),
@@ -131,8 +141,10 @@ class Linear(nnx.Module):
     def local(self, x: jax.Array, *, bias: bool = True) -> jax.Array:
         """The matmul on this module's arrays (one shard's, inside a shard_map): x [..., din] -> [..., dout]."""
         scale = None if self.scale is None else local_scale(self.parallel, self.scale, self.weight.shape)
-        y = ops.linear(x, self.weight[...], scale, self.fmt,
-                       use_kernel=self.use_kernel, interpret=self.interpret, backend=self.backend)
+        w, fmt = self.weight[...], self.fmt
+        if self.wide is not None and x.size == x.shape[-1]:  # one row: the f32 twin (MatmulFormat.wide)
+            w, fmt = self.wide[...], "f32"
+        y = ops.linear(x, w, scale, fmt, use_kernel=self.use_kernel, interpret=self.interpret, backend=self.backend)
         return y if self.bias is None or not bias else y + self.bias[...].astype(y.dtype)
 
 
@@ -172,12 +184,15 @@ class Experts(nnx.Module):
         self.gate, gate_scale = _weight(_init(rngs, (n, hidden, inter)), fmt, self.fmt, dtype, up_axes)
         self.up, up_scale = _weight(_init(rngs, (n, hidden, inter)), fmt, self.fmt, dtype, up_axes)
         self.down, down_scale = _weight(_init(rngs, (n, inter, hidden)), fmt, self.fmt, dtype, down_axes)
-        for p in (self.gate, self.up, self.down, gate_scale, up_scale, down_scale):
+        wides = [_wide(w, fmt, self.fmt, a) for w, a in ((self.gate, up_axes), (self.up, up_axes),
+                                                          (self.down, down_axes))]
+        for p in (self.gate, self.up, self.down, gate_scale, up_scale, down_scale, *wides):
             if p is not None:  # the sharding rules keep a too-narrow FFN split whole (sharding._narrow_experts)
                 p.set_metadata("experts", (n, inter))
         self.gate_scale = nnx.data(gate_scale)  # None for dense formats
         self.up_scale = nnx.data(up_scale)
         self.down_scale = nnx.data(down_scale)
+        self.gate_wide, self.up_wide, self.down_wide = (nnx.data(w) for w in wides)  # f32 twins, or None
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
         """x [M, H] rows grouped by expert, or x [X, H] and rows [M] int32 (sorted row r is x[rows[r]]: the kernels
@@ -198,13 +213,17 @@ class Experts(nnx.Module):
         valid = expert < self.gate.shape[0]
         e = jnp.where(valid, expert, 0)
 
-        def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None) -> jax.Array:
-            wd = w[...][e] if s is None else formats.dequantize(w[...][e], local_scale(self.parallel, s, w.shape)[e],
-                                                                self.fmt)
-            return jnp.einsum("mk,mkn->mn", x, wd.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None, wide: nnx.Param | None) -> jax.Array:
+            if wide is not None:  # one row per matrix: the f32 twins (MatmulFormat.wide), x upcast exactly
+                wd = wide[...][e]
+            else:
+                wd = (w[...][e] if s is None else formats.dequantize(
+                    w[...][e], local_scale(self.parallel, s, w.shape)[e], self.fmt)).astype(x.dtype)
+            return jnp.einsum("mk,mkn->mn", x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
 
-        h = jax.nn.silu(mm(x, self.gate, self.gate_scale)) * mm(x, self.up, self.up_scale)
-        return jnp.where(valid[:, None], mm(h, self.down, self.down_scale), 0)
+        h = jax.nn.silu(mm(x, self.gate, self.gate_scale, self.gate_wide)) * mm(x, self.up, self.up_scale,
+                                                                                 self.up_wide)
+        return jnp.where(valid[:, None], mm(h, self.down, self.down_scale, self.down_wide), 0)
 
     def dense_all(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         """x [N, H], weight [N, E] f32 (a row's routing weight of each expert, 0 where unrouted) -> [N, H] f32:

@@ -42,13 +42,16 @@ class WeightFormat:
 @dataclass(frozen=True)
 class MatmulFormat:
     """One Linear's or Experts block's weight format: fmt None keeps the module's dense dtype; group_size: the INT4
-    group along the input dim; use_kernel/interpret/backend: as `WeightFormat`."""
+    group along the input dim; use_kernel/interpret/backend: as `WeightFormat`; wide: a bf16 weight also held as
+    f32 for products of one row per matrix (XLA:CPU converts a bf16 weight to f32 for every matrix-vector dot, and
+    runs bf16 natively from two rows on: the two copies give both the same values as before)."""
 
     fmt: str | None = None
     group_size: int = 32
     use_kernel: bool = False
     interpret: bool = False
     backend: str = "gpu"
+    wide: bool = False
 
     def resolve(self, dtype: jnp.dtype) -> str:
         """The stored format of a module whose dense dtype is `dtype`."""
@@ -64,10 +67,11 @@ class WeightPlan:
 
     weights: WeightFormat = WeightFormat()
     stored: tuple[tuple[str, str], ...] = ()
+    wide: bool = False  # every bf16 matmul weight also held in f32 (`MatmulFormat.wide`)
 
     def _format(self, fmt: str | None) -> MatmulFormat:
         w = self.weights
-        return MatmulFormat(fmt, w.group_size, w.use_kernel, w.interpret, w.backend)
+        return MatmulFormat(fmt, w.group_size, w.use_kernel, w.interpret, w.backend, self.wide)
 
     def linear(self, path: str, din: int) -> MatmulFormat:
         """The format of the Linear at `path` with input dim `din`."""

@@ -1,0 +1,67 @@
+"""f32 twins of bf16 matmul weights (`MatmulFormat.wide`, the CPU compute layout): one-row products read the twin,
+so XLA:CPU converts no weight per call, and every output is the bf16 weights' own, bit for bit."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hf_tiny
+from jaxserve.config import from_hf_config
+from jaxserve.models import CausalLM, forward
+from jaxserve.models.layers import Experts, Linear
+from jaxserve.quant.apply import compute_layout
+from jaxserve.quant.weight_format import MatmulFormat
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    cfg = from_hf_config(hf_tiny.CONFIGS["deepseek_v3"]().to_dict())
+    return CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(5))
+
+
+def test_twins_hold_the_weights_values(bf16_model):
+    wide = compute_layout(bf16_model, jnp.bfloat16, wide=True)
+    linears = [m for _, m in nnx.iter_graph(wide) if isinstance(m, Linear)]
+    experts = [m for _, m in nnx.iter_graph(wide) if isinstance(m, Experts)]
+    assert linears and experts
+    for m in linears:
+        assert m.fmt == "bf16" and m.wide[...].dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(m.wide[...]), np.asarray(m.weight[...].astype(jnp.float32)))
+    for m in experts:
+        for w in ("gate", "up", "down"):
+            np.testing.assert_array_equal(np.asarray(getattr(m, f"{w}_wide")[...]),
+                                          np.asarray(getattr(m, w)[...].astype(jnp.float32)))
+    assert all(m.wide is None for _, m in nnx.iter_graph(compute_layout(bf16_model, jnp.bfloat16))
+               if isinstance(m, Linear))  # off unless asked
+
+
+@pytest.mark.parametrize("rows", [1, pytest.param(3, marks=pytest.mark.slow)])  # 3: the bf16 path (CI time)
+def test_logits_equal_without_twins(bf16_model, rows):
+    """One token per row (rows = 1: every dense product and the gathered experts read the twins) and three rows
+    (the bf16 weights): the logits are bitwise those of the model without twins."""
+    tokens = jnp.asarray(np.random.default_rng(rows).integers(0, 256, (rows, 1)), jnp.int32)
+    plain = forward(compute_layout(bf16_model, jnp.bfloat16), tokens)
+    wide = forward(compute_layout(bf16_model, jnp.bfloat16, wide=True), tokens)
+    np.testing.assert_array_equal(np.asarray(wide), np.asarray(plain))
+
+
+def test_a_one_row_product_converts_no_weight():
+    """The one-row linear of a bf16 weight converts the whole weight to f32 on XLA:CPU (negative control); with
+    its twin it converts only the row."""
+    def converts(wide: bool) -> list[str]:
+        lin = Linear(256, 512, axes=(None, None), dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                     fmt=MatmulFormat(wide=wide))
+        graphdef, state = nnx.split(lin)
+        x = jnp.ones((1, 256), jnp.bfloat16)
+        hlo = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)).lower(state, x).compile().as_text()
+        return [ln for ln in hlo.splitlines() if re.search(r"convert\S* = f32\[256,512\]", ln)]
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the convert is XLA:CPU's")
+    assert converts(False)
+    assert not converts(True)
