@@ -150,7 +150,8 @@ class CompiledShapes:
         """Compile the largest shapes (`largest_keys`) now, in parallel; -> the keys left, likely-first."""
         keys = plan_keys(self.programs)
         first = largest_keys(self.programs, keys)
-        self.report = run_jobs(level, self._jobs(first, freeze=False), progress, max_maps=max_maps)
+        self.report = run_jobs(level, self._jobs(first, freeze=False), progress, max_maps=max_maps,
+                               resident=self.programs.resident)
         done = set(first)
         return sorted((k for k in keys if k not in done), key=_size)  # stable: full_plan's order within a size
 
@@ -168,7 +169,7 @@ class CompiledShapes:
             with short_switch_interval():
                 try:
                     report = self.report = run_jobs("fast, background", self._demand_jobs(keys), False,
-                                                    threads=1, max_maps=max_maps)
+                                                    threads=1, max_maps=max_maps, resident=self.programs.resident)
                 except Exception:  # noqa: BLE001 - the shapes not compiled stay padded; serving goes on
                     log.exception("background compiles stopped: shapes not compiled yet run padded")
                 finally:
