@@ -2,8 +2,8 @@
 (`warmup.MapGuard`) can drop the least recently used ones instead of every program (`jax.clear_caches`).
 
 Why per signature: XLA:CPU maps ~3 memory regions per compiled kernel (~735 for one decode program of the embedded
-model, `bench/program_maps.py`; no XLA:CPU flag changes that much: one codegen split 735, fusion emitters off
-648), so only ~40 programs fit under half of vm.max_map_count, while the default grid has 817. One jit object
+model, `bench/program_maps.py`, whatever `--xla_cpu_parallel_codegen_split_count`: each kernel is its own object),
+so only ~40 programs fit under half of vm.max_map_count, while the default grid has 817. One jit object
 holds every signature it compiled; `clear_cache()` on one drops its executables (its mappings are unmapped) and
 leaves the other jit objects' programs loaded (a dropped one is traced again and loaded from the persistent
 compile cache on its next use). `ShapeJit` stands in for one `jax.jit` of a Programs entry point (same call and

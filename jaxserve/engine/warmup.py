@@ -15,14 +15,17 @@ from the persistent compilation cache.
     mappings (measured for its 717 before the scoring prefill), 6x the kernel's per-process limit
     (`vm.max_map_count`, 65,530 by default): the mmap that passes it
     fails, and LLVM reports "Cannot allocate memory". `run_jobs` therefore keeps the process under `max_maps`
-    (default half that limit): past it, it waits for the jobs in flight and drops every compiled program from
-    memory (`jax.clear_caches`), which the persistent compile cache (`compile_cache.py`) has already stored. Such a
+    (default half that limit): past it, it waits for the jobs in flight and drops the least recently used model
+    programs (`engine.resident`: one jit object per shape; `drop_oldest`, to LOW_WATER x max_maps, never those of
+    the last KEEP_STEPS + 1 engine steps), or, where that is not enough, every compiled program from memory
+    (`jax.clear_caches`); the persistent compile cache (`compile_cache.py`) has already stored them. Such a
     program is then traced again and loaded from the cache on its first use after ready: an XLA cache hit, never
     an XLA compile. Without the persistent cache a grid over the limit is refused (ConfigError) instead.
     `jax.clear_caches` is process-wide: a program another thread is loading at that moment may miss the persistent
     cache and compile (seen in a test), so the warm-up clears only with its own jobs settled; a request served
     before ready can still race it. After ready the engine keeps the same bound (`MapGuard`): between steps,
-    on the thread that steps, past `max_maps` it drops the compiled programs again (with the persistent cache on).
+    on the thread that steps, past `max_maps` it drops the least recently used programs again (with the persistent
+    cache on): the programs traffic uses stay loaded.
   * "fast": the largest shape of each program kind in both forms, the largest unpacking, every hand-off size and
     the tag syncs, and what a lone short request runs (`fallback.lone_shapes`); then, after ready, the rest of
     "full" (the scoring prefill included) in one background thread while a step whose shape is not compiled yet
