@@ -62,6 +62,7 @@ from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.sampling import SamplingMode
 from jaxserve.engine.sampling_forms import SERVING_MODES
 from jaxserve.engine.scoring import SCORING_MODE
+from jaxserve.engine.verify import padding_verify
 from jaxserve.errors import ConfigError
 
 if TYPE_CHECKING:
