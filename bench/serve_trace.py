@@ -128,6 +128,18 @@ def hook_engine(trace: Trace) -> None:
         return out
 
     scheduler.fit = traced_fit
+    try:  # the least-recently-used eviction (engine.resident), where the traced commit has it
+        from jaxserve.engine.resident import Resident
+    except ImportError:
+        return
+    evict = Resident.evict
+
+    def traced_evict(self, over, keep_since) -> int:
+        t0, n = time.monotonic(), evict(self, over, keep_since)
+        trace.add("evict_lru", t0, dropped=n, left=len(self))
+        return n
+
+    Resident.evict = traced_evict
 
 
 def hook_fast_decode_grid() -> None:

@@ -57,7 +57,8 @@ class Engine:
         self.deferred_compiles: list[Callable[[], None]] = []
         self.background_compile: threading.Thread | None = None
         # the memory-mapping bound between steps (engine.warmup.MapGuard); its evictions count the warm-up's too
-        self.map_guard = MapGuard(cfg.max_maps if cfg.max_maps is not None else default_max_maps())
+        self.map_guard = MapGuard(cfg.max_maps if cfg.max_maps is not None else default_max_maps(),
+                                  self.programs.resident)
         self._queues: dict[str, tuple[queue.Queue[TokenEvent], TextStream]] = {}  # in flight: events, text
         self._qlock = threading.Lock()
         eos = tuple(dict.fromkeys(tuple(model.cfg.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", ()))))
@@ -354,7 +355,8 @@ class Engine:
         self.map_guard.warming += 1  # the warm-up keeps the bound itself; no step evicts under its loads
         try:
             if level == "full":
-                report = run_jobs(level, full_plan(self.programs), progress, max_maps=max_maps)
+                report = run_jobs(level, full_plan(self.programs), progress, max_maps=max_maps,
+                                  resident=self.programs.resident)
                 self.map_guard.evictions += report.evictions
                 self._prime(largest_keys(self.programs, plan_keys(self.programs)), report)
                 report.freeze_seconds = heap.freeze()  # what it made lives on: out of the collector's full walks

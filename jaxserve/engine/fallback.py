@@ -6,8 +6,10 @@ the most rows x the widest block table; prefill: each maximal (rows, chunk) pair
 x the widest block table), in every sampling form, with the decode-batch unpacking of that shape, every hand-off
 size and the tag syncs; and the shapes a lone short request runs (`lone_shapes`: one row in the smallest block
 tables), so a single stream never pays a large bucket's step while the rest compiles beside it. After ready one
-thread compiles the rest of `warmup.full_plan` (the scoring prefill's grid included), small (likely-first)
-shapes first. Meanwhile a step whose own shape is not compiled yet is padded to the smallest compiled shape that
+thread compiles the rest of `warmup.full_plan` (the scoring prefill's grid included) in demand order: next, the
+shape the most padded steps have wanted so far (each form, and for decode its unpacking); with no such shape left,
+small (likely-first) shapes first. The traffic's own shapes so stop padding first (in the first-contact sweeps
+only ~20 of the ~170 jobs finish meanwhile: in size order most of those were shapes no step wanted). Meanwhile a step whose own shape is not compiled yet is padded to the smallest compiled shape that
 covers it (`fit`: more rows, pages and chunk tokens are padding the bucketed programs already handle), so the
 engine thread never compiles; once its own shape (every form, and for decode its unpacking) is compiled, it is used
 (after the engine's `runner`, when set, has run its program once between steps: `engine.priming`).
@@ -116,12 +118,16 @@ class CompiledShapes:
         self.report: WarmupReport | None = None  # the background compiles', once finished
         self.stopped = threading.Event()  # set by `stop`: the jobs left are skipped
         self.runner: Callable[[Key], None] | None = None  # runs a key's program once before it is usable (priming)
+        self.wanted: dict[Shape, int] = {}  # padded steps per shape not usable yet (what to compile next)
+        self.order: list[Key] = []  # keys in the order they were compiled
+        self._queue: list[Key] = []  # the background's keys not started yet, likely-first
         self._lock = threading.Lock()
 
     def add(self, key: Key) -> None:
         """Record a compiled plan key; its shape (and for an unpacking, its decode shape) may become usable."""
         with self._lock:
             self.done.add(key)
+            self.order.append(key)
             kind, b, m, t, _ = key
             shape = ("decode", b, m, t) if kind == "unpack" else (kind, b, m, t)
             forms = FORMS.get(shape[0], SERVING_MODES)
@@ -135,6 +141,7 @@ class CompiledShapes:
         with self._lock:
             if (kind, b, m, t) in self.usable:
                 return b, m, t
+            self.wanted[(kind, b, m, t)] = self.wanted.get((kind, b, m, t), 0) + 1
             over = [s for s in self.usable if s[0] == kind and s[1] >= b and s[2] >= m and s[3] >= t]
         best = min(over, key=lambda s: (_size(s), s), default=(kind, b, m, t))
         return best[1], best[2], best[3]
@@ -143,7 +150,8 @@ class CompiledShapes:
         """Compile the largest shapes (`largest_keys`) now, in parallel; -> the keys left, likely-first."""
         keys = plan_keys(self.programs)
         first = largest_keys(self.programs, keys)
-        self.report = run_jobs(level, self._jobs(first, freeze=False), progress, max_maps=max_maps)
+        self.report = run_jobs(level, self._jobs(first, freeze=False), progress, max_maps=max_maps,
+                               resident=self.programs.resident)
         done = set(first)
         return sorted((k for k in keys if k not in done), key=_size)  # stable: full_plan's order within a size
 
@@ -160,8 +168,8 @@ class CompiledShapes:
             report = None
             with short_switch_interval():
                 try:
-                    report = self.report = run_jobs("fast, background", self._jobs(keys, freeze=True), False,
-                                                    threads=1, max_maps=max_maps)
+                    report = self.report = run_jobs("fast, background", self._demand_jobs(keys), False,
+                                                    threads=1, max_maps=max_maps, resident=self.programs.resident)
                 except Exception:  # noqa: BLE001 - the shapes not compiled stay padded; serving goes on
                     log.exception("background compiles stopped: shapes not compiled yet run padded")
                 finally:
@@ -177,6 +185,32 @@ class CompiledShapes:
         self.stopped.set()
         if self.thread is not None:
             self.thread.join(timeout)
+
+    def next_key(self) -> Key | None:
+        """Take the background's next key (None when none is left): of the shape the most padded steps wanted
+        (ties: the smaller shape), else the first left (likely-first order)."""
+        with self._lock:
+            if not self._queue:
+                return None
+            best = max(range(len(self._queue)), key=lambda i: (self.demand(self._queue[i]), -_size(self._queue[i]), -i))
+            return self._queue.pop(best)
+
+    def demand(self, key: Key) -> int:
+        """Padded steps that wanted this key's shape (an unpacking: its decode shape's)."""
+        return self.wanted.get(("decode", *key[1:4]) if key[0] == "unpack" else key[:4], 0)
+
+    def _demand_jobs(self, keys: list[Key]) -> list[Job]:
+        """One job per key, each compiling `next_key()` when it runs (not the key it was made for): the report's
+        count per kind is `keys`' and the order follows the padded steps' demand (see the module docstring)."""
+        with self._lock:
+            self._queue = list(keys)
+
+        def run_next() -> None:
+            key = self.next_key()
+            if key is not None:
+                self._jobs([key], freeze=True)[0][1]()
+
+        return [(k[0], run_next) for k in keys]
 
     def _jobs(self, keys: list[Key], freeze: bool) -> list[Job]:
         """Each key's compile job, recording the key once it is compiled; freeze: then freeze the heap (`heap.freeze`:

@@ -8,9 +8,8 @@ export / import: the two halves of the hand-off when the phases are separate ser
          "prefill" / "decode": each builds, loads and compiles only its own phase; engine.kv_transfer moves the chunk,
          with per-page checksums computed on the device on both sides, `cache.checksum`).
 Each pool carries its device tags (`KVPages.tags`); `sync_tags` sends the host allocator's changes before a
-program reads them.
-
-Shapes are bucketed (rows, chunk tokens, pages per row) to powers of two so steady state never recompiles.
+program reads them. Shapes are bucketed (rows, chunk tokens, pages per row) to powers of two so steady state never
+recompiles; the model programs are one jit per shape (`engine.resident`: the mapping bound drops the oldest).
 """
 from __future__ import annotations
 
@@ -38,6 +37,7 @@ from jaxserve.engine.eagle3_programs import draft_layouts, drafter_programs, loa
 from jaxserve.engine.sampling import TOP_LOGPROBS_MAX, Sampled, SamplingArrays, SamplingMode, sample
 from jaxserve.engine.invariant import decode_program, prefill_program
 from jaxserve.engine.sampling_forms import SamplingForms, host_outputs, without_tops
+from jaxserve.engine.resident import Resident, ShapeJit
 from jaxserve.engine.scoring import PromptScores, prompt_scores
 from jaxserve.engine.verify import Verified, dummy_verify, verify_step
 from jaxserve.errors import ConfigError
@@ -185,6 +185,7 @@ class Programs:
                                         self.decode_parallel, self.layouts.decode,
                                         cfg.num_decode_pages) if "decode" in has else None
         self.compiles: collections.Counter[str] = collections.Counter()
+        self.resident = Resident()  # the model programs, one jit per signature: the mapping bound drops the oldest
         # where decode batch arrays live: the scheduler uploads there, so batches built from the host and ones merged
         # on the device with a running decode's tokens are placed alike and share one compiled program
         self.decode_rows = self.decode_parallel.sharding(("batch",))
@@ -203,25 +204,24 @@ class Programs:
         # explicit layouts for every input: weights and pools as the rules say, batch arrays split by row (DP
         # attention) or replicated, so nothing is placed on a default device and resharded per call
         ph, rows_p = self.prefill_phase, self.prefill_rows
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
-                                in_shardings=(jax.tree.leaves(ph.state_sharding), ph.pages_sharding, rows_p, rows_p),
-                                out_shardings=(rows_p, rows_p, ph.pages_sharding))
-        self._prefill_scored = jax.jit(self._prefill_scored_fn, donate_argnums=(1,), static_argnums=(5,),
-                                       in_shardings=(jax.tree.leaves(ph.state_sharding), ph.pages_sharding, rows_p,
-                                                     rows_p, rows_p),
-                                       out_shardings=(rows_p, rows_p, ph.pages_sharding, rows_p))
+        self._prefill = ShapeJit(self.resident, "prefill", self._prefill_fn, functools.partial(jax.jit, donate_argnums=(
+            1,), in_shardings=(jax.tree.leaves(ph.state_sharding), ph.pages_sharding, rows_p, rows_p),
+            out_shardings=(rows_p, rows_p, ph.pages_sharding)))
+        self._prefill_scored = ShapeJit(self.resident, "prefill_scored", self._prefill_scored_fn, functools.partial(
+            jax.jit, donate_argnums=(1,), static_argnums=(5,), in_shardings=(jax.tree.leaves(ph.state_sharding),
+            ph.pages_sharding, rows_p, rows_p, rows_p), out_shardings=(rows_p, rows_p, ph.pages_sharding, rows_p)))
         self._export = jax.jit(self._export_fn)
 
     def _jit_decode(self) -> None:
         """The decode phase's programs (and the import of pages into its pool)."""
         dh, rows_d = self.decode_phase, self.decode_rows
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
-                               in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d),
-                               out_shardings=(rows_d, rows_d, dh.pages_sharding))
+        self._decode = ShapeJit(self.resident, "decode", self._decode_fn, functools.partial(jax.jit, donate_argnums=(
+            1,), in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d),
+            out_shardings=(rows_d, rows_d, dh.pages_sharding)))
         # speculative decoding's verify: the decode phase's model and pool, k + 1 positions per row (engine.verify)
-        self._verify = jax.jit(self._verify_fn, donate_argnums=(1,),
-                               in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d,
-                                             rows_d), out_shardings=(rows_d, rows_d, dh.pages_sharding))
+        self._verify = ShapeJit(self.resident, "verify", self._verify_fn, functools.partial(jax.jit, donate_argnums=(
+            1,), in_shardings=(jax.tree.leaves(dh.state_sharding), dh.pages_sharding, rows_d, rows_d, rows_d),
+            out_shardings=(rows_d, rows_d, dh.pages_sharding)))
         self._import = jax.jit(import_fn(self.decode_parallel), donate_argnums=(0,), out_shardings=dh.pages_sharding)
 
     def _phase(self, model: CausalLM, par: Parallel, layout: KVLayout, num_pages: int) -> Phase:

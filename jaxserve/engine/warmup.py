@@ -15,14 +15,17 @@ from the persistent compilation cache.
     mappings (measured for its 717 before the scoring prefill), 6x the kernel's per-process limit
     (`vm.max_map_count`, 65,530 by default): the mmap that passes it
     fails, and LLVM reports "Cannot allocate memory". `run_jobs` therefore keeps the process under `max_maps`
-    (default half that limit): past it, it waits for the jobs in flight and drops every compiled program from
-    memory (`jax.clear_caches`), which the persistent compile cache (`compile_cache.py`) has already stored. Such a
+    (default half that limit): past it, it waits for the jobs in flight and drops the least recently used model
+    programs (`engine.resident`: one jit object per shape; `drop_oldest`, to LOW_WATER x max_maps, never those of
+    the last KEEP_STEPS + 1 engine steps), or, where that is not enough, every compiled program from memory
+    (`jax.clear_caches`); the persistent compile cache (`compile_cache.py`) has already stored them. Such a
     program is then traced again and loaded from the cache on its first use after ready: an XLA cache hit, never
     an XLA compile. Without the persistent cache a grid over the limit is refused (ConfigError) instead.
     `jax.clear_caches` is process-wide: a program another thread is loading at that moment may miss the persistent
     cache and compile (seen in a test), so the warm-up clears only with its own jobs settled; a request served
     before ready can still race it. After ready the engine keeps the same bound (`MapGuard`): between steps,
-    on the thread that steps, past `max_maps` it drops the compiled programs again (with the persistent cache on).
+    on the thread that steps, past `max_maps` it drops the least recently used programs again (with the persistent
+    cache on): the programs traffic uses stay loaded.
   * "fast": the largest shape of each program kind in both forms, the largest unpacking, every hand-off size and
     the tag syncs, and what a lone short request runs (`fallback.lone_shapes`); then, after ready, the rest of
     "full" (the scoring prefill included) in one background thread while a step whose shape is not compiled yet
@@ -59,15 +62,19 @@ from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.sampling import SamplingMode
 from jaxserve.engine.sampling_forms import SERVING_MODES
 from jaxserve.engine.scoring import SCORING_MODE
+from jaxserve.engine.verify import padding_verify
 from jaxserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from jaxserve.engine.programs import Programs
+    from jaxserve.engine.resident import Resident
 
 WarmupLevel = Literal["full", "fast", "none"]
 WARMUP_LEVELS: tuple[WarmupLevel, ...] = ("full", "fast", "none")
 _HIT = "/jax/compilation_cache/cache_hits"
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+LOW_WATER = 0.9  # a least-recently-used eviction drops programs until the process is under this share of max_maps
+KEEP_STEPS = 2  # ... but never those the last KEEP_STEPS + 1 engine steps used (a prefill and a decode step apart)
 log = logging.getLogger("jaxserve.warmup")
 
 Job = tuple[str, Callable[[], None]]  # (kind, compile it)
@@ -194,8 +201,19 @@ def _cache_holds_everything() -> bool:
     return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_persistent_cache_min_compile_time_secs <= 0
 
 
-def _evict(report: WarmupReport, maps: int) -> None:
-    """Drop every compiled program from memory (they are in the persistent cache), or refuse when there is none."""
+def drop_oldest(resident: Resident | None, max_maps: int) -> bool:
+    """Drop the least recently used model programs (`engine.resident`: not those the current step used) until
+    the process is under LOW_WATER x max_maps mappings. -> whether it is then under max_maps (False: it dropped
+    nothing or not enough; the caller drops every program)."""
+    if resident is None:
+        return False
+    resident.evict(lambda: (map_count() or 0) > LOW_WATER * max_maps, resident.tick - KEEP_STEPS)
+    return (map_count() or 0) <= max_maps
+
+
+def _evict(report: WarmupReport, maps: int, resident: Resident | None = None) -> None:
+    """Drop the least recently used programs, or every compiled program when that is not enough (they are in the
+    persistent cache); refuse when there is no such cache."""
     if not _cache_holds_everything():
         raise ConfigError(f"warm-up {report.level}: the process holds {maps} memory mappings, over max_maps "
                           f"{report.max_maps} (default half of vm.max_map_count), and there is no persistent compile "
@@ -204,17 +222,22 @@ def _evict(report: WarmupReport, maps: int) -> None:
                           "smaller max_model_len or max_batch), warm up less (--warmup fast), or raise "
                           "vm.max_map_count",
                           value=maps, param="max_maps")
+    report.evictions += 1
+    if drop_oldest(resident, report.max_maps):
+        log.info("warm-up %s: %d memory mappings, over %d: the least recently used programs dropped", report.level,
+                 maps, report.max_maps)
+        return
     jax.clear_caches()
     heap.refreeze()  # the dropped caches' cycles become collectable
-    report.evictions += 1
     log.info("warm-up %s: %d memory mappings, over %d: compiled programs dropped (in the compile cache)",
              report.level, maps, report.max_maps)
 
 
 def run_jobs(level: str, jobs: list[Job], progress: bool, threads: int | None = None,
-             max_maps: int | None = None) -> WarmupReport:
+             max_maps: int | None = None, resident: Resident | None = None) -> WarmupReport:
     """Run the compile jobs in a thread pool (XLA compiles with the GIL released), with a progress bar, keeping
-    the process under max_maps memory mappings (default `default_max_maps()`; see the module docstring)."""
+    the process under max_maps memory mappings (default `default_max_maps()`; see the module docstring): past it,
+    dropping the least recently used of `resident`'s programs where that is enough (`drop_oldest`)."""
     report = WarmupReport(level, max_maps=max_maps if max_maps is not None else default_max_maps())
     for kind, _ in jobs:
         report.jobs[kind] = report.jobs.get(kind, 0) + 1
@@ -236,22 +259,24 @@ def run_jobs(level: str, jobs: list[Job], progress: bool, threads: int | None = 
             maps = map_count() if report.max_maps is not None else None
             if maps is not None and maps > report.max_maps:
                 settle(concurrent.futures.ALL_COMPLETED)
-                _evict(report, maps)
+                _evict(report, maps, resident)
             pending.add(pool.submit(job))
         settle(concurrent.futures.ALL_COMPLETED)
     return report
 
 
 class MapGuard:
-    """The mapping bound after ready: `check()`, called between engine steps by the thread that steps, drops every
-    compiled program (`jax.clear_caches`) when a program was loaded since the last check and the process holds more
-    than `max_maps` memory mappings; they load again from the persistent compile cache on next use (an XLA cache
+    """The mapping bound after ready: `check()`, called between engine steps by the thread that steps, when a
+    program was loaded since the last check and the process holds more than `max_maps` memory mappings, drops the
+    least recently used model programs (`resident`, `drop_oldest`: never those of the step just run) or, where that
+    is not enough, every compiled program (`jax.clear_caches`); they load again from the persistent compile cache on next use (an XLA cache
     hit, not a compile). Without that cache it only logs, once. Paused while a warm-up runs (it evicts on its own);
     the caller skips it while another of its threads compiles (`jax.clear_caches` is process-wide: replicas in one
     process, `serve --workers`, are not coordinated, and a program another replica loads meanwhile may compile)."""
 
-    def __init__(self, max_maps: int | None) -> None:
+    def __init__(self, max_maps: int | None, resident: Resident | None = None) -> None:
         self.max_maps = max_maps
+        self.resident = resident
         self.evictions = 0
         self.warming = 0  # warm-ups in progress (their own `run_jobs` keeps the bound)
         self._loaded = threading.Event()  # a program was compiled or loaded since the last check
@@ -270,6 +295,13 @@ class MapGuard:
 
     def check(self) -> bool:
         """Evict if over the bound (see the class docstring); True when it did."""
+        try:
+            return self._check()
+        finally:
+            if self.resident is not None:
+                self.resident.tick += 1  # one step more (the programs a step uses record its tick)
+
+    def _check(self) -> bool:
         if self.max_maps is None or self.warming or not self._loaded.is_set():
             return False
         self._loaded.clear()
@@ -284,9 +316,12 @@ class MapGuard:
             return False
         for a in jax.live_arrays():  # nothing dispatched still runs when its program is dropped
             a.block_until_ready()
+        self.evictions += 1
+        if drop_oldest(self.resident, self.max_maps):
+            log.info("%d memory mappings, over %d: the least recently used programs dropped", maps, self.max_maps)
+            return True
         jax.clear_caches()
         heap.refreeze()  # the dropped caches' cycles become collectable
-        self.evictions += 1
         log.info("%d memory mappings, over %d: compiled programs dropped (they load from the compile cache)", maps,
                  self.max_maps)
         return True

@@ -74,6 +74,8 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
         got, threads = _on_engine_thread(e)
         assert "jaxserve-engine" not in threads, threads  # every step ran padded in a compiled shape
         assert shapes.usable == first  # nothing compiled meanwhile: the background thread is held
+        wanted = dict(shapes.wanted)  # the padded steps' shapes, counted
+        assert wanted and not set(wanted) & first
 
         ref = Engine(tiny_model(), CFG, start=False)  # no warm-up: every step in its own bucket
         try:
@@ -88,6 +90,11 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
         assert len(gc.get_objects()) < gc.get_freeze_count()
         grid = {k[:4] for k in keys if k[0] in MODEL_KINDS}
         assert shapes.usable == grid and shapes.done == set(keys)
+        # demand order: the background's first job is of the shape the most padded steps wanted, and every wanted
+        # shape's keys come before any shape no step wanted
+        background = shapes.order[len(shapes.order) - (len(keys) - sum(report.jobs.values())):]
+        demand = [shapes.demand(k) for k in background]
+        assert demand[0] == max(wanted.values()) and demand == sorted(demand, reverse=True)
         assert shapes.cover("decode", 1, 8) == (1, 8, 0)
         rows: list[int] = []
         dispatch = e.programs.dispatch_decode
