@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.page_copy_tpu import copy_pages_tpu
+from pallas_kernels.paged_attention_tpu import head_major, scale_rows
 
 from jaxserve.cache.layout import FP8_DTYPE, FP8_MAX, KVLayout
 from jaxserve.errors import ConfigError
@@ -366,11 +367,30 @@ def insert_pages(dst: KVPages, chunk: KVPages, dst_page_ids: jax.Array, expected
     interpret = pltpu.InterpretParams() if dma == "interpret" else False
     dma_put = lambda pool, c: None if pool is None else copy_pages_tpu(pool, c, ids, interpret=interpret)  # noqa: E731
     copy = put if dma is None else dma_put
+    kv = copy if dma is None else lambda pool, c: None if pool is None else _dma_head_major(pool, c, ids, interpret)  # noqa: E731
+    sc = put if dma is None else lambda pool, c: None if pool is None else _dma_scale_rows(pool, c, ids, interpret)  # noqa: E731
     return KVPages(dst.layout, latent=copy(dst.latent, chunk.latent), latent_scale=put(dst.latent_scale,
-                   chunk.latent_scale), k=copy(dst.k, chunk.k), v=copy(dst.v, chunk.v),
-                   k_scale=put(dst.k_scale, chunk.k_scale), v_scale=put(dst.v_scale, chunk.v_scale), tags=tags,
+                   chunk.latent_scale), k=kv(dst.k, chunk.k), v=kv(dst.v, chunk.v),
+                   k_scale=sc(dst.k_scale, chunk.k_scale), v_scale=sc(dst.v_scale, chunk.v_scale), tags=tags,
                    index_k=copy(dst.index_k, chunk.index_k),
                    index_k_scale=put(dst.index_k_scale, chunk.index_k_scale))
+
+
+def _dma_head_major(pool: jax.Array, chunk: jax.Array, ids: jax.Array, interpret) -> jax.Array:  # noqa: ANN001
+    """`copy_pages_tpu` of GQA K / V pages [L, P, ps, Hkv, D] through their head-major view [L, P, Hkv * ps, D] (the
+    TPU pool's layout, `sharding.pool_format`: free there); handed [L, P, ps, Hkv, D], Mosaic wanted it row-major
+    and XLA:TPU copied the whole K and V pools in and out (GLM-4.5 import on v5p)."""
+    lead, hkv = pool.shape[:2], pool.shape[3]
+    out = copy_pages_tpu(head_major(pool), head_major(chunk), ids, interpret=interpret)
+    return jnp.swapaxes(out.reshape(*lead, hkv, pool.shape[2], pool.shape[4]), 2, 3)
+
+
+def _dma_scale_rows(pool: jax.Array, chunk: jax.Array, ids: jax.Array, interpret) -> jax.Array:  # noqa: ANN001
+    """`copy_pages_tpu` of GQA scale pages [L, P, ps, Hkv] f32 through their [L * Hkv, P, ps] rows (the TPU pool's
+    [L, Hkv, P, ps] layout: free there); their scatter relaid the scale pools out."""
+    rows = lambda x: scale_rows(x).reshape(-1, *x.shape[1:3])  # noqa: E731
+    out = copy_pages_tpu(rows(pool), rows(chunk), ids, interpret=interpret)
+    return jnp.transpose(out.reshape(pool.shape[0], pool.shape[3], *pool.shape[1:3]), (0, 2, 3, 1))
 
 
 def _index_to(src: KVPages, page_ids: jax.Array, out: KVLayout) -> dict[str, jax.Array | None]:

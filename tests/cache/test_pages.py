@@ -17,6 +17,7 @@ from jaxserve.cache import (
     dequantize_fp8,
     gather_tokens,
     init_pages,
+    insert_pages,
     quantize_fp8,
     write_tokens,
 )
@@ -195,6 +196,27 @@ def test_rowwise_write_equals_the_scatter(kind, dtype):
         got = write_tokens(pages, layer, rows, slots, tags, rowwise=True)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_gqa_dma_import_equals_the_scatter():
+    """The TPU hand-off import of GQA pages (`insert_pages(dma=...)`: K / V DMA'd through their head-major rows,
+    the FP8 scales through their [L * Hkv, P, ps] rows; TPU interpret mode here) writes what the scatter does:
+    each chunk page at its id, a padding id (-1) and an id past the pool nothing."""
+    lay = KVLayout.gqa(2, 2, 8, page_size=4, dtype="fp8")
+    rng = np.random.default_rng(3)
+    pool = jax.tree.map(lambda x: jnp.asarray(rng.integers(1, 255, x.shape), x.dtype) if x.dtype == jnp.uint8
+                        else x, init_pages(lay, 7))
+    chunk = init_pages(lay, 4)
+    chunk = KVPages(lay, k=jnp.asarray(rng.integers(1, 255, chunk.k.shape), jnp.uint8),
+                    v=jnp.asarray(rng.integers(1, 255, chunk.v.shape), jnp.uint8),
+                    k_scale=jnp.asarray(rng.uniform(1, 2, chunk.k_scale.shape), jnp.float32),
+                    v_scale=jnp.asarray(rng.uniform(1, 2, chunk.v_scale.shape), jnp.float32), tags=chunk.tags)
+    ids = jnp.asarray([5, -1, 2, 7], jnp.int32)  # 7: past the pool
+    want = insert_pages(pool, chunk, ids)
+    got = insert_pages(pool, chunk, ids, dma="interpret")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (np.asarray(got.k_scale)[:, [5, 2]] == np.asarray(chunk.k_scale)[:, [0, 2]]).all()
 
 
 @pytest.mark.parametrize("kind", ["mla", "gqa"])

@@ -207,3 +207,21 @@ def test_gqa_kernels_read_the_whole_pool_and_copy_no_pool(target, phase):
     nominal = 3 * pages * 64 * slot + 4 * pages  # 3 pool layers (+ the MTP layer's), the tags
     pool = r.memory["alias"]  # the donated pool, returned in place
     assert nominal <= pool < 1.05 * nominal, (pool, nominal)  # row-major: 7.8x (decode), 2x (prefill)
+
+
+@pytest.mark.slow
+def test_v5p_gqa_handoff_import_copies_no_pool():
+    """GLM-4.5's hand-off import into its FP8 decode pool on v5p (2 layers + the MTP layer, TP 8) DMAs K / V through
+    their head-major rows and the scales through their [L * Hkv, P, ps] rows (`cache.pool._dma_head_major`,
+    `_dma_scale_rows`), in place: handed the [L, P, ps, 1, D] pools, Mosaic wanted them row-major and XLA:TPU copied
+    the whole K and V pools in and out (temporaries 806 MB at 8,192 pages: 2 x the pool; the plan's 92-layer
+    import asked for 267 GB) and the scales' scatter relaid the scale pools out."""
+    t = TARGETS["v5p"]
+    spec = PlanSpec(target="v5p", memory_bytes=t.memory_bytes)
+    par = Parallel(make_mesh(target_devices(t, 8), dp=1), ShardingRules.preset("tp"))
+    cfg = from_hf_config(dict(PRESETS["glm-4.5"], num_hidden_layers=2))
+    imp = compile_handoff(cfg, par, spec, 8192, in_mesh=True)["import"]
+    assert imp.memory["alias"] > 0 and not imp.collectives
+    assert not [m for m in imp.moves if m["of"].startswith("pool")], imp.moves
+    chunk = 3 * 128 * 64 * 2 * (128 + 4)  # 128 pages of one kv head's FP8 K + V and their scales, 3 pool layers
+    assert imp.memory["temp"] < 2 * chunk, imp.memory
