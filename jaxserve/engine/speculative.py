@@ -148,7 +148,7 @@ class Speculation:
         # rows without a draft ride along in the verify (as a plain decode); with no draft at all, no verify (but
         # MTP rows always verify: that program makes their next drafts; nor n-gram rows that may chain)
         spec = [x for x in ready if id(x) in drafts] \
-            if any(d for d, _ in drafts.values()) or self.mtp or self.chains and len(drafts) == len(ready) else []
+            if any(d for d, _ in drafts.values()) or self.mtp or self._chainable(ready, drafts) else []
         plain = [x for x in ready if id(x) not in drafts or not spec]
         if s.ranks > 1:
             plain.sort(key=lambda x: x.rank)
@@ -206,7 +206,7 @@ class Speculation:
         if self.mtp is not None:
             out, ok, nxt = s.programs.mtp.run_verify(batch, draft_arr, samp)
             self.mtp.verified(seqs, place, nxt, ok)
-        elif hold and self.chains and not grammar and not extras.top_n:
+        elif hold and self._chainable(seqs, {id(x): x for x in seqs}):
             self._flight = self._start(seqs, place, drafts, (batch, draft_arr, cols), samp)
             return
         else:
@@ -222,6 +222,12 @@ class Speculation:
             alts = [tuple(zip(out.top_ids[i, j, :n].tolist(), out.top_logprobs[i, j, :n].tolist()))
                     for j in range(count)] if top else [()] * count
             self._emit(seq, out.tokens[i, :count].tolist(), out.logprobs[i, :count].tolist(), alts)
+
+    def _chainable(self, rows: list[Sequence], speculating: dict) -> bool:
+        """A verify of `rows` can start a chain: n-gram drafts, overlap on, every row speculating (`speculating`
+        holds them by id), none with a grammar or top logprobs."""
+        return self.chains and len(speculating) == len(rows) and all(
+            id(x) in speculating and x.matcher is None and not x.req.params.top_logprobs for x in rows)
 
     def _count(self, drafts: int, count: int) -> None:
         st = self.s.stats
