@@ -18,8 +18,15 @@ exact for sampled rows too), top logprobs included, and so do rows with a gramma
 the grammar allows and each verify position samples under the grammar's mask after the drafts before it
 (`engine.spec_grammar`). Rows whose logits depend on other host state per token (penalties, logit_bias,
 min_tokens, an open thinking budget) take the plain decode program in the same step (dispatched and read at once:
-no overlap while speculating), as does the whole batch when no row has a draft, or when more rows decode than
+no overlap then), as does the whole batch when no row has a draft, or when more rows decode than
 `Speculative.max_rows`.
+
+Overlap ("ngram:K", `EngineConfig.overlap`, one decode device): when every row speculates without a grammar or top
+logprobs, the verify is left in flight and the next step dispatches the one after it from its device outputs
+(`engine.spec_chain`: drafts by a device n-gram lookup), then reads it (one packed copy): the host's reading,
+accepting and bookkeeping run while the device verifies. Rows keep the pages the verify in flight may write until a
+verify is read with none after it; a row that joins (it needs host inputs) or a page not free without a preemption
+ends the chain for a step; results for rows that ended meanwhile are dropped.
 """
 from __future__ import annotations
 
