@@ -18,8 +18,15 @@ exact for sampled rows too), top logprobs included, and so do rows with a gramma
 the grammar allows and each verify position samples under the grammar's mask after the drafts before it
 (`engine.spec_grammar`). Rows whose logits depend on other host state per token (penalties, logit_bias,
 min_tokens, an open thinking budget) take the plain decode program in the same step (dispatched and read at once:
-no overlap while speculating), as does the whole batch when no row has a draft, or when more rows decode than
+no overlap then), as does the whole batch when no row has a draft, or when more rows decode than
 `Speculative.max_rows`.
+
+Overlap ("ngram:K", `EngineConfig.overlap`, one decode device): when every row speculates without a grammar or top
+logprobs, the verify is left in flight and the next step dispatches the one after it from its device outputs
+(`engine.spec_chain`: drafts by a device n-gram lookup), then reads it (one packed copy): the host's reading,
+accepting and bookkeeping run while the device verifies. Rows keep the pages the verify in flight may write until a
+verify is read with none after it; a row that joins (it needs host inputs) or a page not free without a preemption
+ends the chain for a step; results for rows that ended meanwhile are dropped.
 """
 from __future__ import annotations
 
@@ -148,7 +155,7 @@ class Speculation:
         # rows without a draft ride along in the verify (as a plain decode); with no draft at all, no verify (but
         # MTP rows always verify: that program makes their next drafts; nor n-gram rows that may chain)
         spec = [x for x in ready if id(x) in drafts] \
-            if any(d for d, _ in drafts.values()) or self.mtp or self.chains and len(drafts) == len(ready) else []
+            if any(d for d, _ in drafts.values()) or self.mtp or self._chainable(ready, drafts) else []
         plain = [x for x in ready if id(x) not in drafts or not spec]
         if s.ranks > 1:
             plain.sort(key=lambda x: x.rank)
@@ -206,7 +213,7 @@ class Speculation:
         if self.mtp is not None:
             out, ok, nxt = s.programs.mtp.run_verify(batch, draft_arr, samp)
             self.mtp.verified(seqs, place, nxt, ok)
-        elif hold and self.chains and not grammar and not extras.top_n:
+        elif hold and self._chainable(seqs, {id(x): x for x in seqs}):
             self._flight = self._start(seqs, place, drafts, (batch, draft_arr, cols), samp)
             return
         else:
@@ -222,6 +229,12 @@ class Speculation:
             alts = [tuple(zip(out.top_ids[i, j, :n].tolist(), out.top_logprobs[i, j, :n].tolist()))
                     for j in range(count)] if top else [()] * count
             self._emit(seq, out.tokens[i, :count].tolist(), out.logprobs[i, :count].tolist(), alts)
+
+    def _chainable(self, rows: list[Sequence], speculating: dict) -> bool:
+        """A verify of `rows` can start a chain: n-gram drafts, overlap on, every row speculating (`speculating`
+        holds them by id), none with a grammar or top logprobs."""
+        return self.chains and len(speculating) == len(rows) and all(
+            id(x) in speculating and x.matcher is None and not x.req.params.top_logprobs for x in rows)
 
     def _count(self, drafts: int, count: int) -> None:
         st = self.s.stats
