@@ -35,7 +35,7 @@ from jaxserve.engine import heap
 from jaxserve.engine.batch import rank_rows
 from jaxserve.engine.sampling_forms import SERVING_MODES
 from jaxserve.engine.scoring import SCORING_MODE
-from jaxserve.engine.warmup import Job, Key, WarmupReport, job_of, plan_keys, run_jobs
+from jaxserve.engine.warmup import Job, Key, WarmupReport, chains, job_of, plan_keys, run_jobs
 
 if TYPE_CHECKING:
     from jaxserve.engine.programs import Programs
@@ -102,8 +102,9 @@ def largest_keys(programs: Programs, keys: list[Key]) -> list[Key]:
                                             for o in shapes)}
     first = (maximal | lone_shapes(programs)) - {s for s in shapes if s[0] == "prefill_scored"}
     unpacks = {(f"unpack{'' if kind == 'decode' else ' verify'}", b, m, 0, "") for kind, b, m, _ in first
-               if kind in ("decode", "verify")}
-    return [k for k in keys if k[:4] in first or k in unpacks or k[0] not in (*MODEL_KINDS, "unpack", "unpack verify")]
+               if kind in ("decode", "verify")} | {("chain", b, m, 0, "") for kind, b, m, _ in first if kind == "verify"}
+    paired = (*MODEL_KINDS, "unpack", "unpack verify", "chain")  # jobs that go with a model shape
+    return [k for k in keys if k[:4] in first or k in unpacks or k[0] not in paired]
 
 
 class CompiledShapes:
@@ -113,6 +114,7 @@ class CompiledShapes:
     def __init__(self, programs: Programs) -> None:
         self.programs = programs
         self.done: set[Key] = set()
+        self.chains = chains(programs)  # a verify shape is usable once its chain step is compiled too
         self.usable: set[Shape] = set()
         self.thread: threading.Thread | None = None
         self.report: WarmupReport | None = None  # the background compiles', once finished
@@ -129,10 +131,12 @@ class CompiledShapes:
             self.done.add(key)
             self.order.append(key)
             kind, b, m, t, _ = key
-            shape = ("decode", b, m, t) if kind == "unpack" else (kind, b, m, t)
+            shape = ("decode", b, m, t) if kind == "unpack" else ("verify", b, m, t) if kind == "chain" else \
+                (kind, b, m, t)
             forms = FORMS.get(shape[0], SERVING_MODES)
             if shape[0] in MODEL_KINDS and all((*shape, form) in self.done for form in forms) and \
-                    (shape[0] != "decode" or ("unpack", b, m, 0, "") in self.done):
+                    (shape[0] != "decode" or ("unpack", b, m, 0, "") in self.done) and \
+                    (shape[0] != "verify" or not self.chains or ("chain", b, m, 0, "") in self.done):
                 self.usable.add(shape)
 
     def cover(self, kind: str, b: int, m: int, t: int = 0) -> tuple[int, int, int]:
@@ -197,7 +201,8 @@ class CompiledShapes:
 
     def demand(self, key: Key) -> int:
         """Padded steps that wanted this key's shape (an unpacking: its decode shape's)."""
-        return self.wanted.get(("decode", *key[1:4]) if key[0] == "unpack" else key[:4], 0)
+        kind = {"unpack": "decode", "chain": "verify"}.get(key[0], key[0])
+        return self.wanted.get((kind, *key[1:4]), 0)
 
     def _demand_jobs(self, keys: list[Key]) -> list[Job]:
         """One job per key, each compiling `next_key()` when it runs (not the key it was made for): the report's

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.engine.batch import sampling_columns
 from jaxserve.models.paged import PrefillBatch
 
 STATE = 4  # columns of `state`: decode length, history length, tokens generated, max_tokens
@@ -104,3 +105,20 @@ def chain_start(tokens: list[list[int]], place: list[int], lengths: list[int], g
         hist[i, :len(toks)] = toks
         state[i] = (length, len(toks), gen, mt)
     return state, hist
+
+
+def warm_chain(b: int, k: int, m: int, where: jax.sharding.Sharding, page_size: int, max_model_len: int) -> None:
+    """Run `chain_inputs` once at a verify shape (b rows, k drafts, m pages) as a chain's first link calls it (its
+    state, history and draft counts uploaded from the host, `Speculation._start`) and once as a later link does
+    (from the first's outputs): both compile ahead of traffic. Padding rows only: nothing is written anywhere."""
+    k1 = k + 1
+    verified = jax.device_put((np.zeros((b, k1), np.int32), np.zeros(b, np.int32), np.zeros((b, k1), np.float32),
+                               np.zeros(b, bool)), where)
+    state, hist = chain_start([], [], [], [], [], b, max_model_len + k1)
+    state, hist, nd = jax.device_put((state, hist, np.zeros(b, np.int32)))
+    columns = jax.device_put(sampling_columns([None] * b), where)
+    for _ in range(2):
+        host = jax.device_put(chain_host([], b, m))
+        _, _, columns, state, hist, nd, packed = chain_inputs(*verified, nd, state, hist, columns, host,
+                                                              page_size=page_size, max_model_len=max_model_len)
+    packed.block_until_ready()

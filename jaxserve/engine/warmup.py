@@ -62,6 +62,7 @@ from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.sampling import SamplingMode
 from jaxserve.engine.sampling_forms import SERVING_MODES
 from jaxserve.engine.scoring import SCORING_MODE
+from jaxserve.engine.spec_chain import warm_chain
 from jaxserve.engine.verify import padding_verify
 from jaxserve.errors import ConfigError
 
@@ -156,7 +157,17 @@ def plan_keys(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODE
     if programs.decode_phase is not None:
         keys += [("unpack", b, m, 0, "") for b in c.row_buckets for m in c.page_buckets]
         keys += [("unpack verify", b, m, 0, "") for kind, b, m, t in shapes if kind == "verify"]
+        if chains(programs):
+            keys += [("chain", b, m, 0, "") for kind, b, m, t in shapes if kind == "verify"]
     return keys + [("tag sync", i, 0, 0, "") for i, _ in enumerate(programs.phases())]
+
+
+def chains(programs: Programs) -> bool:
+    """Whether n-gram verifies may chain on the device (`engine.speculative`: one decode device, overlap on), so
+    the plan has `spec_chain.chain_inputs` at each verify shape."""
+    c = programs.cfg
+    return c.speculative is not None and c.speculative.method == "ngram" and c.overlap and \
+        programs.decode_phase is not None and len(programs.decode_rows.device_set) == 1
 
 
 def job_of(programs: Programs, key: Key) -> Job:
@@ -166,6 +177,10 @@ def job_of(programs: Programs, key: Key) -> Job:
         return kind, functools.partial(compile_unpack, programs.decode_rows, b, m, tuple(programs.cfg.row_buckets))
     if kind == "unpack verify":  # verify.unpack_verify, run once on a padding batch
         return kind, functools.partial(padding_verify, b, programs.cfg.speculative.k, m, programs.decode_rows)
+    if kind == "chain":  # spec_chain.chain_inputs, both links of a chain, on padding
+        c = programs.cfg
+        return kind, functools.partial(warm_chain, b, c.speculative.k, m, programs.decode_rows, c.page_size,
+                                       c.max_model_len)
     if kind == "tag sync":
         tags = programs.phases()[b].pages.tags
         return kind, functools.partial(compile_tag_sync, tags, _pow2_upto(tags.shape[0]))
