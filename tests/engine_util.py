@@ -1,9 +1,12 @@
 """Small engines over random tiny models, for the engine tests."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -129,3 +132,19 @@ def engine_advances(e: Engine, n: int, timeout: float) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+@contextlib.contextmanager
+def backend_compiles() -> Iterator[list[str]]:
+    """The XLA backend compiles (or compile-cache loads) of every thread while the block runs: their threads' names."""
+    names: list[str] = []
+
+    def listener(event: str, seconds: float, **_: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(threading.current_thread().name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

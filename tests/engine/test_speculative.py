@@ -14,11 +14,10 @@ import dataclasses
 import math
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
-from engine_util import engine, pool_is_full, prompts, small_config, stale_page_fails_only_its_request, tiny_model
+from engine_util import backend_compiles, engine, pool_is_full, prompts, small_config, stale_page_fails_only_its_request, tiny_model
 from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams
 from jaxserve.engine.config import Speculative
 from jaxserve.engine.warmup import job_of, plan_keys, run_jobs
@@ -239,17 +238,8 @@ def test_warmup_compiles_the_verify_grid_and_nothing_recompiles(model):
     run_jobs("full", [job_of(e.programs, k) for k in keys], False)
     before = dict(e.programs.compiles)
     assert before["verify"] == e.cfg.program_count()["verify"]
-    compiles: list[float] = []
-
-    def listener(event: str, seconds: float, **_: object) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         e.generate(looping(5, seed=7), SamplingParams(max_tokens=12, ignore_eos=True))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert e.stats()["accepted_tokens"] > 0 and dict(e.programs.compiles) == before and compiles == []
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_util import small_config, tiny_model
+from engine_util import backend_compiles, small_config, tiny_model
 from jaxserve.cache import KVLayout
 from jaxserve.engine.programs import Programs
 from jaxserve.engine.batch import dummy_decode, dummy_prefill
@@ -256,22 +256,13 @@ def test_compile_first_covers_a_first_short_request(models):
     assert dict(e.programs.compiles) == {"prefill": 1, "decode": 1, "handoff": 1}
     e.compile_deferred()  # what the loop runs when idle: the same prefill and decode shapes, sampled ("full" mode)
     assert dict(e.programs.compiles) == {"prefill": 2, "decode": 2, "handoff": 1}
-    compiled: list[str] = []
-
-    def listener(event: str, seconds: float, **_: object) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiled:
         out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
         assert len(out.token_ids) == 4
         # what an OpenAI client sends by default: temperature 1, top_p 1
         out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0,
                                                            seed=3))[0]
         assert len(out.token_ids) == 4
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert dict(e.programs.compiles) == {"prefill": 2, "decode": 2, "handoff": 1}
     assert compiled == []
 
