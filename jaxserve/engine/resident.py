@@ -93,6 +93,9 @@ class ShapeJit:
     def lower(self, *args: Any) -> Any:
         return self._of(args).lower(*args)
 
+    def trace(self, *args: Any) -> Any:
+        return self._of(args).trace(*args)
+
     def _cache_size(self) -> int:
         """Executables held over this entry point's resident signatures (as `jax.jit`'s, for tests)."""
         return sum(jit._cache_size() for sig, jit in self.resident.items() if sig[0] == self.name)
