@@ -152,7 +152,9 @@ def test_a_request_larger_than_the_pool_is_refused(model):
     assert e.generate([list(range(6))], SamplingParams(max_tokens=4, ignore_eos=True))[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("attention", ["pallas_interpret", "pallas_tpu_interpret"])
+# the Triton kernels' case in the slow tier (CI time): test_engine_with_the_pallas_int4_and_moe_kernels runs the
+# engine through them too, and tests/kernels checks them against the reference at every shape
+@pytest.mark.parametrize("attention", [pytest.param("pallas_interpret", marks=pytest.mark.slow), "pallas_tpu_interpret"])
 def test_engine_through_the_pallas_attention_kernels(model, attention):
     """The prefill and decode programs with the Pallas attention kernels (flash prefill over pages, paged decode;
     interpret mode on CPU) give the XLA paths' tokens."""
