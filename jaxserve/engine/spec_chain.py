@@ -17,9 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.batch import sampling_columns
+from jaxserve.engine.config import EngineConfig
 from jaxserve.models.paged import PrefillBatch
 
 STATE = 4  # columns of `state`: decode length, history length, tokens generated, max_tokens
+
+
+def chains(cfg: EngineConfig, decode_rows: jax.sharding.Sharding) -> bool:
+    """Whether n-gram verifies may chain on the device: n-gram drafts, overlap on, decode batches on one device
+    (`chain_inputs` makes the next verify's inputs there). The warm-up plan compiles `chain_inputs` where this holds
+    and `engine.speculative` chains only where it does."""
+    return cfg.speculative is not None and cfg.speculative.method == "ngram" and cfg.overlap and \
+        len(decode_rows.device_set) == 1
 
 
 def device_ngram(hist: jax.Array, length: jax.Array, k: int, n_max: int = 3) -> tuple[jax.Array, jax.Array]:

@@ -46,7 +46,7 @@ from jaxserve.engine.programs import Programs
 from jaxserve.engine.request import Status
 from jaxserve.engine.sampling import Sampled, SamplingArrays
 from jaxserve.engine.sequence import Sequence, Stats
-from jaxserve.engine.spec_chain import chain_host, chain_inputs, chain_start, unpack_results
+from jaxserve.engine.spec_chain import chain_host, chain_inputs, chain_start, chains, unpack_results
 from jaxserve.engine.spec_grammar import GrammarDrafts, grammar_drafts, verify_extras
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.engine.verify import Verified, upload_verify, verify_batch
@@ -114,9 +114,8 @@ class Speculation:
         # "mtp:K" / "eagle3:PATH:K": drafts come out of the device programs (engine.mtp_draft); "ngram:K": the host
         self.mtp = MTPDrafts(sched.programs.mtp, spec.k) if spec.method in ("mtp", "eagle3") else None
         self._flight: _Flight | None = None  # the n-gram verify dispatched but not read yet (overlap)
-        # chains need the verify's inputs where `chain_inputs` makes them: one decode device, one rank, overlap on
-        self.chains = self.mtp is None and sched.cfg.overlap and sched.ranks == 1 and \
-            len(sched.programs.decode_rows.device_set) == 1
+        # chains need the verify's inputs where `chain_inputs` makes them (`spec_chain.chains`), on one rank
+        self.chains = sched.ranks == 1 and chains(sched.cfg, sched.programs.decode_rows)
 
     def prefill(self, rows: list[tuple[Sequence, int, int]], place: list[int], batch: PrefillBatch,
                 samp: SamplingArrays) -> tuple[Sampled, np.ndarray]:

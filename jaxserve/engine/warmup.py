@@ -62,7 +62,7 @@ from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.sampling import SamplingMode
 from jaxserve.engine.sampling_forms import SERVING_MODES
 from jaxserve.engine.scoring import SCORING_MODE
-from jaxserve.engine.spec_chain import warm_chain
+from jaxserve.engine import spec_chain
 from jaxserve.engine.verify import padding_verify
 from jaxserve.errors import ConfigError
 
@@ -163,11 +163,8 @@ def plan_keys(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODE
 
 
 def chains(programs: Programs) -> bool:
-    """Whether n-gram verifies may chain on the device (`engine.speculative`: one decode device, overlap on), so
-    the plan has `spec_chain.chain_inputs` at each verify shape."""
-    c = programs.cfg
-    return c.speculative is not None and c.speculative.method == "ngram" and c.overlap and \
-        programs.decode_phase is not None and len(programs.decode_rows.device_set) == 1
+    """Whether the plan has `spec_chain.chain_inputs` at each verify shape (`spec_chain.chains`)."""
+    return programs.decode_phase is not None and spec_chain.chains(programs.cfg, programs.decode_rows)
 
 
 def job_of(programs: Programs, key: Key) -> Job:
@@ -179,7 +176,7 @@ def job_of(programs: Programs, key: Key) -> Job:
         return kind, functools.partial(padding_verify, b, programs.cfg.speculative.k, m, programs.decode_rows)
     if kind == "chain":  # spec_chain.chain_inputs, both links of a chain, on padding
         c = programs.cfg
-        return kind, functools.partial(warm_chain, b, c.speculative.k, m, programs.decode_rows, c.page_size,
+        return kind, functools.partial(spec_chain.warm_chain, b, c.speculative.k, m, programs.decode_rows, c.page_size,
                                        c.max_model_len)
     if kind == "tag sync":
         tags = programs.phases()[b].pages.tags
