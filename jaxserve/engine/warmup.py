@@ -57,12 +57,11 @@ import jax
 from tqdm import tqdm
 
 from jaxserve.cache.pool import compile_tag_sync
-from jaxserve.engine import heap
+from jaxserve.engine import heap, spec_chain
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.sampling import SamplingMode
 from jaxserve.engine.sampling_forms import SERVING_MODES
 from jaxserve.engine.scoring import SCORING_MODE
-from jaxserve.engine import spec_chain
 from jaxserve.engine.verify import padding_verify
 from jaxserve.errors import ConfigError
 
