@@ -8,7 +8,7 @@ Rows to tiles (as vLLM's `moe_align_block_size`): each group's rows go to its ow
 sizes padded up to a multiple of block_m; `tile_layout`'s `row_src` names the row of x each tile row reads) and
 `tile_group [T]` names each tile's expert (-1: unused tile). Every tile has exactly one expert, so each output
 tile has exactly one writer: no cross-program accumulation. T = cdiv(M, block_m) + min(E, M) bounds the tiles
-statically; used tiles come first. With `rows` the sorted rows are named in the caller's tokens (row r is
+statically; used tiles come first (the gpu tiling). With `rows` the sorted rows are named in the caller's tokens (row r is
 x[rows[r]]), so no sorted copy of x is made either. Rows are gathered back to the sorted order afterwards (M rows
 of the padded output). Weights are read packed.
 
@@ -20,14 +20,11 @@ of the padded output). Weights are read packed.
   `gmm_stage_plan`). int4: the group loop of int4_matmul (scale on the f32 partial) over x split even/odd once
   ([2, K/g, M, g/2], M rows); fp8: per 128-row K block `acc += (x_blk @ bf16(w_blk)) * scale[e, kb, nb]` (exact
   cast, one scale per [128, block_n] tile since block_n divides 128). An unused tile writes nothing.
-- backend="tpu" (Mosaic TPU, megablox-style; x copied into its padded tiles in XLA):
-  `pltpu.PrefetchScalarGridSpec` with `tile_group` and `tile_src` in SMEM; grid (N blocks, T, K blocks), K last.
-  The weight BlockSpec is ONE expert's [bk, bn] tile at `(tile_group[t], k, j)`: never the expert stack. int4 dequantizes the block to x.dtype in VMEM
-  (`int4_matmul.dequant_int4_block`, q * scale rounded to bf16 once); fp8 does one K=128 dot per scale row
-  block and scales it by a [1, bn] row built from the expert's [K/128, N/128] f32 scales, one full-dim SMEM
-  block per expert (Mosaic refuses smaller scale blocks: (8, 128) rule). Unused tiles repeat the last used
-  tile's block indices, so the pipeline issues no DMA for them and their output block stays resident
-  (unchanged) until it is written back; their rows are never gathered. VMEM per step: `gmm_stage_plan`.
+- backend="tpu" (Mosaic TPU, megablox-style: pallas_kernels/moe_gmm_tpu.py): the sorted rows (x[rows] gathered in
+  XLA when `rows` is given) are read in place in row tiles that may span experts; the grid visits each (expert,
+  tile it overlaps) in row order with the visit table in SMEM, and each visit writes only its expert's rows. No
+  padded copy of x and no un-padding gather of the output. The weight BlockSpec is ONE expert's [bk, bn] tile: never
+  the expert stack. VMEM per step: `gmm_stage_plan`.
 
 The Pallas Triton backend is deprecated upstream as of JAX 0.11. Path forward, not built: Mosaic GPU
 (`plgpu`), e.g. a scalar-prefetched expert index like the tpu path with TMA tiles that fit 227 KiB of SMEM per
@@ -58,9 +55,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.int4_matmul import (TPU_VMEM_LIMIT_BYTES, Int4Blocks, KernelShapeError, StagePlan,
-                                        accumulate_int4_groups, check_backend, dequant_int4_block, split_even_odd,
-                                        stage_plan, tpu_block_k, tpu_block_n, tpu_tile, triton_params)
+from pallas_kernels.int4_matmul import (Int4Blocks, KernelShapeError, StagePlan, accumulate_int4_groups,
+                                        check_backend, split_even_odd, stage_plan, tpu_block_k, tpu_block_n, tpu_tile,
+                                        triton_params)
+from pallas_kernels.moe_gmm_tpu import gmm_tpu
 
 FP8_BLOCK = 128
 
@@ -240,118 +238,21 @@ def _gmm_gpu(x: jax.Array, row_src: jax.Array, tile_group: jax.Array, w: jax.Arr
 # ----------------------------------------------------------------------------------------------- tpu tiling
 
 
-def _gmm_int4_tpu_kernel(tg_ref, src_ref, x_ref, w_ref, s_ref, o_ref, acc_ref, *, group_size: int,
-                         n_k: int) -> None:
-    """Step (j, t, k): x_ref [2, bm, bk/2], w_ref [bk/2, bn] uint8 (expert tile_group[t]), s_ref [bk/g, bn] bf16,
-    o_ref [bm, bn], acc_ref [bm, bn] f32."""
-    del src_ref
-    used = tg_ref[pl.program_id(1)] >= 0
-    k = pl.program_id(2)
-
-    @pl.when(used & (k == 0))
-    def _():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(used)
-    def _():
-        lo, hi = dequant_int4_block(w_ref[...], s_ref[...], group_size, x_ref.dtype)
-        acc_ref[...] += (jnp.dot(x_ref[0], lo, preferred_element_type=jnp.float32)
-                         + jnp.dot(x_ref[1], hi, preferred_element_type=jnp.float32))
-
-    @pl.when(used & (k == n_k - 1))
-    def _():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
-
-
-def _gmm_fp8_tpu_kernel(tg_ref, src_ref, x_ref, w_ref, s_ref, o_ref, acc_ref, *, n_k: int) -> None:
-    """Step (j, t, k): x_ref [bm, bk], w_ref [bk, bn] fp8, s_ref [K/128, ceil(N/128)] f32 in SMEM (the expert's
-    scales), o_ref [bm, bn], acc_ref [bm, bn] f32."""
-    del src_ref
-    j, t, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    used = tg_ref[t] >= 0
-    bk, bn = w_ref.shape
-    widths = [min(FP8_BLOCK, bn - c) for c in range(0, bn, FP8_BLOCK)]  # scale columns of this N block
-    col0 = j * (bn // FP8_BLOCK)  # bn is a multiple of 128, or all of N (j == 0)
-
-    @pl.when(used & (k == 0))
-    def _():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(used)
-    def _():
-        for kk in range(bk // FP8_BLOCK):
-            rows = slice(kk * FP8_BLOCK, (kk + 1) * FP8_BLOCK)
-            part = jnp.dot(x_ref[:, rows], w_ref[rows, :].astype(x_ref.dtype), preferred_element_type=jnp.float32)
-            kb = k * (bk // FP8_BLOCK) + kk
-            row = jnp.concatenate([jnp.full((1, wd), s_ref[kb, col0 + c], jnp.float32)
-                                   for c, wd in enumerate(widths)], axis=1)  # [1, bn]
-            acc_ref[...] += part * row
-
-    @pl.when(used & (k == n_k - 1))
-    def _():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
-
-
-def _gmm_tpu(x_pad: jax.Array, tile_group: jax.Array, w: jax.Array, scale: jax.Array, fmt: str,
-             blocks: GmmBlocks, interpret: bool | pltpu.InterpretParams) -> jax.Array:
-    """x_pad [T*bm, K] (tiles of one expert, used tiles first) -> y_pad [T*bm, N]; unused tiles' rows undefined."""
-    k = x_pad.shape[1]
+def _tpu(x: jax.Array, group_sizes: jax.Array, w: jax.Array, scale: jax.Array, fmt: str, blocks: GmmBlocks,
+         interpret: bool | pltpu.InterpretParams) -> jax.Array:
+    """x [M, K] sorted rows -> [M, N]: `moe_gmm_tpu.gmm_tpu` on x padded to whole row tiles (< block_m rows)."""
+    m, k = x.shape
     n = w.shape[2]
     bm, bn = blocks.block_m, blocks.block_n
     bk = blocks.block_k or k
-    n_tiles = tile_group.shape[0]
     g = k // scale.shape[1] if fmt == "int4" else FP8_BLOCK
     if k % bk or n % bn or bk % g or (bn % FP8_BLOCK and bn != n):
         raise KernelShapeError(f"tpu blocks {blocks} must tile K={k} (in whole groups of {g}) and N={n} "
                                f"(block_n a multiple of 128 or all of N)", value=blocks, param="blocks")
-    n_k = k // bk
-    ids = jnp.arange(n_tiles, dtype=jnp.int32)
-    used = tile_group >= 0
-    # unused tiles (a suffix) repeat the last used tile's indices: same blocks, so no DMA and no writeback race
-    tile_src = jnp.where(used, ids, jnp.max(jnp.where(used, ids, 0)))
-
-    def live(t, kk, tg, src):
-        """(tile whose blocks step t uses, its K block): unused steps pin the last used tile's last K block."""
-        keep = tg[t] >= 0
-        return src[t], jnp.where(keep, kk, n_k - 1)
-
-    def expert(t, src, tg):
-        return jnp.maximum(tg[src[t]], 0)
-
-    if fmt == "int4":
-        operand = x_pad.reshape(n_tiles * bm, k // 2, 2).transpose(2, 0, 1)  # [2, T*bm, K/2]
-        x_spec = pl.BlockSpec((2, bm, bk // 2), lambda j, t, kk, tg, src: (0, *live(t, kk, tg, src)))
-        w_spec = pl.BlockSpec((None, bk // 2, bn),
-                              lambda j, t, kk, tg, src: (expert(t, src, tg), live(t, kk, tg, src)[1], j))
-        s_spec = pl.BlockSpec((None, bk // g, bn),
-                              lambda j, t, kk, tg, src: (expert(t, src, tg), live(t, kk, tg, src)[1], j))
-        kernel = functools.partial(_gmm_int4_tpu_kernel, group_size=g, n_k=n_k)
-        scale_op = scale
-    else:
-        operand = x_pad
-        x_spec = pl.BlockSpec((bm, bk), lambda j, t, kk, tg, src: live(t, kk, tg, src))
-        w_spec = pl.BlockSpec((None, bk, bn),
-                              lambda j, t, kk, tg, src: (expert(t, src, tg), live(t, kk, tg, src)[1], j))
-        n_sc = scale.shape[2]
-        s_spec = pl.BlockSpec((None, k // FP8_BLOCK, n_sc), lambda j, t, kk, tg, src: (expert(t, src, tg), 0, 0),
-                              memory_space=pltpu.SMEM)
-        kernel = functools.partial(_gmm_fp8_tpu_kernel, n_k=n_k)
-        scale_op = scale.astype(jnp.float32)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(n // bn, n_tiles, n_k),  # N outermost ("parallel"): tiles and K stay sequential on each core
-        in_specs=[x_spec, w_spec, s_spec],
-        out_specs=pl.BlockSpec((bm, bn), lambda j, t, kk, tg, src: (src[t], j)),
-        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
-    )
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((n_tiles * bm, n), x_pad.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-                                             vmem_limit_bytes=TPU_VMEM_LIMIT_BYTES),
-        interpret=interpret,
-    )(tile_group, tile_src, operand, w, scale_op)
+    pad = -m % bm
+    x_tiles = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    y = gmm_tpu(x_tiles, group_sizes, w, scale, fmt, bm, bn, bk, interpret)
+    return y[:m] if pad else y
 
 
 def _check_shapes(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array, fmt: str) -> None:
@@ -398,11 +299,9 @@ def moe_gmm(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array
     g = k // scale.shape[1] if fmt == "int4" else FP8_BLOCK
     blocks = blocks or choose_gmm_blocks(m, n, n_experts, k, fmt=fmt, group_size=g, backend=backend,
                                          dtype=x.dtype.name)
+    if backend == "tpu":  # the sorted rows read in place by row tiles (a tile may span experts): no padded copy
+        return _tpu(x if rows is None else x[rows], group_sizes, w, scale, fmt, blocks, interpret)
     layout = tile_layout(group_sizes, m, blocks.block_m)
     src = layout.row_src if rows is None else rows.astype(jnp.int32)[layout.row_src]  # [T*bm] rows of x
-    if backend == "gpu":
-        y_pad = _gmm_gpu(x, src, layout.tile_group, w, scale, fmt, blocks, bool(interpret))
-    else:
-        x_pad = jnp.where(layout.row_valid[:, None], x[src], 0).astype(x.dtype)  # [T*bm, K]
-        y_pad = _gmm_tpu(x_pad, layout.tile_group, w, scale, fmt, blocks, interpret)
+    y_pad = _gmm_gpu(x, src, layout.tile_group, w, scale, fmt, blocks, bool(interpret))
     return jnp.where(layout.out_valid[:, None], y_pad[layout.row_dst], 0).astype(x.dtype)
