@@ -238,10 +238,12 @@ def _gmm_gpu(x: jax.Array, row_src: jax.Array, tile_group: jax.Array, w: jax.Arr
 # ----------------------------------------------------------------------------------------------- tpu tiling
 
 
-def _tpu(x: jax.Array, group_sizes: jax.Array, w: jax.Array, scale: jax.Array, fmt: str, blocks: GmmBlocks,
-         interpret: bool | pltpu.InterpretParams) -> jax.Array:
-    """x [M, K] sorted rows -> [M, N]: `moe_gmm_tpu.gmm_tpu` on x padded to whole row tiles (< block_m rows)."""
-    m, k = x.shape
+def _tpu(x: jax.Array, rows: jax.Array | None, group_sizes: jax.Array, w: jax.Array, scale: jax.Array, fmt: str,
+         blocks: GmmBlocks, interpret: bool | pltpu.InterpretParams) -> jax.Array:
+    """x [X, K], rows [M] (sorted row r is x[rows[r]]; None: x itself) -> [M, N]: `moe_gmm_tpu.gmm_tpu` on the
+    sorted rows gathered in XLA (int4: already split even/odd, [2, M_pad, K/2]), padded to whole row tiles."""
+    k = x.shape[1]
+    m = x.shape[0] if rows is None else rows.shape[0]
     n = w.shape[2]
     bm, bn = blocks.block_m, blocks.block_n
     bk = blocks.block_k or k
@@ -250,7 +252,13 @@ def _tpu(x: jax.Array, group_sizes: jax.Array, w: jax.Array, scale: jax.Array, f
         raise KernelShapeError(f"tpu blocks {blocks} must tile K={k} (in whole groups of {g}) and N={n} "
                                f"(block_n a multiple of 128 or all of N)", value=blocks, param="blocks")
     pad = -m % bm
-    x_tiles = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    if rows is None:
+        rows = jnp.arange(x.shape[0], dtype=jnp.int32)
+    src = jnp.pad(rows.astype(jnp.int32), (0, pad))  # padded rows read row 0: past the sum, written 0
+    if fmt == "int4":  # split even/odd K on the caller's rows (fewer than the sorted ones), then gather
+        x_tiles = x.reshape(x.shape[0], k // 2, 2).transpose(2, 0, 1)[:, src]  # [2, M_pad, K/2]
+    else:
+        x_tiles = x[src]
     y = gmm_tpu(x_tiles, group_sizes, w, scale, fmt, bm, bn, bk, interpret)
     return y[:m] if pad else y
 
@@ -300,7 +308,7 @@ def moe_gmm(x: jax.Array, w: jax.Array, scale: jax.Array, group_sizes: jax.Array
     blocks = blocks or choose_gmm_blocks(m, n, n_experts, k, fmt=fmt, group_size=g, backend=backend,
                                          dtype=x.dtype.name)
     if backend == "tpu":  # the sorted rows read in place by row tiles (a tile may span experts): no padded copy
-        return _tpu(x if rows is None else x[rows], group_sizes, w, scale, fmt, blocks, interpret)
+        return _tpu(x, rows, group_sizes, w, scale, fmt, blocks, interpret)
     layout = tile_layout(group_sizes, m, blocks.block_m)
     src = layout.row_src if rows is None else rows.astype(jnp.int32)[layout.row_src]  # [T*bm] rows of x
     y_pad = _gmm_gpu(x, src, layout.tile_group, w, scale, fmt, blocks, bool(interpret))

@@ -17,7 +17,7 @@ Scalar-prefetched (SMEM) per visit v: tile[v] (row tile of the output), group[v]
 unused), x_tile[v] / w_group[v] (the x tile and expert the step's input blocks use: non-expert visits pin the last
 expert visit's, so no DMA), lo[v] / hi[v] (the expert's sorted rows), first[v] (1: first visit of its tile).
 Grid (N blocks, V, K blocks); N "parallel", the rest sequential. int4 takes x split even/odd along K ([2, M, K/2],
-in XLA: the packed byte's low nibble is the even K row); int4 / fp8 blocks and dequantization as before
+split in XLA by the caller); int4 / fp8 blocks and dequantization as before
 (`int4_matmul.dequant_int4_block`; fp8 one K=128 dot per scale row, the expert's [K/128, N/128] scales in SMEM).
 """
 from __future__ import annotations
@@ -141,9 +141,9 @@ def _gmm_fp8_kernel(*refs, block_m: int, n_k: int) -> None:
 
 def gmm_tpu(x: jax.Array, group_sizes: jax.Array, w: jax.Array, scale: jax.Array, fmt: str, block_m: int,
             block_n: int, block_k: int, interpret: bool | pltpu.InterpretParams) -> jax.Array:
-    """x [M, K] sorted rows (M % block_m == 0), w / scale as moe_gmm -> [M, N] x.dtype; rows past
-    sum(group_sizes) are 0. Blocks must tile K (in whole scale groups) and N (checked by the caller)."""
-    m, k = x.shape
+    """x: sorted rows, M % block_m == 0 (fp8 [M, K]; int4 split even/odd along K, [2, M, K/2]: the packed
+    byte's low nibble is the even K row), w / scale as moe_gmm -> [M, N] x.dtype; rows past sum(group_sizes) are 0. Blocks must tile K (in whole scale groups) and N (checked by the caller)."""
+    m, k = x.shape[-2], x.shape[-1] * (2 if fmt == "int4" else 1)
     n = w.shape[2]
     bm, bn, bk = block_m, block_n, block_k
     n_k = k // bk
@@ -155,14 +155,12 @@ def gmm_tpu(x: jax.Array, group_sizes: jax.Array, w: jax.Array, scale: jax.Array
 
     if fmt == "int4":
         g = k // scale.shape[1]
-        operand = x.reshape(m, k // 2, 2).transpose(2, 0, 1)  # [2, M, K/2]: the low / high nibbles' rows
         x_spec = pl.BlockSpec((2, bm, bk // 2), lambda j, v, kk, t, gr, xt, wg, *_: (0, xt[v], kb(v, kk, gr)))
         w_spec = pl.BlockSpec((None, bk // 2, bn), lambda j, v, kk, t, gr, xt, wg, *_: (wg[v], kb(v, kk, gr), j))
         s_spec = pl.BlockSpec((None, bk // g, bn), lambda j, v, kk, t, gr, xt, wg, *_: (wg[v], kb(v, kk, gr), j))
         kernel = functools.partial(_gmm_int4_kernel, group_size=g, block_m=bm, n_k=n_k)
         scale_op = scale
     else:
-        operand = x
         x_spec = pl.BlockSpec((bm, bk), lambda j, v, kk, t, gr, xt, wg, *_: (xt[v], kb(v, kk, gr)))
         w_spec = pl.BlockSpec((None, bk, bn), lambda j, v, kk, t, gr, xt, wg, *_: (wg[v], kb(v, kk, gr), j))
         s_spec = pl.BlockSpec((None, k // FP8_BLOCK, scale.shape[2]),
@@ -183,4 +181,4 @@ def gmm_tpu(x: jax.Array, group_sizes: jax.Array, w: jax.Array, scale: jax.Array
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=TPU_VMEM_LIMIT_BYTES),
         interpret=interpret,
-    )(*lay, operand, w, scale_op)
+    )(*lay, x, w, scale_op)

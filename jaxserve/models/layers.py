@@ -323,10 +323,9 @@ class MoE(nnx.Module):
         # held elsewhere sort last and fall past sum(group_sizes), where the grouped matmul gives 0
         order = jnp.argsort(local, stable=True)
         group_sizes = jnp.bincount(local, length=e_local + 1)[:e_local].astype(jnp.int32)
-        if self.experts.backend == "tpu":  # Mosaic reads a sorted copy (rows in place doubled v5p's temporaries)
-            y_sorted = self.experts(flat[token[order]], group_sizes)
-        else:  # the Triton kernel (and the XLA path) read the tokens' rows in place: no sorted copy
-            y_sorted = self.experts(flat, group_sizes, token[order])
+        # the kernels (and the XLA path) take the tokens' rows by index: Triton reads them in place, Mosaic gathers
+        # them once (int4: after its even/odd split of the tokens, the smaller array)
+        y_sorted = self.experts(flat, group_sizes, token[order])
         # each pair's row gathered back to (token, slot) order and the k slots summed: one gather-and-reduce pass,
         # where a scatter-add read, added and wrote an f32 row of the output per pair
         unsort = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
