@@ -195,13 +195,14 @@ LANES = 128  # the minor dim of a TPU tile: a narrower shard of a weight's minor
 
 def _narrow_experts(parallel: Parallel, axes: Axes, experts: tuple[int, int] | None) -> Axes:
     """A routed expert weight's axes on a TPU mesh where its FFN (`experts`: (count, FFN width), the parameter's
-    `experts` metadata) would split narrower than a lane tile and the count divides by expert_ffn's shards: whole
-    experts split over expert_ffn's mesh axes instead (as under EP; the "expert_ffn" name then stands on the
-    experts dim). XLA:TPU relaid out every 64-wide shard of Kimi K2.6's experts at 32 chips before the kernel (120
-    copies of 88 MB per decode step). Elsewhere: `axes` unchanged."""
+    `experts` metadata) would split into shards that are not whole lane tiles (narrower than 128, or not a multiple
+    of it) and the count divides by expert_ffn's shards: whole experts split over expert_ffn's mesh axes instead
+    (as under EP; the "expert_ffn" name then stands on the experts dim). XLA:TPU relaid out every 64-wide shard of
+    Kimi K2.6's experts at 32 chips before the kernel (120 copies of 88 MB per decode step), and every 192-wide
+    shard of GLM-4.5's at 8 chips. Elsewhere: `axes` unchanged."""
     k = parallel.size("expert_ffn")
-    if (experts is None or k == 1 or experts[1] // k >= LANES or experts[0] % k or parallel.size("experts") > 1
-            or parallel.mesh.devices.flat[0].platform != "tpu"):
+    if (experts is None or k == 1 or (experts[1] // k) % LANES == 0 or experts[0] % k
+            or parallel.size("experts") > 1 or parallel.mesh.devices.flat[0].platform != "tpu"):
         return axes
     return tuple("expert_ffn" if a == "experts" else None if a == "expert_ffn" else a for a in axes)
 

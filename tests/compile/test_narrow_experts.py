@@ -1,7 +1,8 @@
-"""Routed experts whose FFN splits narrower than a TPU lane tile (128) under tensor parallelism: on a TPU mesh the
+"""Routed experts whose FFN splits into shards that are not whole TPU lane tiles (128) under tensor parallelism: on a TPU mesh the
 sharding rules split whole experts over expert_ffn's mesh axes instead (jaxserve.sharding._narrow_experts), and the
 compiled MoE block (XLA:TPU, the Mosaic INT4 grouped-matmul kernel, v6e:2x4) relays out no expert weight. The
-real-size case: Kimi K2.6 / GLM-5.2 over 32 v6e chips (2048 / 32 = 64). A 256-wide shard keeps the FFN split."""
+real-size cases: Kimi K2.6 / GLM-5.2 over 32 v6e chips (2048 / 32 = 64), GLM-4.5 over 8 chips (1536 / 8 = 192). A
+256-wide shard keeps the FFN split."""
 from __future__ import annotations
 
 import functools
@@ -48,13 +49,15 @@ def _compiled(ffn: int) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.parametrize("ffn", [pytest.param(8 * 64, id="64-wide"),
+                                 pytest.param(8 * 192, id="192-wide"),  # GLM-4.5's shard at 8 chips
                                  pytest.param(8 * 256, id="256-wide", marks=pytest.mark.slow)])  # control: CI time
 def test_tp_experts_split_whole_where_the_ffn_shard_is_narrower_than_a_lane_tile(ffn):
     specs, moved = _compiled(ffn)
     assert len(specs) == 6  # gate, up, down and their scales
-    narrow = ffn // 8 < 128
+    narrow = (ffn // 8) % 128 != 0  # not whole lane tiles
     for path, spec in specs.items():
         split = [i for i, a in enumerate(spec) if a == "tp"]
         assert split == ([0] if narrow else [1 if "down" in path else 2]), (path, spec)  # experts | the FFN dim
-    # whole experts per chip: the kernel reads them where they lie (the rows before: 2 copies of u8[32, 512, 64])
+    # whole experts per chip: the kernel reads them where they lie (the rows before: 2 copies of u8[32, 512, 64];
+    # 192 wide: of u8[32, 512, 192] and the down scale bf16[32, 6, 1024])
     assert not narrow or not [m for m in moved if m["op"] == "copy" and len(m["shape"]) == 3], moved
