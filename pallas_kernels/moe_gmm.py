@@ -241,7 +241,7 @@ def _gmm_gpu(x: jax.Array, row_src: jax.Array, tile_group: jax.Array, w: jax.Arr
 def _tpu(x: jax.Array, rows: jax.Array | None, group_sizes: jax.Array, w: jax.Array, scale: jax.Array, fmt: str,
          blocks: GmmBlocks, interpret: bool | pltpu.InterpretParams) -> jax.Array:
     """x [X, K], rows [M] (sorted row r is x[rows[r]]; None: x itself) -> [M, N]: `moe_gmm_tpu.gmm_tpu` on the
-    sorted rows gathered in XLA (int4: already split even/odd, [2, M_pad, K/2]), padded to whole row tiles."""
+    sorted rows gathered in XLA (int4: x's even and odd K columns, [M_pad, K/2] each), padded to whole row tiles."""
     k = x.shape[1]
     m = x.shape[0] if rows is None else rows.shape[0]
     n = w.shape[2]
@@ -255,11 +255,10 @@ def _tpu(x: jax.Array, rows: jax.Array | None, group_sizes: jax.Array, w: jax.Ar
     if rows is None:
         rows = jnp.arange(x.shape[0], dtype=jnp.int32)
     src = jnp.pad(rows.astype(jnp.int32), (0, pad))  # padded rows read row 0: past the sum, written 0
-    if fmt == "int4":  # split even/odd K on the caller's rows (fewer than the sorted ones), then gather
-        x_tiles = x.reshape(x.shape[0], k // 2, 2).transpose(2, 0, 1)[:, src]  # [2, M_pad, K/2]
-    else:
-        x_tiles = x[src]
-    y = gmm_tpu(x_tiles, group_sizes, w, scale, fmt, bm, bn, bk, interpret)
+    # int4: x's even and odd K columns (the packed byte's two nibbles' rows), each sliced from the caller's rows
+    # (fewer than the sorted ones) and gathered in its natural layout: one stacked array was relaid out by XLA:TPU
+    xs = (x[:, 0::2][src], x[:, 1::2][src]) if fmt == "int4" else (x[src],)
+    y = gmm_tpu(xs, group_sizes, w, scale, fmt, bm, bn, bk, interpret)
     return y[:m] if pad else y
 
 

@@ -16,8 +16,8 @@ reads x's [bm, bk] blocks in place, and the output is [M, N] in the sorted order
 Scalar-prefetched (SMEM) per visit v: tile[v] (row tile of the output), group[v] (expert; -1 zero visit, -2
 unused), x_tile[v] / w_group[v] (the x tile and expert the step's input blocks use: non-expert visits pin the last
 expert visit's, so no DMA), lo[v] / hi[v] (the expert's sorted rows), first[v] (1: first visit of its tile).
-Grid (N blocks, V, K blocks); N "parallel", the rest sequential. int4 takes x split even/odd along K ([2, M, K/2],
-split in XLA by the caller); int4 / fp8 blocks and dequantization as before
+Grid (N blocks, V, K blocks); N "parallel", the rest sequential. int4 takes x's even and odd K columns as two [M, K/2]
+arrays (split in XLA by the caller); int4 / fp8 blocks and dequantization as before
 (`int4_matmul.dequant_int4_block`; fp8 one K=128 dot per scale row, the expert's [K/128, N/128] scales in SMEM).
 """
 from __future__ import annotations
@@ -94,9 +94,9 @@ def _finish(meta: tuple, acc_ref, o_ref, *, block_m: int, n_k: int) -> None:
 
 
 def _gmm_int4_kernel(*refs, group_size: int, block_m: int, n_k: int) -> None:
-    """Step (j, v, k): x_ref [2, bm, bk/2], w_ref [bk/2, bn] uint8 (expert w_group[v]), s_ref [bk/g, bn] bf16,
-    o_ref [bm, bn], acc_ref [bm, bn] f32."""
-    meta, (x_ref, w_ref, s_ref, o_ref, acc_ref) = refs[:7], refs[7:]
+    """Step (j, v, k): xe_ref / xo_ref [bm, bk/2] (x's even / odd K columns), w_ref [bk/2, bn] uint8 (expert
+    w_group[v]), s_ref [bk/g, bn] bf16, o_ref [bm, bn], acc_ref [bm, bn] f32."""
+    meta, (xe_ref, xo_ref, w_ref, s_ref, o_ref, acc_ref) = refs[:7], refs[7:]
     expert = meta[1][pl.program_id(1)] >= 0
 
     @pl.when(expert & (pl.program_id(2) == 0))
@@ -105,9 +105,9 @@ def _gmm_int4_kernel(*refs, group_size: int, block_m: int, n_k: int) -> None:
 
     @pl.when(expert)
     def _():
-        lo, hi = dequant_int4_block(w_ref[...], s_ref[...], group_size, x_ref.dtype)
-        acc_ref[...] += (jnp.dot(x_ref[0], lo, preferred_element_type=jnp.float32)
-                         + jnp.dot(x_ref[1], hi, preferred_element_type=jnp.float32))
+        lo, hi = dequant_int4_block(w_ref[...], s_ref[...], group_size, xe_ref.dtype)
+        acc_ref[...] += (jnp.dot(xe_ref[...], lo, preferred_element_type=jnp.float32)
+                         + jnp.dot(xo_ref[...], hi, preferred_element_type=jnp.float32))
 
     _finish(meta, acc_ref, o_ref, block_m=block_m, n_k=n_k)
 
@@ -139,11 +139,12 @@ def _gmm_fp8_kernel(*refs, block_m: int, n_k: int) -> None:
     _finish(meta, acc_ref, o_ref, block_m=block_m, n_k=n_k)
 
 
-def gmm_tpu(x: jax.Array, group_sizes: jax.Array, w: jax.Array, scale: jax.Array, fmt: str, block_m: int,
-            block_n: int, block_k: int, interpret: bool | pltpu.InterpretParams) -> jax.Array:
-    """x: sorted rows, M % block_m == 0 (fp8 [M, K]; int4 split even/odd along K, [2, M, K/2]: the packed
-    byte's low nibble is the even K row), w / scale as moe_gmm -> [M, N] x.dtype; rows past sum(group_sizes) are 0. Blocks must tile K (in whole scale groups) and N (checked by the caller)."""
-    m, k = x.shape[-2], x.shape[-1] * (2 if fmt == "int4" else 1)
+def gmm_tpu(xs: tuple[jax.Array, ...], group_sizes: jax.Array, w: jax.Array, scale: jax.Array, fmt: str,
+            block_m: int, block_n: int, block_k: int, interpret: bool | pltpu.InterpretParams) -> jax.Array:
+    """xs: the sorted rows, M % block_m == 0 (fp8: (x [M, K],); int4: (x's even K columns, its odd ones), each
+    [M, K/2]: the packed byte's low nibble is the even K row), w / scale as moe_gmm -> [M, N] x.dtype; rows past
+    sum(group_sizes) are 0. Blocks must tile K (in whole scale groups) and N (checked by the caller)."""
+    m, k = xs[0].shape[0], xs[0].shape[1] * len(xs)
     n = w.shape[2]
     bm, bn, bk = block_m, block_n, block_k
     n_k = k // bk
@@ -155,13 +156,13 @@ def gmm_tpu(x: jax.Array, group_sizes: jax.Array, w: jax.Array, scale: jax.Array
 
     if fmt == "int4":
         g = k // scale.shape[1]
-        x_spec = pl.BlockSpec((2, bm, bk // 2), lambda j, v, kk, t, gr, xt, wg, *_: (0, xt[v], kb(v, kk, gr)))
+        x_specs = [pl.BlockSpec((bm, bk // 2), lambda j, v, kk, t, gr, xt, wg, *_: (xt[v], kb(v, kk, gr)))] * 2
         w_spec = pl.BlockSpec((None, bk // 2, bn), lambda j, v, kk, t, gr, xt, wg, *_: (wg[v], kb(v, kk, gr), j))
         s_spec = pl.BlockSpec((None, bk // g, bn), lambda j, v, kk, t, gr, xt, wg, *_: (wg[v], kb(v, kk, gr), j))
         kernel = functools.partial(_gmm_int4_kernel, group_size=g, block_m=bm, n_k=n_k)
         scale_op = scale
     else:
-        x_spec = pl.BlockSpec((bm, bk), lambda j, v, kk, t, gr, xt, wg, *_: (xt[v], kb(v, kk, gr)))
+        x_specs = [pl.BlockSpec((bm, bk), lambda j, v, kk, t, gr, xt, wg, *_: (xt[v], kb(v, kk, gr)))]
         w_spec = pl.BlockSpec((None, bk, bn), lambda j, v, kk, t, gr, xt, wg, *_: (wg[v], kb(v, kk, gr), j))
         s_spec = pl.BlockSpec((None, k // FP8_BLOCK, scale.shape[2]),
                               lambda j, v, kk, t, gr, xt, wg, *_: (wg[v], 0, 0), memory_space=pltpu.SMEM)
@@ -170,15 +171,15 @@ def gmm_tpu(x: jax.Array, group_sizes: jax.Array, w: jax.Array, scale: jax.Array
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(lay),
         grid=(n // bn, n_visits, n_k),  # N outermost ("parallel"): visits and K stay sequential on each core
-        in_specs=[x_spec, w_spec, s_spec],
+        in_specs=[*x_specs, w_spec, s_spec],
         out_specs=pl.BlockSpec((bm, bn), lambda j, v, kk, t, *_: (t[v], j)),
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
     )
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((m, n), xs[0].dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=TPU_VMEM_LIMIT_BYTES),
         interpret=interpret,
-    )(*lay, x, w, scale_op)
+    )(*lay, *xs, w, scale_op)
