@@ -23,6 +23,7 @@ from jaxserve.errors import ConfigError
 from jaxserve.quant import formats, ops
 from pallas_kernels.int4_matmul import KernelShapeError
 from pallas_kernels.moe_gmm import GmmBlocks, moe_gmm, tile_layout
+from pallas_kernels.moe_gmm_tpu import visit_layout
 from pallas_kernels.reference import gmm_reference
 
 REL_TOL = 1e-2
@@ -155,6 +156,43 @@ def test_tile_layout_puts_each_row_in_one_single_expert_tile(sizes: list[int], b
     used[row_dst[:total] // block_m] = True
     np.testing.assert_array_equal(tile_group >= 0, used)
     assert len(tile_group) == -(-m // block_m) + min(len(gs), m)  # the static tile bound
+
+
+_jit_visit_layout = jax.jit(visit_layout, static_argnums=(1, 2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 20), min_size=9, max_size=9), st.sampled_from([8, 16]))
+def test_visit_layout_writes_each_row_once_and_revisits_tiles_only_in_a_row(sizes: list[int], block_m: int) -> None:
+    # the tpu tiling's visits over M = 64 rows, E = 9 (sums past 64 are clipped by dropping the last groups)
+    m = 64
+    gs = np.asarray(sizes, np.int32)
+    gs[np.cumsum(gs) > m] = 0
+    lay = _jit_visit_layout(jnp.asarray(gs), m, block_m)
+    tile, group, lo, hi, first = (np.asarray(a) for a in (lay.tile, lay.group, lay.lo, lay.hi, lay.first))
+    used = group >= -1
+    assert len(tile) == m // block_m + min(len(gs), m)  # the static visit bound
+    assert np.all(used[:used.sum()]) and np.all(np.diff(tile) >= 0)  # used visits first; tiles never go back
+    # each row is written by exactly one expert visit, of its own expert, or (past the sum) zeroed by a tile's first
+    writers = np.zeros(m, int)
+    owner = np.full(m, -1)
+    for v in np.flatnonzero(group >= 0):
+        rows = np.arange(tile[v] * block_m, (tile[v] + 1) * block_m)
+        mine = rows[(rows >= lo[v]) & (rows < hi[v])]
+        writers[mine] += 1
+        owner[mine] = group[v]
+        assert len(mine) and lo[v] == np.cumsum(gs)[group[v]] - gs[group[v]] and hi[v] - lo[v] == gs[group[v]]
+    total = int(gs.sum())
+    np.testing.assert_array_equal(writers, (np.arange(m) < total).astype(int))
+    np.testing.assert_array_equal(owner[:total], np.repeat(np.arange(len(gs)), gs))
+    # every tile gets exactly one first visit (which starts it from 0), among the used visits
+    np.testing.assert_array_equal(np.sort(tile[first == 1]), np.arange(m // block_m))
+    assert not np.any(first[~used])
+    # non-expert visits read the last expert visit's x tile and weights: no new DMA
+    experts = np.flatnonzero(group >= 0)
+    if len(experts):
+        last = experts[-1]
+        assert np.all(lay.x_tile[last:] == lay.x_tile[last]) and np.all(lay.w_group[last:] == lay.w_group[last])
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "f32", "fp8", "int4"])
