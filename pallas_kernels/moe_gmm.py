@@ -47,7 +47,7 @@ groups).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import jax
@@ -103,14 +103,19 @@ def gmm_stage_plan(k: int, n: int, blocks: GmmBlocks, *, fmt: str, group_size: i
                    dtype: str = "bfloat16", num_stages: int | None = None) -> StagePlan:
     """On-chip bytes per pipeline stage of moe_gmm with `blocks` (see int4_matmul.StagePlan).
 
-    int4: as int4_matmul.stage_plan for the same tile. fp8 gpu: x [bm, 128], w [128, bn] fp8 per K iteration x
+    int4: as int4_matmul.stage_plan for the same tile (tpu: x's even / odd halves as two blocks). fp8 gpu: x [bm, 128], w [128, bn] fp8 per K iteration x
     num_stages, plus the bf16 cast of w. fp8 tpu: x [bm, bk], w [bk, bn] fp8 and out [bm, bn] double-buffered,
     the f32 accumulator, one [128, bn] cast and one [bm, bn] f32 partial; the expert's scales in SMEM.
     """
     bm, bn = blocks.block_m, blocks.block_n
     if fmt == "int4":
-        return stage_plan(bm, k, n, group_size, Int4Blocks(bm, bn, blocks.block_k), backend=backend, dtype=dtype,
+        plan = stage_plan(bm, k, n, group_size, Int4Blocks(bm, bn, blocks.block_k), backend=backend, dtype=dtype,
                           num_stages=num_stages)
+        if backend == "gpu":
+            return plan
+        # the tpu gmm takes x's even and odd K columns as two [bm, bk/2] blocks (int4_matmul: one [2, bm, bk/2])
+        (x_shape, x_dtype), *rest = plan.pipelined
+        return replace(plan, pipelined=((x_shape[1:], x_dtype), (x_shape[1:], x_dtype), *rest))
     if backend == "gpu":
         stages = num_stages or triton_params(bm, bn).num_stages
         return StagePlan(pipelined=(((bm, FP8_BLOCK), dtype), ((FP8_BLOCK, bn), "float8_e4m3fn")),
