@@ -38,11 +38,11 @@ GLM-4.5 (20 local, FFN 1536) shapes, gate/up and the transposed down projection,
 and 4096 (tpu: chip declared v6e; it also lowers with none); per-stage bytes from `gmm_stage_plan`, whose tpu
 blocks are checked equal to the lowered pallas_call's BlockSpecs (worst cases: gpu 128 KiB (fp8) of 227 KiB; tpu
 16.8 MiB (int4 g128, GLM-4.5 down, full-K block 1536) of 32 MiB, SMEM scales <= 28 KiB per buffer)
-(tests/test_lowering_matmul.py). What was NOT checked (no accelerator): compiling the exported modules (Mosaic's
-layout passes and the Triton compiler run only on a device: the fp8 -> bf16 cast on TPU generations without fp8
-units, the scale-row concatenation and the uint8 unpack may be rejected or slow), that the pipeline really skips
-DMAs for unused tiles (interpret mode does not count DMAs), and speed (untimed; no GPU split-K for tiny decode
-groups).
+(tests/test_lowering_matmul.py). Since then both tilings are compiled by the real compilers on this CPU (Triton for
+sm_90a; Mosaic for v5e / v5p / v6e: tests/compile/test_compile_matmul.py), and the tpu tiling's visit table is
+checked row by row (tests/kernels/test_moe_gmm.py). What was NOT checked (no accelerator): that the pipeline really
+skips DMAs for unused visits and keeps a revisited tile's output block resident (interpret mode does not count
+DMAs; the results match the reference there), and speed (untimed; no GPU split-K for tiny decode groups).
 """
 from __future__ import annotations
 
