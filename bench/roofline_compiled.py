@@ -7,6 +7,7 @@ A MEASUREMENT: no device ran anything.
     JAX_PLATFORMS=cpu .venv-aot/bin/python bench/roofline_compiled.py --preset kimi-k2.6 --target h200 \\
         --json bench/results/roofline_h200_kimi_k26.json    # and --preset glm-5.2 ... roofline_h200_glm_52.json
     .venv/bin/python bench/roofline_compiled.py --readme     # README's table from those two files
+    .venv/bin/python bench/roofline_compiled.py --prefetch bench/results/roofline_v5p_*.json  # TPU VMEM prefetches
 
 The decode pool is compiled at the size `jaxserve plan` says fits (bench/results/plan_<target>_<model>.json, TP
 attention), as a deployment holds it: a per-layer copy of the pool costs what it would there.
@@ -96,6 +97,23 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+# XLA:TPU's memory-space assignment: async copies / slices of a weight into VMEM (S(1)) and the VMEM concatenation of
+# the slices; jaxserve/hlo_bytes counts them as HBM traffic outside the kernels (they read the weight once, in HBM)
+TPU_PREFETCH_OPS = ("copy-start", "slice-start", "custom-call:ConcatBitcast")
+
+
+def prefetch_summary(r: dict) -> list[str]:
+    """Per concurrency: outside / minimum, and the same less the rows of its eight largest offenders that are
+    XLA:TPU VMEM prefetches (`TPU_PREFETCH_OPS`; a lower bound on what the accounting overstates there)."""
+    lines = [f"{r['model']} {r['devices']} x {r['target']}: rows, outside GB, prefetch-op GB in the top 8, "
+             "outside / minimum, without those"]
+    for w in r["rows"]:
+        pf = sum(o["bytes"] for o in w["offenders"] if o["op"] in TPU_PREFETCH_OPS)
+        out, mn = w["traffic_bytes"]["outside"], w["minimum_bytes"]["total"]
+        lines.append(f"{w['rows']:>4} {out / 1e9:8.2f} {pf / 1e9:8.2f} {out / mn:6.2f} {(out - pf) / mn:6.2f}")
+    return lines
+
+
 def readme_rows(results: list[dict]) -> list[str]:
     """README's markdown table: per model, the bounds as compiled and at the minimum, beside the seeds' measured."""
     head = results[0]
@@ -127,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out", type=Path, help="where to write the result")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--readme", action="store_true", help="print README's table from bench/results/roofline_h200_*")
+    ap.add_argument("--prefetch", type=Path, nargs="+", help="print `prefetch_summary` of these result files")
     args = ap.parse_args(argv)
+    if args.prefetch:
+        print("\n".join(line for f in args.prefetch for line in prefetch_summary(json.loads(f.read_text()))))
+        return 0
     if args.readme:
         print("\n".join(readme_rows([json.loads((RESULTS / f"roofline_h200_{m}.json").read_text())
                                      for m in ("kimi_k26", "glm_52")])))
