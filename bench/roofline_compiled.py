@@ -58,6 +58,7 @@ def run(model: str, target_name: str, devices: int, rows: tuple[int, ...], conte
     spec = replace(spec, pool_pages=_pool_pages(model, target_name, spec.page_size))
     shape = decode_step_shape(cfg, shard_model(_abstract(cfg, spec.decode_weights, spec), par), par)
     chip = Chip(t.name, t.hbm_bytes_per_s, t.link_bytes_per_s, t.bandwidth_source)
+    machine = common.machine()  # its load at the start (taken after the compiles, it was the load at the end)
     out_rows = []
     for b in rows:
         t0 = time.perf_counter()
@@ -70,7 +71,7 @@ def run(model: str, target_name: str, devices: int, rows: tuple[int, ...], conte
             print(f"{model} {target_name} rows {b}: {row['predicted']['serial_tokens_per_s']:.0f} tok/s bound, "
                   f"outside/minimum {row['outside_over_minimum']:.2f} ({row['compile_s']:.0f} s)", file=sys.stderr)
     return {"bench": "roofline_compiled", "label": "bound, not a measurement", "model": model,
-            "target": target_name, "devices": devices, "context": context, "machine": common.machine(),
+            "target": target_name, "devices": devices, "context": context, "machine": machine,
             "spec": asdict(spec), "step_shape": asdict(shape), "seeds": SEEDS[model]["what"], "rows": out_rows,
             "notes": "per device and step; minimum = weights read (routed experts touched under uniform routing) + "
                      "KV of the live context (FP8) + new KV rows + residual stream; outside = bytes the compiled "
