@@ -1,4 +1,5 @@
-"""One phase of a preset's real program (decode: 64 rows x 8k; prefill: one 512-token chunk over 8k) compiled at a few
+"""One phase of a preset's real program (decode: 64 rows x 8k; prefill: one 512-token chunk over 8k; verify: 3 drafts
++ 1 positions a decode row) compiled at a few
 layers for a target's devices under TP, as `jaxserve plan` compiles it: the compiler's memory_analysis and every
 copy / transpose / all-gather of a weight or pool shape (plan_compile.moves, with pool-writing fusions), and the
 bytes the program moves outside the kernels (hlo_bytes.traffic: the total and the 8 largest rows). A fast
@@ -26,7 +27,7 @@ def main(preset: str, phase: str, layers: int, target: str, devices: int) -> dic
     spec = PlanSpec(devices=devices, target=target, memory_bytes=t.memory_bytes)
     par = Parallel(make_mesh(target_devices(t, devices), dp=1), ShardingRules.preset("tp"))
     cfg = from_hf_config(dict(PRESETS[preset], num_hidden_layers=layers))
-    fmt = spec.decode_weights if phase == "decode" else spec.prefill_weights
+    fmt = spec.prefill_weights if phase == "prefill" else spec.decode_weights  # verify: the decode phase's
     r = compile_phase(cfg, shard_model(_abstract(cfg, fmt, spec), par), par, spec, phase, t.attention,
                       in_mesh=True)
     outside = [t for t in r.traffic if t["category"] == "outside"]

@@ -23,6 +23,7 @@ _MOVE = re.compile(r"%(\S+) = ([a-z0-9]+)\[([0-9,]*)\](\{[^}]*\})? (copy|transpo
                    r"%([^\s,)]+)(?:[^\n]*?dimensions=\{([0-9,]*)\})?")
 _LAYOUT = re.compile(r"%(\S+) = [a-z0-9]+\[[0-9,]*\](\{[^}]*\})")
 _SPACE = re.compile(r"S\(\d+\)")  # a memory space (VMEM): a copy into it is a prefetch, not a relayout
+VERIFY_DRAFTS = 3  # the "verify" phase's drafts a row (EngineConfig's speculative k: any; ngram:3 in the README)
 _MIN_TRACKED = 1 << 20  # weights / pool arrays under 1 MiB are not tracked (their shapes collide with activations)
 
 
@@ -147,10 +148,11 @@ def fusion_copies(rows: list[Row], tracked: dict[tuple[int, ...], str]) -> list[
 
 def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # noqa: ANN001
                   in_mesh: bool = False, pool_pages: int | None = None) -> PhaseCompile:
-    """Lower and compile one phase's real program on abstract inputs. in_mesh: lower inside `jax.set_mesh` (the
-    Pallas TPU kernels read their chip from the mesh's devices). pool_pages: the pool's pages exactly (a multiple of
-    the page shards: the pool a plan says fits, fewer than the rows' pages when they do not all fit); None: the
-    rows' pages + a null page per shard, or spec.pool_pages if more."""
+    """Lower and compile one phase's real program on abstract inputs: "decode", "prefill", or "verify" (the
+    speculative verify: `VERIFY_DRAFTS` drafts + 1 positions a decode row over the decode pool). in_mesh: lower
+    inside `jax.set_mesh` (the Pallas TPU kernels read their chip from the mesh's devices). pool_pages: the pool's
+    pages exactly (a multiple of the page shards: the pool a plan says fits, fewer than the rows' pages when they
+    do not all fit); None: the rows' pages + a null page per shard, or spec.pool_pages if more."""
     import contextlib
 
     import jax
@@ -160,6 +162,7 @@ def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # 
     from jaxserve.engine.batch import dummy_decode, dummy_prefill
     from jaxserve.engine.layouts import kv_layout, prefill_kv_dtype
     from jaxserve.engine.programs import _pool_shardings, decode_step, prefill_step
+    from jaxserve.engine.verify import dummy_verify, verify_step
     from jaxserve.models.attention_backend import AttentionBackend
     from jaxserve.sharding import state_formats
 
@@ -168,11 +171,12 @@ def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # 
     rows = par.sharding(("batch",))
     dp = par.size("pages")
     ps = spec.page_size
-    kv = spec.kv_dtype if phase == "decode" else prefill_kv_dtype(spec.kv_dtype)
+    on_decode = phase in ("decode", "verify")  # the decode pool and rows
+    kv = spec.kv_dtype if on_decode else prefill_kv_dtype(spec.kv_dtype)
     layout = kv_layout(cfg, ps, kv)
-    ctx = spec.decode_context if phase == "decode" else spec.prefill_context
+    ctx = spec.decode_context if on_decode else spec.prefill_context
     m = -(-ctx // ps)
-    b = spec.decode_rows if phase == "decode" else dp
+    b = spec.decode_rows if on_decode else dp
     num_pages = dp * (-(-b // dp) * m + 1)  # each page shard: its rows' pages + its null page
     if phase == "decode" and spec.pool_pages:  # a deployment's pool (what the plan says fits), page shards whole
         num_pages = max(num_pages, -(-spec.pool_pages // dp) * dp)
@@ -187,6 +191,11 @@ def compile_phase(cfg, model, par, spec, phase: str, attention: str = "xla",  # 
         batch, samp = dummy_decode(b, m)
         # the pool is donated and comes back in its own layout, so it is updated in place (as in Programs)
         step = functools.partial(decode_step, graphdef, integrity=True, attention=backend)
+    elif phase == "verify":  # (batch, drafts) as one argument: the other phases' signature
+        *batch, samp = dummy_verify(b, VERIFY_DRAFTS, m)
+
+        def step(st, pg, batch_drafts, sa):  # noqa: ANN001, ANN202
+            return verify_step(graphdef, st, pg, *batch_drafts, sa, integrity=True, attention=backend)
     else:
         batch, samp = dummy_prefill(b, spec.prefill_chunk, m)
         step = functools.partial(prefill_step, graphdef, attention=backend)

@@ -29,15 +29,18 @@ may hold anything, NaN included: their logits are masked, their V rows and V sca
   each key block's pages are DMA'd one page per copy into a two-slot VMEM buffer, the next block's copies in
   flight while this one computes, page ids read from that batch row's block table held in SMEM (one row, a
   [1, M] block: 64 KiB at 262,144 tokens of 16-token pages, double-buffered, independent of the batch); the
-  per-row-block key-block counts are scalar-prefetched. FP8 rows are dequantized in VMEM (x8 -> f32 times the
-  scale column -> q's dtype) before the dots. GQA pages are DMA'd whole, as [Hkv * ps, D] head-major rows (a
+  per-row-block key-block counts are scalar-prefetched. MLA FP8 rows are dequantized in VMEM (x8 -> f32 times
+  the scale column -> q's dtype) before the dots. GQA pages are DMA'd whole, as [Hkv * ps, D] head-major rows (a
   per-head slice of the [P, ps, Hkv, D] pool is not tile-aligned: Mosaic refuses it, and strided VMEM loads exist
   for 32-bit data only), from the whole pool [L, P, ps, Hkv, D] (values or bits) at a scalar-prefetched layer: the
   TPU pool is stored head-major (`jaxserve.sharding.pool_format`), so the [L, P, Hkv * ps, D] view is free and no
-  layer slice is copied into the call (XLA:TPU copied each layer's K and V, GLM-4.5 on v5p); one layer's FP8
-  scales are sliced (the BF16 prefill pool has none). The logits of other kv heads' columns are masked: Hkv x
-  the key reads and dot work of a per-head kernel when a device holds several kv heads (GLM-4.5 DP attention: 8),
-  none with one (TP: 1).
+  layer slice is copied into the call (XLA:TPU copied each layer's K and V, GLM-4.5 on v5p). GQA FP8 scales come
+  from the whole scale pools too, [L, Hkv, P, ps] as the TPU stores them (`scale_rows`; a per-layer slice was
+  materialized each call: the speculative verify over the FP8 decode pool), one [ps] row per page and kv head
+  per DMA, spread into the block's row as the decode kernel does, multiplying the logits (K) and the
+  probabilities after the softmax sum (V) in f32, as the GPU kernel does. The logits of other kv heads' columns
+  are masked: Hkv x the key reads and dot work of a per-head kernel when a device holds several kv heads
+  (GLM-4.5 DP attention: 8), none with one (TP: 1).
 
 What was checked (CPU only, JAX 0.10.2; tests/test_paged_prefill.py): against the dense f32 reference with a
 derived per-element bound, GPU layout in legacy `interpret=True`, TPU layout in TPU interpret mode
@@ -71,8 +74,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention import with_layer_axis
-from pallas_kernels.paged_attention_tpu import (BITS_TO_VALUES, _values, dot_precision, head_major, head_of_row,
-                                                token_of_row)
+from pallas_kernels.paged_attention_tpu import (BITS_TO_VALUES, _scale_row, _values, dot_precision, head_major,
+                                                head_of_row, scale_rows, token_of_row)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
@@ -312,12 +315,13 @@ def _tpu_kernel(nblk_ref, lens_ref, layer_ref, bt_ref, q_ref, pos_ref, *refs, ml
     Scalar prefetch (SMEM): nblk_ref [B * nR] int32 (key blocks this row block needs: its causal limit),
     lens_ref [B] int32 (ctx_len), layer_ref [1] int32 (the pool layer read). bt_ref [1, Mp] int32 (SMEM, this
     row's block table). q_ref [br, Dk] (VMEM), pos_ref [br, 1] int32 (row positions, -1 on padding rows).
-    Value pools carry a leading layer axis (the whole pool, or one layer as [1, ...]; values or their bits), scale
-    sources are one layer [1, ...]. MLA refs: latent pool [L, P, ps, Dl] (HBM), (scales [1, P, ps, 1] f32 HBM), o
-    [br, Dv] f32, then scratch:
+    Value pools carry a leading layer axis (the whole pool, or one layer as [1, ...]; values or their bits); MLA
+    scales are one layer [1, ...], GQA scales the whole [L, Hkv, P, ps] pools. MLA refs: latent pool [L, P, ps, Dl]
+    (HBM), (scales [1, P, ps, 1] f32 HBM), o [br, Dv] f32, then scratch:
     kbuf [2, bk, Dl], (sbuf [2, bk, 1] f32), sem DMA[2], acc [br, Dv] f32, m, l [br, 1] f32.
-    GQA refs: k pool, v pool [L, P, Hkv * ps, D] (HBM; row = head * ps + slot), (k, v scales [1, P, Hkv * ps, 1]
-    f32 HBM), o [br, D] f32, scratch kbuf, vbuf [2, bk * Hkv, D], (ksbuf, vsbuf [2, bk * Hkv, 1] f32), sem
+    GQA refs: k pool, v pool [L, P, Hkv * ps, D] (HBM; row = head * ps + slot), (k, v scales [L, Hkv, P, ps]
+    f32 HBM), o [br, D] f32, scratch kbuf, vbuf [2, bk * Hkv, D], (ksbuf, vsbuf [2, bk // ps * Hkv, ps] f32:
+    row = page * Hkv + head), sem
     DMA[2], acc, m, l. Whole pages are DMA'd (a per-head slice is not tile-aligned); columns of other kv heads
     than j are masked.
     """
@@ -332,14 +336,20 @@ def _tpu_kernel(nblk_ref, lens_ref, layer_ref, bt_ref, q_ref, pos_ref, *refs, ml
     ctx_len = lens_ref[b]
 
     def copies(i, slot):
-        """DMA descriptors bringing key block i into buffer slot `slot` (one per page and source)."""
+        """DMA descriptors bringing key block i into buffer slot `slot` (one per page and source; GQA scales one
+        [ps] row per page and kv head)."""
         out = []
+        layer = layer_ref[0]
         for p in range(ppb):
             page = bt_ref[0, i * ppb + p]
             for n, (src, buf) in enumerate(zip(srcs, bufs)):
-                layer = layer_ref[0] if n < n_values else 0  # scales: one layer
-                out.append(pltpu.make_async_copy(src.at[layer, page], buf.at[slot, pl.ds(p * page_rows, page_rows)],
-                                                 sem.at[slot]))
+                if n < n_values or mla:  # MLA scales: one layer's [1, P, ps, 1] columns
+                    at, dst = src.at[layer if n < n_values else 0, page], buf.at[slot, pl.ds(p * page_rows, page_rows)]
+                    out.append(pltpu.make_async_copy(at, dst, sem.at[slot]))
+                    continue
+                for h in range(kv_heads):  # GQA scales: the whole [L, Hkv, P, ps] pool, row = page * Hkv + head
+                    out.append(pltpu.make_async_copy(src.at[layer, h, page], buf.at[slot, p * kv_heads + h],
+                                                     sem.at[slot]))
         return out
 
     @pl.when(n_blocks > 0)
@@ -360,6 +370,15 @@ def _tpu_kernel(nblk_ref, lens_ref, layer_ref, bt_ref, q_ref, pos_ref, *refs, ml
             return x.astype(q.dtype)
         return (x.astype(jnp.float32) * sbuf[slot]).astype(q.dtype)
 
+    def scale_row(sbuf, i, slot):
+        """GQA: the block's [ppb * Hkv, ps] scale rows -> [1, bk * Hkv] in the K rows' order; slots past ctx_len
+        zeroed first (they may hold NaN, which the spreading matmul would carry over the page's whole row)."""
+        s = sbuf[slot]
+        page = lax.broadcasted_iota(jnp.int32, s.shape, 0)
+        page = page if kv_heads == 1 else lax.div(page, kv_heads)
+        tok = i * block_k + page * page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        return _scale_row(jnp.where(tok < ctx_len, s, 0.0), page_size)
+
     def body(i, carry):
         slot = i % 2
 
@@ -373,12 +392,13 @@ def _tpu_kernel(nblk_ref, lens_ref, layer_ref, bt_ref, q_ref, pos_ref, *refs, ml
         if mla:
             k = dequant(bufs[0], bufs[1] if fp8 else None, slot)  # [bk, Dl]
             v = k[:, :value_dim]
-        else:
-            k = dequant(bufs[0], bufs[2] if fp8 else None, slot)
-            v = dequant(bufs[1], bufs[3] if fp8 else None, slot)
+        else:  # FP8 -> q's bf16 is exact; the scales multiply the logits (K) and probabilities (V) in f32
+            k, v = dequant(bufs[0], None, slot), dequant(bufs[1], None, slot)
         # q [br, Dk] . k [bk, Dk]^T over the whole key width (MLA: nope + rope parts)
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                  precision=dot_precision(q.dtype))
+        if fp8 and not mla:
+            logits = logits * scale_row(bufs[2], i, slot)  # K-side dequant: (q . k8) s == q . (k8 s)
         col = lax.broadcasted_iota(jnp.int32, (1, block_k * kv_heads), 1)
         kpos = i * block_k + token_of_row(col, kv_heads, page_size)
         mask = (kpos <= pos) & (kpos < ctx_len)  # [br, bk * Hkv]
@@ -392,6 +412,8 @@ def _tpu_kernel(nblk_ref, lens_ref, layer_ref, bt_ref, q_ref, pos_ref, *refs, ml
         p = jnp.where(mask, jnp.exp(logits - m_next), 0.0)
         l_sc[...] = correction * l_sc[...] + p.sum(axis=-1, keepdims=True)
         m_sc[...] = m_next
+        if fp8 and not mla:  # V-side dequant, after the sum so l stays the plain softmax denominator
+            p = p * scale_row(bufs[3], i, slot)
         # zero V rows past ctx_len: a tail page may hold anything (NaN included) and 0 * NaN would leak
         kcol = i * block_k + token_of_row(lax.broadcasted_iota(jnp.int32, (block_k * kv_heads, 1), 0), kv_heads,
                                           page_size)
@@ -465,8 +487,8 @@ def _paged_prefill_mla_tpu(q, pages, bt, lens, pos, scales, *, kv_lora_rank, sof
 
 def _paged_prefill_gqa_tpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scales, layer, *, softmax_scale, blocks,
                            interpret):
-    """q rows [B, Hkv, R, D]; k_pages, v_pages [L, P, ps, Hkv, D] (values or bits); k_scales, v_scales one layer
-    [P, ps, Hkv] f32 | None; layer [1] int32; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, Hkv, R, D] f32."""
+    """q rows [B, Hkv, R, D]; k_pages, v_pages [L, P, ps, Hkv, D] (values or bits); k_scales, v_scales
+    [L, P, ps, Hkv] f32 | None; layer [1] int32; bt [B, Mp]; lens [B]; pos [B, R]. -> [B, Hkv, R, D] f32."""
     _, _, page_size, hkv, d = k_pages.shape
     bk, fp8 = blocks.block_k, k_scales is not None
     kernel = functools.partial(_tpu_kernel, mla=False, fp8=fp8, value_dim=d, page_size=page_size, block_k=bk,
@@ -475,9 +497,10 @@ def _paged_prefill_gqa_tpu(q, k_pages, v_pages, bt, lens, pos, k_scales, v_scale
     srcs = [head_major(k_pages), head_major(v_pages)]
     bufs = [pltpu.VMEM((2, bk * hkv, d), k_pages.dtype), pltpu.VMEM((2, bk * hkv, d), v_pages.dtype)]
     if fp8:
-        # one layer's scales as [1, P, Hkv * ps, 1] columns (a per-layer slice; the BF16 prefill pool has none)
-        srcs += [head_major(s.astype(jnp.float32), 1)[None, ..., None] for s in (k_scales, v_scales)]
-        bufs += [pltpu.VMEM((2, bk * hkv, 1), jnp.float32), pltpu.VMEM((2, bk * hkv, 1), jnp.float32)]
+        # the whole scale pools as [L, Hkv, P, ps] rows (the TPU pool's layout, `scale_rows`: no per-layer slice),
+        # one [ps] row per page and kv head
+        srcs += [scale_rows(s.astype(jnp.float32)) for s in (k_scales, v_scales)]
+        bufs += [pltpu.VMEM((2, bk // page_size * hkv, page_size), jnp.float32)] * 2
     return _tpu_call(kernel, q, pos, bt, lens, layer, srcs, bufs, d, blocks, interpret, "paged_prefill_gqa_tpu")
 
 
@@ -598,10 +621,10 @@ def paged_prefill_gqa(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, bloc
                            block_k=block_k)
     bt, lens = _tables(block_tables, ctx_lens, page_size, blocks.block_k // page_size)
     kw = dict(softmax_scale=softmax_scale, blocks=blocks, interpret=interpret)
-    if backend != "gpu":  # the whole pool read at `layer` (values or bits); one layer's scales
+    if backend != "gpu":  # the whole pool and its scales read at `layer` (values or bits)
         one = layer is None
         k_pool, v_pool = (k_pages[None], v_pages[None]) if one else (k_pages, v_pages)
-        k_scales, v_scales = (s if one or s is None else s[layer] for s in (k_scales, v_scales))
+        k_scales, v_scales = (s[None] if one and s is not None else s for s in (k_scales, v_scales))
         at = jnp.asarray(0 if one else layer, jnp.int32).reshape(1)
         qr, pos = _rows(q.astype(_compute_dtype(BITS_TO_VALUES.get(jnp.dtype(k_pages.dtype), k_pages.dtype))),
                         positions, hkv, blocks.block_r)

@@ -180,7 +180,7 @@ def test_v5p_handoff_copies_no_pool():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target,phase", [("v5p", "decode"), ("v5p", "prefill"), ("v6e", "decode"),
-                                          ("v6e", "prefill")])
+                                          ("v6e", "prefill"), ("v5p", "verify"), ("v6e", "verify")])
 def test_gqa_kernels_read_the_whole_pool_and_copy_no_pool(target, phase):
     """GLM-4.5's GQA decode and prefill on v5p and v6e (2 layers + the MTP layer's pool layer, TP 8: one kv head a
     chip): the Mosaic kernels read the whole pool's bits at a scalar-prefetched layer from a pool stored head-major
@@ -191,19 +191,24 @@ def test_gqa_kernels_read_the_whole_pool_and_copy_no_pool(target, phase):
     array is copied at all, the FP8 scale pools included (counted with unit dims dropped: f32[3, 8193, 64]): held
     head-major ([L, P, 1, ps]) they were (1, 128)-tiled, and XLA:TPU's element scatter of new scales relaid both
     out per step and the kernel's read per layer (8 copies of 6.3 MB at 2 layers); now they are [L, Hkv, P, ps]
-    and written as whole page rows (`cache.pool._store_page_rows`), in place."""
+    and written as whole page rows (`cache.pool._store_page_rows`), in place. The speculative verify (3 drafts + 1
+    positions a decode row, the prefill kernel over the FP8 decode pool) hands the prefill kernel the whole scale
+    pools and the layer too: handed one layer's scales as [1, P, ps, 1] columns, XLA:TPU relaid both whole scale pools
+    out and copied a column per layer for K and V (f32[1, 8193, 64, 1], its unit minor dim on the (8, 128) tile's
+    lanes: 268 MB each), verify temporaries 570 -> 47 MB at 2 layers on v5p."""
     t = TARGETS[target]
     spec = PlanSpec(target=target, memory_bytes=t.memory_bytes)
     par = Parallel(make_mesh(target_devices(t, 8), dp=1), ShardingRules.preset("tp"))
     cfg = from_hf_config(dict(PRESETS["glm-4.5"], num_hidden_layers=2))
-    fmt = spec.decode_weights if phase == "decode" else spec.prefill_weights
+    on_decode = phase != "prefill"  # decode and verify: the FP8 decode pool and the decode rows
+    fmt = spec.decode_weights if on_decode else spec.prefill_weights
     model = shard_model(_abstract(cfg, fmt, spec), par)
     r = compile_phase(cfg, model, par, spec, phase, t.attention, in_mesh=True)
     kernel = f"paged_{'gqa_decode' if phase == 'decode' else 'prefill_gqa'}_tpu"
     assert [x for x in r.traffic if x["category"] == "kernel" and kernel in x["what"]]  # the Mosaic kernel runs
     assert not [m for m in r.moves if m["of"].startswith("pool")], r.moves
-    pages = ROWS * 8192 // 64 + 1 if phase == "decode" else 8192 // 64 + 1  # the rows' pages + the null page
-    slot = 2 * (128 + 4) if phase == "decode" else 2 * 128 * 2  # one kv head's K + V per token: FP8 + scale, BF16
+    pages = ROWS * 8192 // 64 + 1 if on_decode else 8192 // 64 + 1  # the rows' pages + the null page
+    slot = 2 * (128 + 4) if on_decode else 2 * 128 * 2  # one kv head's K + V per token: FP8 + scale, BF16
     nominal = 3 * pages * 64 * slot + 4 * pages  # 3 pool layers (+ the MTP layer's), the tags
     pool = r.memory["alias"]  # the donated pool, returned in place
     assert nominal <= pool < 1.05 * nominal, (pool, nominal)  # row-major: 7.8x (decode), 2x (prefill)
