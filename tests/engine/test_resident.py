@@ -1,89 +1,85 @@
-"""The resident programs' labels (engine/resident.py): an eviction reports the labels it dropped, never takes a
-label being loaded or kept, and `touch` tells which labels lost a program; and what `fallback.CompiledShapes` does
-with that report: the shape stops being usable, steps pad to a loaded one, and the background loads it again only
-once a padded step wants it. Pure bookkeeping: stand-in jit objects, nothing compiles."""
+"""The resident programs (engine/resident.py): one jit object per call signature, and an eviction that drops the
+least recently used ones (their memory mappings with them) while the programs still in use stay loaded."""
 from __future__ import annotations
 
-from engine_util import small_config, tiny_model
-from jaxserve.engine import Engine
-from jaxserve.engine.fallback import CompiledShapes
-from jaxserve.engine.resident import Resident
-from jaxserve.engine.sampling_forms import SERVING_MODES
+import functools
 
-CFG = small_config(kv_dtype="fp8", max_batch=4, max_model_len=64, prefill_chunk=32, max_prefill_tokens=32)
+import jax
+import jax.numpy as jnp
+import pytest
 
+from engine_util import prompts, small_config, tiny_model
+from jaxserve.engine import Engine, SamplingParams
+from jaxserve.engine.resident import Resident, ShapeJit
+from jaxserve.engine.warmup import map_count
 
-class _Jit:
-    """Stands in for one jit object: counts `clear_cache` calls."""
-
-    def __init__(self) -> None:
-        self.cleared = 0
-
-    def clear_cache(self) -> None:
-        self.cleared += 1
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
-def _load(resident: Resident, label: object, *sigs: object) -> list[_Jit]:
-    with resident.labelled(label):
-        return [resident.get(("decode", None, (sig,)), _Jit) for sig in sigs]
+class Compiles:
+    """XLA compiles while the block runs."""
+
+    def __enter__(self) -> "Compiles":
+        self.n = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+        return self
+
+    def _on(self, event: str, seconds: float, **_: object) -> None:
+        if event == BACKEND_COMPILE:
+            self.n += 1
+
+    def __exit__(self, *_: object) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._on)
 
 
-def test_evictions_report_their_labels_and_spare_loading_and_kept_ones():
-    r = Resident()
-    told: list[tuple[list, bool]] = []
-    r.on_drop = lambda labels, everything: told.append((labels, everything))
-    a, = _load(r, "a", 1)
-    b1, b2 = _load(r, "b", 2, 3)
-    _load(r, "kept", 4)
-    r.keep(["kept"])
-    r.get(("decode", None, (5,)), _Jit)  # unlabelled: dropped without a report
-    r.tick = 10
-    with r.labelled("c"):
-        r.get(("decode", None, (6,)), _Jit)
-        # everything is old; only the label in flight and the kept one stay
-        assert r.evict(lambda: len(r) > 0, keep_since=10) == 4
-    assert told == [(["a"], False), (["b"], False), (["b"], False)]
-    assert a.cleared == b1.cleared == b2.cleared == 1 and len(r) == 2
-    assert r.touch(["a", "kept", "c", "never seen"]) == ["a"]
-    _load(r, "a", 1)  # loaded again: no longer gone
-    assert r.touch(["a"]) == []
-    told.clear()
-    r.clear()  # after jax.clear_caches: every label is reported, and gone
-    assert len(told) == 1 and told[0][1] and set(told[0][0]) == {"a", "kept", "c"} and len(r) == 0
-    assert set(r.touch(["a", "kept", "c"])) == {"a", "kept", "c"}
+def _body(weights: jax.Array, x: jax.Array) -> jax.Array:
+    for i in range(8):  # several kernels: each maps its own code and data
+        x = jnp.sort(x * weights[i], axis=-1) + jnp.cumsum(x, axis=0)
+    return x
 
 
-def test_an_evicted_shape_pads_and_is_reloaded_only_when_wanted():
-    e = Engine(tiny_model(), CFG, start=False)
+def test_eviction_drops_the_least_recently_used_signatures_and_keeps_the_rest_loaded():
+    resident = Resident()
+    f = ShapeJit(resident, "body", _body, functools.partial(jax.jit, donate_argnums=()))
+    w = jnp.arange(8, dtype=jnp.float32)
+    for rows in (2, 4, 8):  # three signatures, each used at its own tick
+        f(w, jnp.ones((rows, 16))).block_until_ready()
+        resident.tick += 1
+    f.lower(w, jnp.ones((16, 16))).compile()  # lowered and compiled as a warm-up does, never called: one more
+    assert len(resident) == 4 and f._cache_size() >= 3
+    f(w, jnp.ones((2, 16))).block_until_ready()  # the oldest used again: now the newest
+    before = map_count()
+    assert resident.evict(lambda: True, keep_since=resident.tick) == 2  # rows 4 (tick 1) and 8 (tick 2) go
+    assert [sig[2][0][0] for sig, _ in resident.items()] == [(16, 16), (2, 16)]  # the rest, oldest first
+    assert before is None or map_count() < before  # their code and data were unmapped
+    with Compiles() as kept:
+        f(w, jnp.ones((2, 16))).block_until_ready()
+        f(w, jnp.ones((16, 16))).block_until_ready()  # lowered and compiled, never called: loaded all the same
+    assert kept.n == 0
+    with Compiles() as dropped:
+        f(w, jnp.ones((8, 16))).block_until_ready()
+    assert dropped.n == 1 and len(resident) == 3
+
+
+@pytest.mark.slow  # compiles the tiny model's programs for a short workload (about a minute on 2 shared cores)
+def test_engine_eviction_keeps_the_programs_the_last_steps_used():
+    """After a 4-row workload and then a lone request, dropping every program older than the lone request's steps
+    leaves the lone request's loaded (it runs again with no compile) and frees the others' mappings."""
+    e = Engine(tiny_model(), small_config(kv_dtype="fp8", max_batch=4, max_model_len=32), start=False)
     try:
-        shapes = CompiledShapes(e.programs)
-        r = e.programs.resident
-        small, big = ("decode", 2, 8, 0), ("decode", 4, 16, 0)
-        for b, m in ((2, 8), (4, 16)):  # as if compiled: each form's program loaded under its key
-            for form in SERVING_MODES:
-                _load(r, ("decode", b, m, 0, form), (b, m, form))
-            shapes.add(("unpack", b, m, 0, ""))
-            for form in SERVING_MODES:
-                shapes.add(("decode", b, m, 0, form))
-        assert {small, big} <= shapes.usable
-        with shapes._lock:
-            shapes._queue = [("decode", 1, 8, 0, "greedy")]  # a plan key left
-        r.tick = 5
-        r.evict(lambda: ("decode", 2, 8, 0, "greedy") not in r._gone, keep_since=5)  # the LRU one: small's
-        assert small not in shapes.usable and ("decode", 2, 8, 0, "greedy") in shapes.evicted
-        assert ("unpack", 2, 8, 0, "") in shapes.done  # not a resident program: still loaded
-        # the plan key first; the evicted key waits for a padded step to want its shape
-        assert shapes.next_key() == ("decode", 1, 8, 0, "greedy") and shapes.next_key() is None
-        assert shapes.cover("decode", 2, 8) == (4, 16, 0) and shapes.demand(("decode", 2, 8, 0, "greedy")) == 1
-        assert shapes.next_key() == ("decode", 2, 8, 0, "greedy") and shapes.next_key() is None
-        _load(r, ("decode", 2, 8, 0, "greedy"), (2, 8, "greedy"))
-        shapes.add(("decode", 2, 8, 0, "greedy"))
-        assert small in shapes.usable and shapes.reloads == 1 and shapes.cover("decode", 2, 8) == (2, 8, 0)
-        # an eviction the shapes have not been told of yet: `cover` finds it gone and pads past it
-        r.on_drop = None
-        r.tick = 9
-        r.touch([(*big, form) for form in SERVING_MODES])  # big's programs used by the step now: kept
-        r.evict(lambda: ("decode", 2, 8, 0, "any") not in r._gone, keep_since=9)
-        assert small in shapes.usable and shapes.cover("decode", 1, 8) == (4, 16, 0) and small not in shapes.usable
+        lone = prompts(1, seed=2, lengths=(5,))
+        e.generate(prompts(4, seed=1, lengths=(3, 20, 9, 27)), SamplingParams(max_tokens=6, ignore_eos=True))
+        resident = e.programs.resident
+        tick = resident.tick  # advanced once per step (MapGuard.check)
+        assert tick > 0
+        want = e.generate(lone, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+        kinds = {sig[0] for sig, _ in resident.items()}
+        n, before = len(resident), map_count()
+        dropped = resident.evict(lambda: True, keep_since=tick)
+        assert 0 < dropped < n and kinds == {"prefill", "decode"}
+        assert before is None or map_count() < before
+        with Compiles() as again:
+            got = e.generate(lone, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+        assert again.n == 0 and got == want  # the lone request's programs stayed loaded
     finally:
         e.close()
