@@ -2,7 +2,9 @@
 --trace, bench/serve_trace.py), the engine steps after the first sweep began, their seconds, and the share of
 them run padded into a larger compiled shape (a `fit` event whose run shape differs from the asked one inside the
 step); `jax.clear_caches` calls and programs dropped least-recently-used (`evict_lru`, traces since engine.resident);
-with each run's TTFT p99 ratios, largest in-stream gap, /ready time, evictions and load.
+with each run's TTFT p99 ratios, largest in-stream gap, /ready time, evictions and load; after the first
+least-recently-used eviction: the background jobs that loaded a key again (compiled before it), the padded decode
+steps that asked one of those shapes, and XLA work (trace / lower / compile or load) on the engine thread.
 
 Usage: python bench/first_contact_padded.py --runs NAME=RUN.json:TRACE.jsonl ... --json OUT.json
 """
@@ -34,7 +36,26 @@ def padded_share(events: list[dict]) -> dict:
     return {"steps": len(steps), "step_s": round(total, 2), "padded_step_s": round(padded, 2),
             "padded_share": round(padded / total, 3) if total else None,
             "evictions": sum(e["ev"] == "clear_caches" for e in events),
-            "lru_dropped": sum(e.get("dropped", 0) for e in events if e["ev"] == "evict_lru")}
+            "lru_dropped": sum(e.get("dropped", 0) for e in events if e["ev"] == "evict_lru"), **reloads(events)}
+
+
+def reloads(events: list[dict]) -> dict:
+    """From the first `evict_lru` on: background jobs of keys compiled before it (loaded again), the padded decode
+    steps asking their shapes, and the engine thread's XLA events."""
+    t_evict = min((e["t"] for e in events if e["ev"] == "evict_lru"), default=None)
+    if t_evict is None:
+        return {}
+    jobs = [e for e in events if e["ev"] == "bg_job"]
+    before = {tuple(e["key"]) for e in jobs if e["t"] < t_evict}
+    again = [e for e in jobs if e["t0"] >= t_evict and tuple(e["key"]) in before]
+    shapes = {tuple(e["key"][1:4]) for e in again if e["key"][0] == "decode"}
+    padded = [e for e in events if e["ev"] == "fit" and e["t"] > t_evict and e["kind"] == "decode"
+              and e["asked"] != e["run"]]
+    return {"reloaded_keys": [e["key"] for e in again], "reload_s": [round(e["t"] - e["t0"], 2) for e in again],
+            "padded_decode_steps_after_evict": len(padded),
+            "of_them_asking_a_reloaded_shape": sum(tuple(e["asked"]) in shapes for e in padded),
+            "engine_xla_after_evict": sum(e["ev"] == "jax" and e.get("th") == "jaxserve-engine" and e["t"] > t_evict
+                                          for e in events)}
 
 
 def summary(run: Path, trace: Path) -> dict:

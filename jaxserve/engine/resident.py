@@ -10,18 +10,26 @@ compile cache on its next use). `ShapeJit` stands in for one `jax.jit` of a Prog
 `lower`), making a jit object per signature (the arguments after the weights: shapes, dtypes, the pytree
 structure with its static sampling form, and Python scalars), each over its own function object (JAX's tracing
 cache is keyed on the function: one shared function would drop every signature's traces at once).
+
+Labels: a caller that loads programs for something of its own (`fallback.CompiledShapes`: a warm-up plan key) does
+so inside `labelled(label)`; the signatures its thread gets meanwhile carry that label, and every eviction reports
+the labels it dropped to `on_drop`, so the caller learns what is no longer loaded without this module knowing
+what a label means. A label being loaded (inside `labelled`) is never evicted; `touch` marks labels used now.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
 
 Signature = tuple[str, Any, tuple]  # (entry point, pytree structure, leaf shapes/dtypes or scalar values)
+# told the labels of dropped programs, and whether every compiled program of the process went (jax.clear_caches)
+OnDrop = Callable[[list[Hashable], bool], None]
 
 
 def signature(name: str, args: tuple) -> Signature:
@@ -40,6 +48,13 @@ class Resident:
         self.tick = 0  # evictions keep what was used at or after the tick `evict` is given
         self._used: dict[Signature, int] = {}
         self.dropped = 0
+        self.on_drop: OnDrop | None = None
+        self._labels: dict[Signature, Hashable] = {}
+        self._by_label: dict[Hashable, set[Signature]] = {}
+        self._gone: set[Hashable] = set()  # labels with a program dropped since it was last loaded
+        self._loading: collections.Counter[Hashable] = collections.Counter()  # labels inside `labelled` now
+        self._local = threading.local()  # .label: the calling thread's current label
+        self._kept: set[Hashable] = set()  # labels no least-recently-used eviction takes (`keep`)
 
     def get(self, sig: Signature, make: Callable[[], Any]) -> Any:
         """The jit object of `sig` (made by `make` on first use), now the most recently used."""
@@ -49,7 +64,49 @@ class Resident:
                 jit = self._jits[sig] = make()
             self._jits.move_to_end(sig)
             self._used[sig] = self.tick
+            label = getattr(self._local, "label", None)
+            if label is not None and sig not in self._labels:  # a signature keeps its first label
+                self._labels[sig] = label
+                self._by_label.setdefault(label, set()).add(sig)
+                self._gone.discard(label)
             return jit
+
+    @contextlib.contextmanager
+    def labelled(self, label: Hashable) -> Iterator[None]:
+        """Label the signatures this thread gets in the block (see the module docstring); none of the label's
+        programs is evicted meanwhile, and they count as used at the end."""
+        before = getattr(self._local, "label", None)
+        self._local.label = label
+        with self._lock:
+            self._loading[label] += 1
+        try:
+            yield
+        finally:
+            self._local.label = before
+            with self._lock:
+                self._loading[label] -= 1
+                if not self._loading[label]:
+                    del self._loading[label]
+            self.touch([label])
+
+    def keep(self, labels: list[Hashable]) -> None:
+        """Never evict the programs of `labels` by recency (`clear` still drops them)."""
+        with self._lock:
+            self._kept.update(labels)
+
+    def touch(self, labels: list[Hashable]) -> list[Hashable]:
+        """Mark the programs of `labels` used now (the step about to run uses them: no eviction takes them after
+        this). -> the labels with a program dropped (using it would load it again); labels never seen count as
+        loaded."""
+        gone = []
+        with self._lock:
+            for label in labels:
+                if label in self._gone:
+                    gone.append(label)
+                for sig in self._by_label.get(label, ()):
+                    self._jits.move_to_end(sig)
+                    self._used[sig] = self.tick
+        return gone
 
     def __len__(self) -> int:
         return len(self._jits)
@@ -65,16 +122,39 @@ class Resident:
         n = 0
         while over():
             with self._lock:
-                sig = next(iter(self._jits), None)
+                sig = next((s for s in self._jits if self._used[s] >= keep_since or
+                            self._labels.get(s) not in self._loading and self._labels.get(s) not in self._kept), None)
                 if sig is None or self._used[sig] >= keep_since:
                     break
                 jit = self._jits.pop(sig)
                 del self._used[sig]
+                label = self._forget(sig)
+            if label is not None and self.on_drop is not None:
+                self.on_drop([label], False)
             jit.clear_cache()  # its executables are freed (and unmapped) with their last reference, no collection
             del jit
             n += 1
         self.dropped += n
         return n
+
+    def clear(self) -> None:
+        """Forget every jit object (after `jax.clear_caches` dropped their programs) and report all labels."""
+        with self._lock:
+            n, sigs = len(self._jits), list(self._jits)
+            labels = [label for label in map(self._forget, sigs) if label is not None]
+            self._jits.clear()
+            self._used.clear()
+        self.dropped += n
+        if self.on_drop is not None:
+            self.on_drop(list(dict.fromkeys(labels)), True)
+
+    def _forget(self, sig: Signature) -> Hashable | None:
+        """Drop `sig`'s label (which is then gone); the lock is held. -> the label, if any."""
+        label = self._labels.pop(sig, None)
+        if label is not None:
+            self._by_label[label].discard(sig)
+            self._gone.add(label)
+        return label
 
 
 class ShapeJit:

@@ -25,7 +25,8 @@ from the persistent compilation cache.
     cache and compile (seen in a test), so the warm-up clears only with its own jobs settled; a request served
     before ready can still race it. After ready the engine keeps the same bound (`MapGuard`): between steps,
     on the thread that steps, past `max_maps` it drops the least recently used programs again (with the persistent
-    cache on): the programs traffic uses stay loaded.
+    cache on): the programs traffic uses stay loaded. Under "fast" an evicted program's shape stops being a padding
+    target and the background thread loads it again (`fallback.CompiledShapes.dropped`): steps load nothing.
   * "fast": the largest shape of each program kind in both forms, the largest unpacking, every hand-off size and
     the tag syncs, and what a lone short request runs (`fallback.lone_shapes`); then, after ready, the rest of
     "full" (the scoring prefill included) in one background thread while a step whose shape is not compiled yet
@@ -222,6 +223,22 @@ def drop_oldest(resident: Resident | None, max_maps: int) -> bool:
     return (map_count() or 0) <= max_maps
 
 
+def drop_all(resident: Resident | None) -> None:
+    """Drop every compiled program of the process (`jax.clear_caches`); `resident` reports them all dropped."""
+    jax.clear_caches()
+    heap.refreeze()  # the dropped caches' cycles become collectable
+    if resident is not None:
+        resident.clear()
+
+
+def keep_bound(report: WarmupReport, resident: Resident | None) -> None:
+    """Past `report.max_maps` memory mappings, drop programs as `run_jobs` does between jobs (`_evict`); call it with
+    no compile of the caller's in flight."""
+    maps = map_count() if report.max_maps is not None else None
+    if maps is not None and maps > report.max_maps:
+        _evict(report, maps, resident)
+
+
 def _evict(report: WarmupReport, maps: int, resident: Resident | None = None) -> None:
     """Drop the least recently used programs, or every compiled program when that is not enough (they are in the
     persistent cache); refuse when there is no such cache."""
@@ -238,8 +255,7 @@ def _evict(report: WarmupReport, maps: int, resident: Resident | None = None) ->
         log.info("warm-up %s: %d memory mappings, over %d: the least recently used programs dropped", report.level,
                  maps, report.max_maps)
         return
-    jax.clear_caches()
-    heap.refreeze()  # the dropped caches' cycles become collectable
+    drop_all(resident)
     log.info("warm-up %s: %d memory mappings, over %d: compiled programs dropped (in the compile cache)",
              report.level, maps, report.max_maps)
 
@@ -331,8 +347,7 @@ class MapGuard:
         if drop_oldest(self.resident, self.max_maps):
             log.info("%d memory mappings, over %d: the least recently used programs dropped", maps, self.max_maps)
             return True
-        jax.clear_caches()
-        heap.refreeze()  # the dropped caches' cycles become collectable
+        drop_all(self.resident)
         log.info("%d memory mappings, over %d: compiled programs dropped (they load from the compile cache)", maps,
                  self.max_maps)
         return True

@@ -85,7 +85,7 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
         assert got == want
 
         hold.set()
-        shapes.thread.join()
+        shapes.finished.wait()  # the plan compiled (the thread stays to reload evicted shapes)
         # each background job froze what it added: a full collection walks far fewer objects than it skips
         assert len(gc.get_objects()) < gc.get_freeze_count()
         grid = {k[:4] for k in keys if k[0] in MODEL_KINDS}
