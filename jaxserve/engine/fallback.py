@@ -147,6 +147,7 @@ class CompiledShapes:
         self.finished = threading.Event()  # the background compiled the plan (it goes on reloading evicted keys)
         self.report: WarmupReport | None = None  # the background compiles', once finished
         self.stopped = threading.Event()  # set by `stop`: the jobs left are skipped
+        self._evicted = threading.Event()  # set by an eviction (and `stop`): wakes the reload loop, which else sleeps
         self.runner: Callable[[Key], None] | None = None  # runs a key's program once before it is usable (priming)
         self.wanted: dict[Shape, int] = {}  # padded steps per shape not usable yet (what to compile next)
         self.order: list[Key] = []  # keys in the order they were compiled (reloads again)
@@ -193,6 +194,7 @@ class CompiledShapes:
             self._queue.append(key)
             if shape[0] in MODEL_KINDS:
                 self._reload.add(key)
+        self._evicted.set()
 
     def cover(self, kind: str, b: int, m: int, t: int = 0) -> tuple[int, int, int]:
         """(rows, pages, chunk) to run a (kind, b, m, t) step in: its own shape when usable, else the smallest
@@ -278,7 +280,11 @@ class CompiledShapes:
         while not self.stopped.is_set():
             key = self.next_key()
             if key is None:
-                self.stopped.wait(RELOAD_POLL_S)
+                if self._reload:  # evicted keys no step wants yet: look again soon
+                    self.stopped.wait(RELOAD_POLL_S)
+                else:  # nothing evicted: no polling (an engine never closed leaves a sleeping thread, no wake-ups)
+                    self._evicted.wait()
+                    self._evicted.clear()
                 continue
             try:
                 with short_switch_interval():
@@ -290,6 +296,7 @@ class CompiledShapes:
     def stop(self, timeout: float) -> None:
         """Skip the background jobs not started yet and wait up to `timeout` s for the one in flight."""
         self.stopped.set()
+        self._evicted.set()
         if self.thread is not None:
             self.thread.join(timeout)
 
