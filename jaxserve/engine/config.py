@@ -10,7 +10,7 @@ from jaxserve.models.attention_backend import ATTENTION_NAMES, AttentionBackend
 from jaxserve.models.paged_attention_xla import BLOCK_TOKENS
 
 SPECULATIVE_METHODS = ("ngram", "mtp", "eagle3")
-# decoding rows above which speculation turns itself off (plain overlapped decode): n-gram:3 on the embedded model,
+# running rows above which speculation turns itself off (plain overlapped decode): n-gram:3 on the embedded model,
 # `bench/speculative.py --concurrency 1,2,4,8,16 --reps 3 --max-rows none` (bench/results/speculative_rows.json,
 # load 7.4-8.3 on 2 shared cores): 1.73x, 1.32x, 1.54x, 1.03x, 0.98x of plain tokens/s at 1, 2, 4, 8, 16 rows
 # (0.90x at 16 on a quiet host, load 1.3-1.6, bench/results/speculative_chain_quiet.json)
@@ -22,7 +22,7 @@ class Speculative:
     """Speculative decoding: each decode step drafts k tokens per row and verifies them in one target forward over
     k + 1 positions (engine.speculative). method: "ngram" (prompt lookup on the host, `engine.ngram`), "mtp" (the
     model's MTP head, on the device) or "eagle3" (an EAGLE-3 draft checkpoint at `path`, on the device,
-    `engine.eagle3_programs`). max_rows: speculate only while at most this many rows decode, plain decode
+    `engine.eagle3_programs`). max_rows: speculate only while at most this many rows run (decode or prefill), plain decode
     (overlapped) above (None: always; default DEFAULT_MAX_ROWS, where drafts stopped paying on this host)."""
 
     method: str

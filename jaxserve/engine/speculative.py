@@ -18,7 +18,7 @@ exact for sampled rows too), top logprobs included, and so do rows with a gramma
 the grammar allows and each verify position samples under the grammar's mask after the drafts before it
 (`engine.spec_grammar`). Rows whose logits depend on other host state per token (penalties, logit_bias,
 min_tokens, an open thinking budget) take the plain decode program in the same step (dispatched and read at once:
-no overlap then), as does the whole batch when no row has a draft, or when more rows decode than
+no overlap then), as does the whole batch when no row has a draft, or when more rows run (prefilling ones too) than
 `Speculative.max_rows`.
 
 Overlap ("ngram:K", `EngineConfig.overlap`, one decode device): when every row speculates without a grammar or top
