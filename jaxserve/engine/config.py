@@ -22,8 +22,8 @@ class Speculative:
     """Speculative decoding: each decode step drafts k tokens per row and verifies them in one target forward over
     k + 1 positions (engine.speculative). method: "ngram" (prompt lookup on the host, `engine.ngram`), "mtp" (the
     model's MTP head, on the device) or "eagle3" (an EAGLE-3 draft checkpoint at `path`, on the device,
-    `engine.eagle3_programs`). max_rows: speculate only while at most this many rows run (decode or prefill), plain decode
-    (overlapped) above (None: always; default DEFAULT_MAX_ROWS, where drafts stopped paying on this host)."""
+    `engine.eagle3_programs`). max_rows: speculate only while at most this many rows run (decode or prefill), plain
+    decode (overlapped) above (None: always; default DEFAULT_MAX_ROWS, where drafts stopped paying on this host)."""
 
     method: str
     k: int
