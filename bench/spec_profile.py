@@ -2,6 +2,7 @@
 prompt, greedy), plain decode vs "ngram:K" / "mtp:K" speculation.
 
 Usage: python bench/spec_profile.py [--k 3] [--steps 40] [--json bench/results/spec_profile.json]
+       python bench/spec_profile.py --program-rows 1,16 [--methods plain,ngram]   (programs only, R rows each)
 
 Per engine (plain, ngram:K, mtp:K; the serving `EngineConfig()` otherwise, no prefix cache), after an untimed pass
 that compiles its shapes:
@@ -14,6 +15,9 @@ that compiles its shapes:
   timers): host work before the verify (drafts, pages, batch, sampling arrays), the verify call to its
   host copies, host work after (acceptance, rollback, page bookkeeping); host_ms_per_step: the speculative
   steps' time less their verify programs', over the whole run.
+--program-rows R1,R2: only the device program (as "program" above) with R requests decoding at once, for each R:
+the decode program at R rows against the verify at R rows x (k + 1) positions (ngram's chained verifies included:
+the program is the same, only its inputs are made on the device).
 """
 from __future__ import annotations
 
@@ -91,8 +95,9 @@ def steps(engine: Engine, prompt: list[int], n: int, new: int) -> tuple[list[flo
     return ms, toks, traces
 
 
-def program_times(engine: Engine, prompt: list[int], reps: int, new: int) -> dict:
-    """The device program of a steady decode step alone: capture its arguments, call it back to back."""
+def program_times(engine: Engine, prompts: list[list[int]], reps: int, new: int) -> dict:
+    """The device program of a steady decode step of `prompts` (decoding together) alone: capture its arguments,
+    call it back to back."""
     prog = engine.scheduler.programs
     captured: dict[str, tuple] = {}
     spec = engine.scheduler._speculation
@@ -108,7 +113,8 @@ def program_times(engine: Engine, prompt: list[int], reps: int, new: int) -> dic
         captured.setdefault("args", rest)
         return fn(params, pages, *rest)
     setattr(target, attr, capture)
-    engine.submit(Request(prompt, SamplingParams(max_tokens=new, ignore_eos=True)))
+    for prompt in prompts:
+        engine.submit(Request(prompt, SamplingParams(max_tokens=new, ignore_eos=True)))
     while "args" not in captured or not any(s.status is Status.DECODING for s in engine.scheduler.running):
         engine.step()
     for _ in range(4):  # a steady step's arguments (drafts present)
@@ -152,14 +158,35 @@ def phases(engine: Engine, prompt: list[int], n: int, new: int) -> dict:
     return out
 
 
+def program_rows(args: argparse.Namespace, rows: list[int]) -> int:
+    """--program-rows: each method's decode / verify program at each row count, engines built in turn."""
+    out = {"bench": "spec_profile_rows", "machine": common.machine(), "k": args.k, "rows": []}
+    lines = []
+    for name in args.methods.split(","):
+        cfg = EngineConfig(prefix_cache=False, speculative=None if name == "plain" else Speculative(name, args.k, None))
+        engine = Engine.from_checkpoint(CKPT, cfg, start=False)
+        for r in rows:
+            load0 = os.getloadavg()
+            p = program_times(engine, prompts_for(engine, r, seed=1), args.steps, args.new_tokens)
+            out["rows"].append({"engine": name, "decoding_rows": r, "program": p, "loadavg_start": load0,
+                                "loadavg_end": os.getloadavg()})
+            lines.append(f"{name:>6} rows {r:>2}: {p['program']} {p['ms']['median']:.2f} ms ({p['ms']['min']:.2f}.."
+                         f"{p['ms']['max']:.2f}), load {load0[0]:.1f}->{os.getloadavg()[0]:.1f}")
+            print(lines[-1], flush=True)
+    return common.write_result(out, "\n".join(lines), args.json)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--methods", default="plain,ngram,mtp")
+    ap.add_argument("--program-rows", default=None, help="R1,R2: only the programs at R decoding rows each")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "spec_profile.json")
     args = ap.parse_args()
+    if args.program_rows:
+        return program_rows(args, [int(r) for r in args.program_rows.split(",")])
     cfg = EngineConfig(prefix_cache=False)
     out = {"bench": "spec_profile", "machine": common.machine(), "k": args.k, "rows": []}
     lines = []
@@ -172,7 +199,7 @@ def main() -> int:
         ms, toks, traces = steps(engine, prompt, args.steps, args.new_tokens)
         row = {"engine": name, "step_ms": spread(ms), "tokens_per_step": float(np.mean(toks)),
                "ms_per_token": float(sum(ms) / max(sum(toks), 1)), "traces_in_timed_steps": traces,
-               "program": program_times(engine, prompt, args.steps, args.new_tokens)}
+               "program": program_times(engine, [prompt], args.steps, args.new_tokens)}
         if name != "plain":
             row["phases"] = phases(engine, prompt, args.steps, args.new_tokens)
         row["loadavg_start"], row["loadavg_end"] = load0, os.getloadavg()

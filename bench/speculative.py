@@ -2,7 +2,7 @@
 in one run.
 
 Usage: python bench/speculative.py [--method ngram|mtp] [--reps N] [--concurrency 1,16] [--k 3] [--new-tokens 128] [--quick]
-                                   [--grammar] [--unchained] [--json bench/results/speculative.json]
+                                   [--grammar] [--unchained] [--max-rows N|none] [--json bench/results/speculative.json]
 
 Workload: c requests at once, each a 64-token window of held-out stdlib text (the embedded model's own domain,
 `jaxserve.eval.quality.heldout_tokens`), 128 new tokens, greedy, ignore_eos; the serving engine configuration
@@ -19,6 +19,8 @@ length is the model's; tokens/s counts the tokens emitted): grammar rows' drafts
 grammar and verified under its masks (engine.spec_grammar).
 --unchained: a third engine, interleaved with the two, speculating with the same drafts but reading each verify
 before building the next (n-gram verifies otherwise chain on the device, engine.spec_chain): the chain's own gain.
+--max-rows: the speculative engines' `Speculative.max_rows` (default: the config's DEFAULT_MAX_ROWS, above which
+they decode plainly); "none" speculates at every row count (where the crossover is measured).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
-from jaxserve.engine.config import Speculative  # noqa: E402
+from jaxserve.engine.config import DEFAULT_MAX_ROWS, Speculative  # noqa: E402
 from jaxserve.engine.structured import StructuredOutput, json_schema_output  # noqa: E402
 
 CKPT = ROOT / "checkpoints" / "tiny-kimi"
@@ -75,16 +77,17 @@ def timed(engine: Engine, prompts: list[list[int]], new_tokens: int, grammar: St
 
 
 def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int, method: str = "ngram",
-        grammar: StructuredOutput | None = None, unchained: bool = False) -> dict:
+        grammar: StructuredOutput | None = None, unchained: bool = False, max_rows: int | None = DEFAULT_MAX_ROWS
+        ) -> dict:
     cfg = EngineConfig(prefix_cache=False)  # every pass prefills its prompt: the passes are alike
     plain = Engine.from_checkpoint(CKPT, cfg, start=False)
     rows = []
     for k in ks:
-        spec = Engine.from_checkpoint(CKPT, replace(cfg, speculative=Speculative(method, k)), start=False)
+        spec = Engine.from_checkpoint(CKPT, replace(cfg, speculative=Speculative(method, k, max_rows)), start=False)
         sides = [("plain", plain), ("spec", spec)]
         if unchained:  # the same drafts, every verify read before the next is built (as before engine.spec_chain)
-            sides.append(("unchained", Engine.from_checkpoint(CKPT, replace(cfg, speculative=Speculative(method, k)),
-                                                              start=False)))
+            unchained_cfg = replace(cfg, speculative=Speculative(method, k, max_rows))
+            sides.append(("unchained", Engine.from_checkpoint(CKPT, unchained_cfg, start=False)))
             sides[-1][1].scheduler._speculation.chains = False
         for c in concurrency:
             prompts = prompts_for(plain, c, seed=c)
@@ -108,7 +111,8 @@ def run(concurrency: list[int], ks: list[int], reps: int, new_tokens: int, metho
             extra = {"unchained_tokens_per_s": common.spread(tps["unchained"]),
                      "speedup_unchained": common.spread(tps["unchained"])["median"] / pl["median"]} if unchained else {}
             rows.append({
-                "method": method, "c": c, "k": k, "new_tokens": new_tokens, "prompt_len": PROMPT_LEN,
+                "method": method, "c": c, "k": k, "max_rows": max_rows, "new_tokens": new_tokens,
+                "prompt_len": PROMPT_LEN,
                 "grammar": grammar is not None, "emitted_tokens": emitted["spec"],
                 "plain_tokens_per_s": pl, "spec_tokens_per_s": sp_, "speedup": sp_["median"] / pl["median"],
                 "accept_length": (acc["accepted_tokens"] + acc["verify_rows"]) / max(acc["verify_rows"], 1),
@@ -145,11 +149,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 timed passes per side")
     ap.add_argument("--grammar", action="store_true", help="every request with the GRAMMAR JSON schema")
     ap.add_argument("--unchained", action="store_true", help="a third side: the same drafts without chained verifies")
+    ap.add_argument("--max-rows", default=str(DEFAULT_MAX_ROWS), help='speculate up to N decoding rows ("none": always)')
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args()
     result = run([int(x) for x in args.concurrency.split(",")], [int(x) for x in args.k.split(",")],
                  2 if args.quick else args.reps, args.new_tokens, args.method, GRAMMAR if args.grammar else None,
-                 args.unchained)
+                 args.unchained, None if args.max_rows == "none" else int(args.max_rows))
     return common.write_result(result, table(result), args.json)
 
 

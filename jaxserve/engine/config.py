@@ -10,6 +10,11 @@ from jaxserve.models.attention_backend import ATTENTION_NAMES, AttentionBackend
 from jaxserve.models.paged_attention_xla import BLOCK_TOKENS
 
 SPECULATIVE_METHODS = ("ngram", "mtp", "eagle3")
+# running rows above which speculation turns itself off (plain overlapped decode): n-gram:3 on the embedded model,
+# `bench/speculative.py --concurrency 1,2,4,8,16 --reps 3 --max-rows none` (bench/results/speculative_rows.json,
+# load 7.4-8.3 on 2 shared cores): 1.73x, 1.32x, 1.54x, 1.03x, 0.98x of plain tokens/s at 1, 2, 4, 8, 16 rows
+# (0.90x at 16 on a quiet host, load 1.3-1.6, bench/results/speculative_chain_quiet.json)
+DEFAULT_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -17,12 +22,12 @@ class Speculative:
     """Speculative decoding: each decode step drafts k tokens per row and verifies them in one target forward over
     k + 1 positions (engine.speculative). method: "ngram" (prompt lookup on the host, `engine.ngram`), "mtp" (the
     model's MTP head, on the device) or "eagle3" (an EAGLE-3 draft checkpoint at `path`, on the device,
-    `engine.eagle3_programs`). max_rows: speculate only while at most this many rows decode, plain decode
-    (overlapped) above (None: always); bench/speculative.py measures where drafts stop paying."""
+    `engine.eagle3_programs`). max_rows: speculate only while at most this many rows run (decode or prefill), plain
+    decode (overlapped) above (None: always; default DEFAULT_MAX_ROWS, where drafts stopped paying on this host)."""
 
     method: str
     k: int
-    max_rows: int | None = None
+    max_rows: int | None = DEFAULT_MAX_ROWS
     path: str | None = None  # the draft checkpoint folder (eagle3 only)
 
     def __post_init__(self) -> None:
@@ -48,12 +53,12 @@ class Speculative:
             tail = 2 if len(parts) >= 4 and parts[-1].isdigit() and parts[-2].isdigit() else 1
             path, nums = ":".join(parts[1:-tail]), parts[-tail:]
             if nums[0].isdigit():
-                return cls("eagle3", int(nums[0]), int(nums[1]) if tail == 2 else None, path=path)
+                return cls("eagle3", int(nums[0]), int(nums[1]) if tail == 2 else DEFAULT_MAX_ROWS, path=path)
         if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[1:]):
             raise ConfigError("speculative must be METHOD:K or METHOD:K:MAX_ROWS (eagle3:PATH:K[:MAX_ROWS]), "
                               "e.g. ngram:3 or ngram:3:8",
                               value=text, param="speculative")
-        return cls(parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None)
+        return cls(parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else DEFAULT_MAX_ROWS)
 
 
 @dataclass(frozen=True)

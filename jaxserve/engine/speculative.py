@@ -18,7 +18,7 @@ exact for sampled rows too), top logprobs included, and so do rows with a gramma
 the grammar allows and each verify position samples under the grammar's mask after the drafts before it
 (`engine.spec_grammar`). Rows whose logits depend on other host state per token (penalties, logit_bias,
 min_tokens, an open thinking budget) take the plain decode program in the same step (dispatched and read at once:
-no overlap then), as does the whole batch when no row has a draft, or when more rows decode than
+no overlap then), as does the whole batch when no row has a draft, or when more rows run (prefilling ones too) than
 `Speculative.max_rows`.
 
 Overlap ("ngram:K", `EngineConfig.overlap`, one decode device): when every row speculates without a grammar or top
@@ -52,6 +52,13 @@ from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.engine.verify import Verified, upload_verify, verify_batch
 from jaxserve.errors import KVIntegrityError
 from jaxserve.models.paged import PrefillBatch
+
+
+def _over_max_rows(s: SchedulerParts) -> bool:
+    """More rows running than `Speculative.max_rows`: prefilling rows count, so a batch ramping up to many rows
+    does not speculate while its first rows decode (c = 16 on the embedded model: 1.50 tokens a verify then)."""
+    limit = s.cfg.speculative.max_rows
+    return limit is not None and len(s.running) > limit
 
 
 @dataclass
@@ -136,8 +143,7 @@ class Speculation:
             if self._flight is not None:
                 s.stats.overlapped += 1
                 return
-        limit = s.cfg.speculative.max_rows
-        if limit is not None and sum(x.status is Status.DECODING for x in s.running) > limit:
+        if _over_max_rows(s):
             s._decode_step()  # too many rows for drafts to pay: the plain (overlapped) decode
             return
         if s._inflight is not None:  # a plain decode left in flight by an overlapped step: read it first
@@ -264,8 +270,7 @@ class Speculation:
         s, cfg, ps, k1 = self.s, self.s.cfg, self.s.cfg.page_size, self.k + 1
         live = [(seq, i) for seq, slot, i, pre in f.rows if _live(seq, slot, pre)]
         decoding = [x for x in s.running if x.status is Status.DECODING]
-        limit = cfg.speculative.max_rows
-        if {id(x) for x in decoding} != {id(seq) for seq, _ in live} or limit is not None and len(decoding) > limit:
+        if {id(x) for x in decoding} != {id(seq) for seq, _ in live} or _over_max_rows(s):
             return None
         go = [(seq, i) for seq, i in live if not seq.at_length_limit(cfg.max_model_len, pending=1)]
         for seq, _ in go:  # pages for every position the next verify may write, the first one at least

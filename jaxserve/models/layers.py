@@ -308,8 +308,10 @@ class MoE(nnx.Module):
         weight = w.reshape(-1)
         token = jnp.arange(n * k, dtype=jnp.int32) // k
         kernel = self.experts.use_kernel and self.experts.fmt in ("int4", "fp8")
-        if not kernel and n * k <= e_local:
-            # fewer (token, slot) pairs than experts: gathering each pair's expert reads less than all experts
+        if not kernel and n * k < e_local:
+            # fewer (token, slot) pairs than experts: gathering each pair's expert reads less than all experts (at as
+            # many pairs as experts the gathered copies cost more: a c = 1 verify's 4 x 2 pairs over the embedded
+            # model's 8 experts, 3.46 -> 2.51 ms min by `bench/spec_profile.py --program-rows 1` through dense_all)
             y = self.experts.gathered(flat[token], local)
             contrib = y.astype(jnp.float32) * weight[:, None]
             return jnp.zeros((n, flat.shape[-1]), jnp.float32).at[token].add(contrib)
