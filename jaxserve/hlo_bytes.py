@@ -13,7 +13,9 @@ text, so the roofline (jaxserve/roofline.py) counts kernels from the model inste
 HBM only: an operand or result in another memory space (`S(1)`, XLA:TPU's VMEM, in its layout) moves no HBM bytes, so
 a TPU weight is counted once, where XLA prefetches it from HBM: a `copy-start` reads its source, a `slice-start` its
 slice (not the whole source); the `ConcatBitcast` joining the slices in VMEM and the ops reading them move nothing.
-A prefetch of a weight is that weight's read (category "weights", as the minimum counts it), not "outside".
+A prefetch of a weight is that weight's read (category "weights", as the minimum counts it), not "outside", unless a
+Pallas kernel reads the prefetched buffer: the kernel's own read of its operand (routed experts: the touched ones, which
+the minimum counts) moved out of it by XLA, whole, so "outside".
 """
 from __future__ import annotations
 
@@ -306,11 +308,35 @@ def jaxserve_weight(param: Instr) -> bool:
     return 'op_name="state[' in param.attrs or 'op_name="params[' in param.attrs
 
 
+_PREFETCH_VIEWS = frozenset({"copy-done", "slice-done", "bitcast", "get-tuple-element", "custom-call"})
+
+
+def _feed_kernels(instrs: list[Instr]) -> set[str]:
+    """Names of the VMEM prefetches (copy-start / slice-start) whose buffer a Pallas kernel reads: through their
+    -done halves, bitcasts and the ConcatBitcast joining slices."""
+    users = _users(instrs)
+    out = set()
+    for ins in instrs:
+        if ins.op not in ("copy-start", "slice-start"):
+            continue
+        todo, seen = [ins.name], set()
+        while todo and ins.name not in out:
+            for u, _ in users.get(todo.pop(), []):
+                if u.op == "custom-call" and _target(u) in PALLAS_TARGETS:
+                    out.add(ins.name)
+                elif u.op in _PREFETCH_VIEWS and u.name not in seen and (
+                        u.op != "custom-call" or _target(u) == "ConcatBitcast"):
+                    seen.add(u.name)
+                    todo.append(u.name)
+    return out
+
+
 def _walk(name: str, comps: dict[str, list[Instr]], times: int, out: Counter,
           is_weight: Callable[[Instr], bool], depth: int = 0) -> None:
     instrs = comps.get(name, [])
     by_name = {i.name: i for i in instrs}
     weights = _weights(instrs, is_weight)
+    to_kernels = _feed_kernels(instrs)
     for ins in instrs:
         if ins.op in FREE or ins.op.endswith("-done"):
             continue
@@ -330,7 +356,7 @@ def _walk(name: str, comps: dict[str, list[Instr]], times: int, out: Counter,
         operand_bytes = [by_name[o].hbm_bytes if o in by_name else 0 for o in ins.operands]
         nominal = [by_name[o].bytes if o in by_name else 0 for o in ins.operands]
         cat, op, reads, written = instr_traffic(ins, comps, operand_bytes, nominal)
-        from_weights = 0 if cat == "kernel" else sum(r for o, r in zip(ins.operands, reads) if o in weights)
+        from_weights = 0 if cat == "kernel" or ins.name in to_kernels else sum(r for o, r in zip(ins.operands, reads) if o in weights)
         what, result = _what(ins), _type_str(ins)
         rest = sum(reads) - from_weights + written
         if rest or not from_weights:  # a prefetch of a weight into VMEM is only its weight read

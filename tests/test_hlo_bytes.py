@@ -285,3 +285,26 @@ def test_consumers_of_vmem_buffers_move_no_hbm_bytes():
     assert t["outside"] == X + X  # the activation's copy-start (read) + the negate's HBM result (write)
     by = {(r.traffic.category, r.traffic.op): r.traffic.bytes for r in rows}
     assert by[("outside", "copy-start")] == X and by[("outside", "fusion:kLoop")] == X
+
+
+def test_a_prefetch_a_kernel_reads_is_outside():
+    """XLA:TPU prefetching a Pallas kernel's weight operand (an expert stack, sliced into VMEM and joined there) moves
+    the whole operand outside the kernel, which would read only the experts a batch routes to: "outside", not the
+    weights' read."""
+    text = """HloModule k
+
+ENTRY %main (x: bf16[8,512], e: s8[4,512,256]) -> bf16[8,256] {
+  %x = bf16[8,512]{1,0:T(8,128)(2,1)} parameter(0)
+  %e = s8[4,512,256]{2,1,0:T(32,128)(4,1)} parameter(1), metadata={op_name="state['experts'].value"}
+  %flat = s8[524288]{0:T(1024)(128)(4,1)} bitcast(%e)
+  %ss = ((s8[524288]{0:T(1024)(128)(4,1)}), s8[262144]{0:T(1024)(128)(4,1)S(1)}, s32[]{:S(2)}) slice-start(%flat), slice={[0:262144]}
+  %ss.1 = ((s8[524288]{0:T(1024)(128)(4,1)}), s8[262144]{0:T(1024)(128)(4,1)S(1)}, s32[]{:S(2)}) slice-start(%flat), slice={[262144:524288]}
+  %sd = s8[262144]{0:T(1024)(128)(4,1)S(1)} slice-done(%ss)
+  %sd.1 = s8[262144]{0:T(1024)(128)(4,1)S(1)} slice-done(%ss.1)
+  %cat = s8[4,512,256]{2,1,0:T(32,128)(4,1)S(1)} custom-call(%sd, %sd.1), custom_call_target="ConcatBitcast"
+  ROOT %k = bf16[8,256]{1,0:T(8,128)(2,1)} custom-call(%x, %cat), custom_call_target="tpu_custom_call"
+}
+"""
+    t = totals(traffic(text))
+    assert t["weights"] == 0 and t["outside"] == 4 * 512 * 256  # the stack read once, in its two slices
+    assert t["kernel"] == 8 * 512 * 2 + 8 * 256 * 2  # x from HBM, the stack from VMEM (none), its result
