@@ -218,14 +218,14 @@ def fusion_io(ins: Instr, comps: dict[str, list[Instr]], operand_bytes: list[int
     """(HBM bytes read of each operand, HBM bytes written) of a fusion instruction (see the module docstring);
     operand_bytes: each operand's HBM bytes."""
     body = comps.get(ins.attr("calls") or "", [])
-    if not body or not ins.hbm_bytes:
+    if not body:
         return list(operand_bytes), ins.hbm_bytes
     params = {int(p.args): p for p in body if p.op == "parameter" and p.args.strip().isdigit()}
     users = _users(body)
     reads = [round(b * _accessed(params[i], users)) if i in params else b for i, b in enumerate(operand_bytes)]
     by_name = {b.name: b for b in body}
     root = next((b for b in body if b.root), body[-1])
-    return reads, _written(root, by_name)
+    return reads, _written(root, by_name) if ins.hbm_bytes else 0  # a result in VMEM writes no HBM
 
 
 def _has_dot(name: str, comps: dict[str, list[Instr]], depth: int = 0) -> bool:

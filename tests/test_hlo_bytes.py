@@ -308,3 +308,26 @@ ENTRY %main (x: bf16[8,512], e: s8[4,512,256]) -> bf16[8,256] {
     t = totals(traffic(text))
     assert t["weights"] == 0 and t["outside"] == 4 * 512 * 256  # the stack read once, in its two slices
     assert t["kernel"] == 8 * 512 * 2 + 8 * 256 * 2  # x from HBM, the stack from VMEM (none), its result
+
+
+def test_a_fusion_writing_vmem_reads_only_its_slices():
+    """A fusion whose result lives in VMEM still reads only what it slices of an HBM operand (one embedding row,
+    not the table)."""
+    text = """HloModule e
+
+%fused_row (t: bf16[64,128], i: s32[]) -> bf16[1,1,128] {
+  %t = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %i = s32[]{:T(128)} parameter(1)
+  %z = s32[]{:T(128)} constant(0)
+  %r = bf16[1,128]{1,0:T(2,128)(2,1)} dynamic-slice(%t, %i, %z), dynamic_slice_sizes={1,128}
+  ROOT %b = bf16[1,1,128]{2,1,0:T(2,128)(2,1)S(1)} bitcast(%r)
+}
+
+ENTRY %main (t: bf16[64,128], i: s32[]) -> bf16[1,1,128] {
+  %t = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0), metadata={op_name="state['embed'].value"}
+  %i = s32[]{:T(128)} parameter(1)
+  ROOT %f = bf16[1,1,128]{2,1,0:T(2,128)(2,1)S(1)} fusion(%t, %i), kind=kLoop, calls=%fused_row
+}
+"""
+    t = totals(traffic(text))
+    assert t["weights"] == 128 * 2 and t["outside"] == 4  # the row and the index read; nothing written to HBM
