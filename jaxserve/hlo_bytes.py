@@ -9,6 +9,13 @@ elementwise ops (the slices' bytes: a loop fusion computes those ops only where 
 a dynamic-update-slice or scatter updates in place (the update's bytes, not the buffer's). A Pallas custom call's bytes
 are the nominal sizes of its operands and results: what it reads inside (live pages, routed experts) is not in the
 text, so the roofline (jaxserve/roofline.py) counts kernels from the model instead. Used by plan_compile.py.
+
+HBM only: an operand or result in another memory space (`S(1)`, XLA:TPU's VMEM, in its layout) moves no HBM bytes, so
+a TPU weight is counted once, where XLA prefetches it from HBM: a `copy-start` reads its source, a `slice-start` its
+slice (not the whole source); the `ConcatBitcast` joining the slices in VMEM and the ops reading them move nothing.
+A prefetch of a weight is that weight's read (category "weights", as the minimum counts it), not "outside", unless a
+Pallas kernel reads the prefetched buffer: the kernel's own read of its operand (routed experts: the touched ones, which
+the minimum counts) moved out of it by XLA, whole, so "outside".
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ _ELEMENTWISE = frozenset({"convert", "bitcast-convert", "negate", "abs", "exp", 
 _HEADER = re.compile(r"^(ENTRY\s+)?%(\S+)\s+\(")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%(\S+)\s*=\s*")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_ARRAY_LAYOUT = re.compile(r"[a-z][a-z0-9]*\[[0-9,]*\](\{[^}]*\})?")
+_SPACE = re.compile(r"(?<![A-Z])S\((\d+)\)")  # a layout's memory space: S(1) = XLA:TPU's VMEM; none = HBM
 _OP = re.compile(r"\s*([a-z][a-z0-9_-]*)\(")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
@@ -50,10 +59,20 @@ class Instr:
     attrs: str
     root: bool = False
     args: str = ""  # the text between the op's parentheses (a parameter's index, a constant's value)
+    spaces: tuple[int, ...] = ()  # memory space of each result array (0: HBM; S(1): VMEM); empty: all HBM
 
     @property
     def bytes(self) -> int:
-        return sum(math.prod(s) * _BYTES.get(d, 4) for d, s in self.types if d != "token")
+        """Nominal bytes of its results, whatever their memory space."""
+        return sum(array_bytes(t) for t in self.types)
+
+    def in_hbm(self, i: int) -> bool:
+        return i >= len(self.spaces) or self.spaces[i] == 0
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Bytes of its results that live in HBM (memory space 0)."""
+        return sum(array_bytes(t) for i, t in enumerate(self.types) if self.in_hbm(i))
 
     def attr(self, key: str) -> str | None:
         m = re.search(key + r"=%([^\s,}]+)", self.attrs)
@@ -73,6 +92,11 @@ class Traffic:
     bytes: int
 
 
+def array_bytes(t: tuple[str, tuple[int, ...]]) -> int:
+    d, s = t
+    return 0 if d == "token" else math.prod(s) * _BYTES.get(d, 4)
+
+
 def _matching(s: str, i: int) -> int:
     """Index just past the parenthesis that closes the one at s[i]."""
     depth = 0
@@ -85,6 +109,12 @@ def _matching(s: str, i: int) -> int:
 
 def _types(s: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) for m in _ARRAY.finditer(s))
+
+
+def _spaces(s: str) -> tuple[int, ...]:
+    """Memory space of each array in a type string, in `_types`' order (0 where the layout names none)."""
+    return tuple(int(sp.group(1)) if m.group(1) and (sp := _SPACE.search(m.group(1))) else 0
+                 for m in _ARRAY_LAYOUT.finditer(s))
 
 
 def parse_instr(line: str) -> Instr | None:
@@ -102,7 +132,8 @@ def parse_instr(line: str) -> Instr | None:
     close = _matching(rest, op.end() - 1)
     args = rest[op.end():close - 1]
     operands = tuple(re.findall(r"%([^\s,)]+)", args))
-    return Instr(m.group(2), _types(rest[:end]), op.group(1), operands, rest[close:], bool(m.group(1)), args)
+    return Instr(m.group(2), _types(rest[:end]), op.group(1), operands, rest[close:], bool(m.group(1)), args,
+                 _spaces(rest[:end]))
 
 
 def parse(text: str) -> tuple[dict[str, list[Instr]], str]:
@@ -160,7 +191,7 @@ def _accessed(ins: Instr, users: dict[str, list[tuple[Instr, int]]], depth: int 
 
 
 def _written(ins: Instr, by_name: dict[str, Instr]) -> int:
-    """Bytes a fusion's root writes: an in-place update of a fused parameter writes the update only."""
+    """HBM bytes a fusion's root writes: an in-place update of a fused parameter writes the update only."""
     parts = [by_name[o] for o in ins.operands if o in by_name] if ins.op == "tuple" else [ins]
     total = 0
     for p in parts:
@@ -169,9 +200,9 @@ def _written(ins: Instr, by_name: dict[str, Instr]) -> int:
             base = by_name[base.operands[0]]
         if base.op in _IN_PLACE and _aliases_param(base, by_name):
             upd = by_name.get(base.operands[_IN_PLACE[base.op]])
-            total += upd.bytes if upd is not None else 0
+            total += upd.bytes if upd is not None and base.in_hbm(0) else 0
         else:
-            total += p.bytes
+            total += p.hbm_bytes
     return total
 
 
@@ -184,16 +215,17 @@ def _aliases_param(ins: Instr, by_name: dict[str, Instr]) -> bool:
 
 
 def fusion_io(ins: Instr, comps: dict[str, list[Instr]], operand_bytes: list[int]) -> tuple[list[int], int]:
-    """(bytes read of each operand, bytes written) of a fusion instruction (see the module docstring)."""
+    """(HBM bytes read of each operand, HBM bytes written) of a fusion instruction (see the module docstring);
+    operand_bytes: each operand's HBM bytes."""
     body = comps.get(ins.attr("calls") or "", [])
     if not body:
-        return list(operand_bytes), ins.bytes
+        return list(operand_bytes), ins.hbm_bytes
     params = {int(p.args): p for p in body if p.op == "parameter" and p.args.strip().isdigit()}
     users = _users(body)
     reads = [round(b * _accessed(params[i], users)) if i in params else b for i, b in enumerate(operand_bytes)]
     by_name = {b.name: b for b in body}
     root = next((b for b in body if b.root), body[-1])
-    return reads, _written(root, by_name)
+    return reads, _written(root, by_name) if ins.hbm_bytes else 0  # a result in VMEM writes no HBM
 
 
 def _has_dot(name: str, comps: dict[str, list[Instr]], depth: int = 0) -> bool:
@@ -220,10 +252,12 @@ def _target(ins: Instr) -> str:
     return m.group(1) if m else ""
 
 
-def instr_traffic(ins: Instr, comps: dict[str, list[Instr]],
-                  operand_bytes: list[int]) -> tuple[str, str, list[int], int]:
-    """(category, op, bytes read of each operand, bytes written) of one instruction that runs (not FREE, not a
-    control-flow op). A collective's bytes are its result's, as written (over the interconnect)."""
+def instr_traffic(ins: Instr, comps: dict[str, list[Instr]], operand_bytes: list[int],
+                  nominal: list[int] | None = None) -> tuple[str, str, list[int], int]:
+    """(category, op, HBM bytes read of each operand, HBM bytes written) of one instruction that runs (not FREE, not
+    a control-flow op). operand_bytes: each operand's HBM bytes (0: it lives in VMEM); nominal: their bytes wherever
+    they live (default operand_bytes). A collective's bytes are its result's, as written (over the interconnect)."""
+    nominal = list(operand_bytes) if nominal is None else nominal
     base = ins.op.removesuffix("-start")
     if base in COLLECTIVES or base in ("send", "recv"):
         d, s = ins.types[-1]
@@ -231,22 +265,24 @@ def instr_traffic(ins: Instr, comps: dict[str, list[Instr]],
     if ins.op == "custom-call":
         t = _target(ins)
         cat = "kernel" if t in PALLAS_TARGETS else "matmul" if re.search("gemm|matmul|cublas", t) else "outside"
-        return cat, f"custom-call:{t}", list(operand_bytes), ins.bytes
+        return cat, f"custom-call:{t}", list(operand_bytes), ins.hbm_bytes
     if ins.op == "fusion":
         kind = re.search(r"kind=(k[A-Za-z]+)", ins.attrs)
         cat = "matmul" if _has_dot(ins.attr("calls") or "", comps) else "outside"
         return (cat, f"fusion:{kind.group(1) if kind else ''}", *fusion_io(ins, comps, operand_bytes))
-    if ins.op == "copy-start":  # result (destination, source, context): one copy is written
-        d, shape = ins.types[0]
-        return "outside", ins.op, list(operand_bytes), math.prod(shape) * _BYTES.get(d, 4)
+    if ins.op == "copy-start":  # result (destination, source, context): one copy is written (none into VMEM)
+        return "outside", ins.op, list(operand_bytes), array_bytes(ins.types[0]) if ins.in_hbm(0) else 0
+    if ins.op == "slice-start":  # result ((source), slice, context): reads the slice of its source, writes it
+        part = array_bytes(ins.types[1])
+        return "outside", ins.op, [part if operand_bytes[0] else 0, *operand_bytes[1:]], part * ins.in_hbm(1)
     if ins.op in _SLICING:
-        return "outside", ins.op, [ins.bytes, *operand_bytes[1:]], ins.bytes
+        return "outside", ins.op, [ins.bytes if operand_bytes[0] else 0, *operand_bytes[1:]], ins.hbm_bytes
     if ins.op in _IN_PLACE:
         i = _IN_PLACE[ins.op]
-        upd = operand_bytes[i] if len(operand_bytes) > i else ins.bytes
-        return "outside", ins.op, [0, *operand_bytes[1:]], upd
+        upd = nominal[i] if len(nominal) > i else ins.bytes
+        return "outside", ins.op, [0, *operand_bytes[1:]], upd * ins.in_hbm(0)
     cat = "matmul" if ins.op in ("dot", "convolution") else "outside"
-    return cat, ins.op, list(operand_bytes), ins.bytes
+    return cat, ins.op, list(operand_bytes), ins.hbm_bytes
 
 
 @dataclass(frozen=True)
@@ -272,11 +308,35 @@ def jaxserve_weight(param: Instr) -> bool:
     return 'op_name="state[' in param.attrs or 'op_name="params[' in param.attrs
 
 
+_PREFETCH_VIEWS = frozenset({"copy-done", "slice-done", "bitcast", "get-tuple-element", "custom-call"})
+
+
+def _feed_kernels(instrs: list[Instr]) -> set[str]:
+    """Names of the VMEM prefetches (copy-start / slice-start) whose buffer a Pallas kernel reads: through their
+    -done halves, bitcasts and the ConcatBitcast joining slices."""
+    users = _users(instrs)
+    out = set()
+    for ins in instrs:
+        if ins.op not in ("copy-start", "slice-start"):
+            continue
+        todo, seen = [ins.name], set()
+        while todo and ins.name not in out:
+            for u, _ in users.get(todo.pop(), []):
+                if u.op == "custom-call" and _target(u) in PALLAS_TARGETS:
+                    out.add(ins.name)
+                elif u.op in _PREFETCH_VIEWS and u.name not in seen and (
+                        u.op != "custom-call" or _target(u) == "ConcatBitcast"):
+                    seen.add(u.name)
+                    todo.append(u.name)
+    return out
+
+
 def _walk(name: str, comps: dict[str, list[Instr]], times: int, out: Counter,
           is_weight: Callable[[Instr], bool], depth: int = 0) -> None:
     instrs = comps.get(name, [])
     by_name = {i.name: i for i in instrs}
     weights = _weights(instrs, is_weight)
+    to_kernels = _feed_kernels(instrs)
     for ins in instrs:
         if ins.op in FREE or ins.op.endswith("-done"):
             continue
@@ -293,11 +353,14 @@ def _walk(name: str, comps: dict[str, list[Instr]], times: int, out: Counter,
             if runs:  # a conditional runs one branch: the one that moves most, as a bound
                 out.update(max(runs, key=lambda c: sum(t.bytes * n for t, n in c.items())))
             continue
-        operand_bytes = [by_name[o].bytes if o in by_name else 0 for o in ins.operands]
-        cat, op, reads, written = instr_traffic(ins, comps, operand_bytes)
-        from_weights = 0 if cat == "kernel" else sum(r for o, r in zip(ins.operands, reads) if o in weights)
+        operand_bytes = [by_name[o].hbm_bytes if o in by_name else 0 for o in ins.operands]
+        nominal = [by_name[o].bytes if o in by_name else 0 for o in ins.operands]
+        cat, op, reads, written = instr_traffic(ins, comps, operand_bytes, nominal)
+        from_weights = 0 if cat == "kernel" or ins.name in to_kernels else sum(r for o, r in zip(ins.operands, reads) if o in weights)
         what, result = _what(ins), _type_str(ins)
-        out[Traffic(cat, op, what, result, sum(reads) - from_weights + written)] += times
+        rest = sum(reads) - from_weights + written
+        if rest or not from_weights:  # a prefetch of a weight into VMEM is only its weight read
+            out[Traffic(cat, op, what, result, rest)] += times
         if from_weights:
             out[Traffic("weights", op, what, result, from_weights)] += times
 

@@ -213,3 +213,121 @@ ENTRY %main (x: bf16[1024,64]) -> bf16[1024,64] {
 """
     (row,) = traffic(text)
     assert row.traffic.op == "copy-start" and row.traffic.bytes == 2 * 1024 * 64 * 2
+
+
+# XLA:TPU's memory-space assignment (from a v6e compile): weights prefetched into VMEM (S(1)) by copy-start, or by
+# slice-start in slices joined there by a ConcatBitcast; an activation prefetched too; the matmul reads VMEM only
+TPU_PREFETCH = """HloModule tpu
+
+%fused_mm (p0: bf16[8,1024], p1: bf16[1024,512], p2: s8[512,1024]) -> bf16[8,1024] {
+  %p0 = bf16[8,1024]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %p1 = bf16[1024,512]{1,0:T(8,128)(2,1)S(1)} parameter(1)
+  %p2 = s8[512,1024]{1,0:T(32,128)(4,1)S(1)} parameter(2)
+  %h = bf16[8,512]{1,0:T(8,128)(2,1)S(1)} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %w = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} convert(%p2)
+  ROOT %o = bf16[8,1024]{1,0:T(8,128)(2,1)S(1)} dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_out (q: bf16[8,1024]) -> bf16[8,1024] {
+  %q = bf16[8,1024]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  ROOT %n = bf16[8,1024]{1,0:T(8,128)(2,1)} negate(%q)
+}
+
+ENTRY %main (x: bf16[8,1024], w1: bf16[1024,512], w2: s8[512,1024]) -> bf16[8,1024] {
+  %x = bf16[8,1024]{1,0:T(8,128)(2,1)} parameter(0), metadata={op_name="batch.x"}
+  %w1 = bf16[1024,512]{1,0:T(8,128)(2,1)} parameter(1), metadata={op_name="state['w1'].value"}
+  %w2 = s8[512,1024]{1,0:T(32,128)(4,1)} parameter(2), metadata={op_name="state['w2'].value"}
+  %flat = s8[524288]{0:T(1024)(128)(4,1)} bitcast(%w2)
+  %cs = (bf16[1024,512]{1,0:T(8,128)(2,1)S(1)}, bf16[1024,512]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%w1), cross_program_prefetch_index=0
+  %cx = (bf16[8,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[8,1024]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%x)
+  %ss = ((s8[524288]{0:T(1024)(128)(4,1)}), s8[262144]{0:T(1024)(128)(4,1)S(1)}, s32[]{:S(2)}) slice-start(%flat), slice={[0:262144]}
+  %ss.1 = ((s8[524288]{0:T(1024)(128)(4,1)}), s8[262144]{0:T(1024)(128)(4,1)S(1)}, s32[]{:S(2)}) slice-start(%flat), slice={[262144:524288]}
+  %cd = bf16[1024,512]{1,0:T(8,128)(2,1)S(1)} copy-done(%cs)
+  %cdx = bf16[8,1024]{1,0:T(8,128)(2,1)S(1)} copy-done(%cx)
+  %sd = s8[262144]{0:T(1024)(128)(4,1)S(1)} slice-done(%ss)
+  %sd.1 = s8[262144]{0:T(1024)(128)(4,1)S(1)} slice-done(%ss.1)
+  %cat = s8[512,1024]{1,0:T(32,128)(4,1)S(1)} custom-call(%sd, %sd.1), custom_call_target="ConcatBitcast"
+  %mm = bf16[8,1024]{1,0:T(8,128)(2,1)S(1)} fusion(%cdx, %cd, %cat), kind=kOutput, calls=%fused_mm
+  ROOT %out = bf16[8,1024]{1,0:T(8,128)(2,1)} fusion(%mm), kind=kLoop, calls=%fused_out, metadata={op_name="jit(f)/neg"}
+}
+"""
+X, W1, W2 = 8 * 1024 * 2, 1024 * 512 * 2, 512 * 1024
+
+
+def test_memory_spaces_are_parsed_per_array():
+    ins = parse_instr("  %ss = ((s8[64]{0:T(1024)(128)(4,1)}), s8[32]{0:T(1024)(128)(4,1)S(1)}, s32[]{:S(2)}) "
+                      "slice-start(%flat), slice={[0:32]}")
+    assert ins.spaces == (0, 1, 2) and ins.bytes == 64 + 32 + 4 and ins.hbm_bytes == 64
+    assert parse_instr("  %c = f32[4,8]{1,0} copy(%x)").hbm_bytes == 4 * 8 * F32  # GPU / CPU layouts: HBM
+
+
+def test_tpu_weight_prefetches_are_the_weights_read_once():
+    """copy-start of a weight into VMEM reads it once from HBM, writes nothing to HBM: that read is the weight's
+    ("weights", as the minimum counts it); each slice-start reads its slice (not the whole source); the slices'
+    ConcatBitcast in VMEM moves nothing."""
+    rows = traffic(TPU_PREFETCH)
+    t = totals(rows)
+    assert t["weights"] == W1 + W2  # each weight once: copy-start W1, two slice-starts W2 / 2 each
+    by = {(r.traffic.category, r.traffic.op): r for r in rows}
+    assert by[("weights", "slice-start")].count == 2 and by[("weights", "slice-start")].traffic.bytes == W2 // 2
+    assert by[("weights", "copy-start")].traffic.bytes == W1
+    # no weight prefetch is left "outside"; the ConcatBitcast in VMEM moves nothing
+    assert ("outside", "slice-start") not in by
+    assert by[("outside", "custom-call:ConcatBitcast")].traffic.bytes == 0
+
+
+def test_consumers_of_vmem_buffers_move_no_hbm_bytes():
+    """The activation's prefetch reads it from HBM once (outside); the matmul reading it and the weights from VMEM
+    and writing VMEM moves nothing; the last fusion reads VMEM and writes its HBM result."""
+    rows = traffic(TPU_PREFETCH)
+    t = totals(rows)
+    assert t["matmul"] == 0
+    assert t["outside"] == X + X  # the activation's copy-start (read) + the negate's HBM result (write)
+    by = {(r.traffic.category, r.traffic.op): r.traffic.bytes for r in rows}
+    assert by[("outside", "copy-start")] == X and by[("outside", "fusion:kLoop")] == X
+
+
+def test_a_prefetch_a_kernel_reads_is_outside():
+    """XLA:TPU prefetching a Pallas kernel's weight operand (an expert stack, sliced into VMEM and joined there) moves
+    the whole operand outside the kernel, which would read only the experts a batch routes to: "outside", not the
+    weights' read."""
+    text = """HloModule k
+
+ENTRY %main (x: bf16[8,512], e: s8[4,512,256]) -> bf16[8,256] {
+  %x = bf16[8,512]{1,0:T(8,128)(2,1)} parameter(0)
+  %e = s8[4,512,256]{2,1,0:T(32,128)(4,1)} parameter(1), metadata={op_name="state['experts'].value"}
+  %flat = s8[524288]{0:T(1024)(128)(4,1)} bitcast(%e)
+  %ss = ((s8[524288]{0:T(1024)(128)(4,1)}), s8[262144]{0:T(1024)(128)(4,1)S(1)}, s32[]{:S(2)}) slice-start(%flat), slice={[0:262144]}
+  %ss.1 = ((s8[524288]{0:T(1024)(128)(4,1)}), s8[262144]{0:T(1024)(128)(4,1)S(1)}, s32[]{:S(2)}) slice-start(%flat), slice={[262144:524288]}
+  %sd = s8[262144]{0:T(1024)(128)(4,1)S(1)} slice-done(%ss)
+  %sd.1 = s8[262144]{0:T(1024)(128)(4,1)S(1)} slice-done(%ss.1)
+  %cat = s8[4,512,256]{2,1,0:T(32,128)(4,1)S(1)} custom-call(%sd, %sd.1), custom_call_target="ConcatBitcast"
+  ROOT %k = bf16[8,256]{1,0:T(8,128)(2,1)} custom-call(%x, %cat), custom_call_target="tpu_custom_call"
+}
+"""
+    t = totals(traffic(text))
+    assert t["weights"] == 0 and t["outside"] == 4 * 512 * 256  # the stack read once, in its two slices
+    assert t["kernel"] == 8 * 512 * 2 + 8 * 256 * 2  # x from HBM, the stack from VMEM (none), its result
+
+
+def test_a_fusion_writing_vmem_reads_only_its_slices():
+    """A fusion whose result lives in VMEM still reads only what it slices of an HBM operand (one embedding row,
+    not the table)."""
+    text = """HloModule e
+
+%fused_row (t: bf16[64,128], i: s32[]) -> bf16[1,1,128] {
+  %t = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %i = s32[]{:T(128)} parameter(1)
+  %z = s32[]{:T(128)} constant(0)
+  %r = bf16[1,128]{1,0:T(2,128)(2,1)} dynamic-slice(%t, %i, %z), dynamic_slice_sizes={1,128}
+  ROOT %b = bf16[1,1,128]{2,1,0:T(2,128)(2,1)S(1)} bitcast(%r)
+}
+
+ENTRY %main (t: bf16[64,128], i: s32[]) -> bf16[1,1,128] {
+  %t = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0), metadata={op_name="state['embed'].value"}
+  %i = s32[]{:T(128)} parameter(1)
+  ROOT %f = bf16[1,1,128]{2,1,0:T(2,128)(2,1)S(1)} fusion(%t, %i), kind=kLoop, calls=%fused_row
+}
+"""
+    t = totals(traffic(text))
+    assert t["weights"] == 128 * 2 and t["outside"] == 4  # the row and the index read; nothing written to HBM
