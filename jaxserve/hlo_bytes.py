@@ -15,7 +15,8 @@ a TPU weight is counted once, where XLA prefetches it from HBM: a `copy-start` r
 slice (not the whole source); the `ConcatBitcast` joining the slices in VMEM and the ops reading them move nothing.
 A prefetch of a weight is that weight's read (category "weights", as the minimum counts it), not "outside", unless a
 Pallas kernel reads the prefetched buffer: the kernel's own read of its operand (routed experts: the touched ones, which
-the minimum counts) moved out of it by XLA, whole, so "outside".
+the minimum counts) moved out of it by XLA, whole, so "outside"; so is a prefetch of the whole embedding (the minimum
+counts the batch's rows of it).
 """
 from __future__ import annotations
 
@@ -302,6 +303,15 @@ def _weights(instrs: list[Instr], is_weight: Callable[[Instr], bool]) -> set[str
     return out
 
 
+_ROWS_ONLY = re.compile(r"""op_name="state\[\\?'embed\\?'\]""")  # a weight whose batch rows the minimum counts
+
+
+def _prefetched_whole(instrs: list[Instr]) -> set[str]:
+    """Names of the VMEM prefetches of a weight the minimum counts only the batch's rows of (the embedding)."""
+    part = _weights(instrs, lambda p: bool(_ROWS_ONLY.search(p.attrs)))
+    return {i.name for i in instrs if i.op in ("copy-start", "slice-start") and i.operands and i.operands[0] in part}
+
+
 def jaxserve_weight(param: Instr) -> bool:
     """A jaxserve program's weight parameter: its metadata names the model state (`state['layers'][0]...` in the
     plan's programs, `params[3]` in the engine's, which take the weights as a flat list)."""
@@ -336,7 +346,7 @@ def _walk(name: str, comps: dict[str, list[Instr]], times: int, out: Counter,
     instrs = comps.get(name, [])
     by_name = {i.name: i for i in instrs}
     weights = _weights(instrs, is_weight)
-    to_kernels = _feed_kernels(instrs)
+    to_kernels = _feed_kernels(instrs) | _prefetched_whole(instrs)  # prefetches that are not a weight's read
     for ins in instrs:
         if ins.op in FREE or ins.op.endswith("-done"):
             continue

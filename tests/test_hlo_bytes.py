@@ -331,3 +331,18 @@ ENTRY %main (t: bf16[64,128], i: s32[]) -> bf16[1,1,128] {
 """
     t = totals(traffic(text))
     assert t["weights"] == 128 * 2 and t["outside"] == 4  # the row and the index read; nothing written to HBM
+
+
+def test_a_prefetch_of_the_whole_embedding_is_outside():
+    """The minimum counts the batch's rows of the embedding, not the table: XLA:TPU prefetching the whole shard into
+    VMEM (to gather a few rows there) moves it outside the weights' read."""
+    text = """HloModule emb
+
+ENTRY %main (t: bf16[64,128]) -> bf16[64,128] {
+  %t = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0), metadata={op_name="state[\\'embed\\'].value"}
+  %cs = (bf16[64,128]{1,0:T(8,128)(2,1)S(1)}, bf16[64,128]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%t), cross_program_prefetch_index=0
+  ROOT %cd = bf16[64,128]{1,0:T(8,128)(2,1)S(1)} copy-done(%cs)
+}
+"""
+    t = totals(traffic(text))
+    assert t["weights"] == 0 and t["outside"] == 64 * 128 * 2
