@@ -231,11 +231,16 @@ def drop_all(resident: Resident | None) -> None:
         resident.clear()
 
 
+def _over_bound(report: WarmupReport) -> int | None:
+    """The process's memory mappings when over `report.max_maps` (None: under it, or no bound or count)."""
+    maps = map_count() if report.max_maps is not None else None
+    return maps if maps is not None and maps > report.max_maps else None
+
+
 def keep_bound(report: WarmupReport, resident: Resident | None) -> None:
     """Past `report.max_maps` memory mappings, drop programs as `run_jobs` does between jobs (`_evict`); call it with
     no compile of the caller's in flight."""
-    maps = map_count() if report.max_maps is not None else None
-    if maps is not None and maps > report.max_maps:
+    if (maps := _over_bound(report)) is not None:
         _evict(report, maps, resident)
 
 
@@ -283,8 +288,7 @@ def run_jobs(level: str, jobs: list[Job], progress: bool, threads: int | None = 
         for _, job in jobs:
             if len(pending) >= threads:
                 settle(concurrent.futures.FIRST_COMPLETED)
-            maps = map_count() if report.max_maps is not None else None
-            if maps is not None and maps > report.max_maps:
+            if (maps := _over_bound(report)) is not None:
                 settle(concurrent.futures.ALL_COMPLETED)
                 _evict(report, maps, resident)
             pending.add(pool.submit(job))
