@@ -467,5 +467,13 @@ class Engine:
             "kv_transfers": st.transfers, "kv_transfer_bytes": st.transfer_bytes,
             "kv_transfer_tokens": st.transfer_tokens, "kv_transfer_s": st.transfer_s,
             "verify_rows": st.verify_rows, "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
-            "evictions": self.map_guard.evictions,
+            "evictions": self.map_guard.evictions, **self._fallback_stats(),
         }
+
+    def _fallback_stats(self) -> dict[str, int]:
+        """`--warmup fast`'s padded fallback: steps padded into a larger loaded shape, evicted programs loaded again,
+        plan programs not loaded now (all 0 without it)."""
+        shapes = self.scheduler.shapes
+        if shapes is None:
+            return {"padded_steps": 0, "program_reloads": 0, "programs_pending": 0}
+        return {"padded_steps": shapes.padded, "program_reloads": shapes.reloads, "programs_pending": shapes.pending()}

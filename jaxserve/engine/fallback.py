@@ -153,8 +153,10 @@ class CompiledShapes:
         self.order: list[Key] = []  # keys in the order they were compiled (reloads again)
         self.evicted: list[Key] = []  # keys dropped from memory after they were done, in that order
         self.reloads = 0  # evicted keys the background loaded again
+        self.padded = 0  # steps run in a larger loaded shape than their own (`cover`)
         self._queue: list[Key] = []  # the background's keys not started yet, likely-first
         self._reload: set[Key] = set()  # those of `_queue` that were evicted: loaded again only on demand
+        self._plan: set[Key] = set()  # the background's keys (`start`)
         self._added: set[Key] = set()  # every key ever added (`reloads`: those added again)
         self._lock = threading.Lock()
         programs.resident.on_drop = self.dropped
@@ -214,6 +216,7 @@ class CompiledShapes:
                 self._drop({k for k in gone if k in self.done})
             if best != own or own not in self.usable:
                 self.wanted[own] = self.wanted.get(own, 0) + 1
+            self.padded += best != own
         return best[1], best[2], best[3]
 
     def warm(self, level: str, progress: bool, max_maps: int | None) -> list[Key]:
@@ -237,6 +240,7 @@ class CompiledShapes:
         plan = set(keys)
         with self._lock:  # after the keys any a warm-up eviction queued again
             self._queue = list(keys) + [k for k in self._queue if k not in plan]
+            self._plan = plan
 
         def run() -> None:
             lower_priority()
@@ -312,6 +316,11 @@ class CompiledShapes:
             key = q.pop(max(ready, key=lambda i: (self.demand(q[i]), -_size(q[i]), -i)))
             self._reload.discard(key)
             return key
+
+    def pending(self) -> int:
+        """Plan keys not loaded now: the background's queue (evicted keys included) and the one it is loading."""
+        with self._lock:
+            return len((self._plan | set(self._queue)) - self.done)
 
     def demand(self, key: Key) -> int:
         """Padded steps that wanted this key's shape (an unpacking: its decode shape's)."""

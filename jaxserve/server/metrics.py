@@ -52,6 +52,12 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("jaxserve_program_evictions", "times compiled programs were dropped to the compile "
                                   "cache to stay under the memory-mapping budget (warm-up and serving)",
                                   value=s["evictions"])
+        yield CounterMetricFamily("jaxserve_padded_steps", "steps run padded in a larger loaded program while their own "
+                                  "shape was not loaded (--warmup fast)", value=s["padded_steps"])
+        yield CounterMetricFamily("jaxserve_program_reloads", "evicted programs loaded again from the compile cache",
+                                  value=s["program_reloads"])
+        yield GaugeMetricFamily("jaxserve_programs_pending", "warm-up plan programs not loaded now (the background "
+                                "thread loads them)", value=s["programs_pending"])
         yield CounterMetricFamily("jaxserve_engine_aborts", "requests aborted in the engine (disconnects included)",
                                   value=s["aborted"])
 

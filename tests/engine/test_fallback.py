@@ -71,11 +71,16 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
         assert shapes.cover("decode", 1, 8) == (1, 8, 0) and shapes.cover("prefill", 1, 8, 16) == (1, 8, 32)
         assert not any(s[0] == "prefill_scored" for s in first)  # the scoring prefill waits for the background
 
+        pending = len(keys) - sum(report.jobs.values())
+        # the two cover() calls above padded (decode 2 x 8 into 4 x 16, the 16-token chunk into 32)
+        assert e.stats()["programs_pending"] == pending and e.stats()["padded_steps"] == shapes.padded == 2
         got, threads = _on_engine_thread(e)
         assert "jaxserve-engine" not in threads, threads  # every step ran padded in a compiled shape
         assert shapes.usable == first  # nothing compiled meanwhile: the background thread is held
         wanted = dict(shapes.wanted)  # the padded steps' shapes, counted
         assert wanted and not set(wanted) & first
+        # every wanted step ran padded (none compiled its own): the operator's counter (stats, /metrics) says so
+        assert e.stats()["padded_steps"] == sum(wanted.values())
 
         ref = Engine(tiny_model(), CFG, start=False)  # no warm-up: every step in its own bucket
         try:
@@ -90,6 +95,8 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
         assert len(gc.get_objects()) < gc.get_freeze_count()
         grid = {k[:4] for k in keys if k[0] in MODEL_KINDS}
         assert shapes.usable == grid and shapes.done == set(keys)
+        assert e.stats()["programs_pending"] == 0 and e.stats()["program_reloads"] == 0
+        padded = e.stats()["padded_steps"]
         # demand order: the background's first job is of the shape the most padded steps wanted, and every wanted
         # shape's keys come before any shape no step wanted
         background = shapes.order[len(shapes.order) - (len(keys) - sum(report.jobs.values())):]
@@ -102,6 +109,7 @@ def test_fast_serves_padded_until_the_background_compiles_its_shape():
         again, threads = _on_engine_thread(e)
         assert "jaxserve-engine" not in threads, threads  # its own shapes, compiled in the background
         assert again == got and 1 in rows and min(rows) < 4
+        assert e.stats()["padded_steps"] == padded  # every step in its own shape now
     finally:
         e.close()
     assert gc.get_freeze_count() == 0  # closed: its objects are the collector's again

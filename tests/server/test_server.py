@@ -351,6 +351,9 @@ def test_metrics_health_and_openapi(srv):
         assert name in text
     evictions = "jaxserve_program_evictions_total"  # compiled programs dropped to the compile cache (engine.warmup)
     assert evictions in text and metric(srv.base, evictions) == s["evictions"]
+    # --warmup fast's padding (idle: no step adds to it), and its background loads (they may go on meanwhile)
+    assert metric(srv.base, "jaxserve_padded_steps_total") == s["padded_steps"]
+    assert "jaxserve_program_reloads_total" in text and "jaxserve_programs_pending" in text
     assert httpx.get(f"{srv.base}/health", timeout=TIMEOUT).json()["status"] == "ok"
     spec = httpx.get(f"{srv.base}/openapi.json", timeout=TIMEOUT).json()
     assert spec["openapi"].startswith("3.") and {"/v1/completions", "/v1/chat/completions", "/v1/models",
