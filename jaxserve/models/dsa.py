@@ -11,8 +11,8 @@ context cannot fill are invalid and masked out of the softmax. IndexShare ("shar
 the last full layer before them.
 
 Attention (`sparse_attention`): in decode (one query per row) under attention="pallas" the Triton kernel
-`sparse_mla_decode` reads the selected rows in place from the whole FP8/BF16 pool (no f32 [B, K, r + dr] gather);
-otherwise XLA gathers them as stored (FP8 / BF16 bits) and attends, widening them in the dots' operands. Per
+`sparse_mla_decode`, under "pallas_tpu" the Mosaic kernel `sparse_mla_decode_tpu` (row DMAs), read the selected
+rows in place from the whole FP8/BF16 pool (no [B, K, r + dr] gather); otherwise XLA gathers them as stored (FP8 / BF16 bits) and attends, widening them in the dots' operands. Per
 shard on a mesh, inside one shard_map with the selection (no collective), and blockwise over queries
 (`QUERY_BLOCK` at a time: selection, gathered rows and attention), so a prefill chunk never holds every query's K
 gathered latent rows at once.
@@ -36,6 +36,7 @@ from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.sharding import POOL_AXES, Parallel
 from pallas_kernels.dsa_index_scores import dsa_index_scores
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
+from pallas_kernels.sparse_mla_decode_tpu import sparse_mla_decode_tpu
 
 Selection = tuple[jax.Array, jax.Array]  # (positions [B, T, K] int32, valid [B, T, K] bool)
 BLOCK_TOKENS = 2048  # keys scored per step of the blockwise top-k (bounds the [B, T, nh, block] scores)
@@ -167,15 +168,21 @@ def latent_attention(q: jax.Array, rows: tuple[jax.Array, jax.Array | None], val
 
 
 def kernel_attention(q: jax.Array, pages: KVPages, layer: int, block_tables: jax.Array, sel: Selection, *,
-                     softmax_scale: float, interpret: bool) -> jax.Array:
-    """`latent_attention` of one query per row by the Triton kernel, over the selected rows of the whole pool's
-    bits (no per-layer slice, no gathered copy). q [B, 1, N, r + dr] f32 -> [B, 1, N, r] f32."""
+                     softmax_scale: float, attention: AttentionBackend) -> jax.Array:
+    """`latent_attention` of one query per row by the sparse decode kernel of `attention`'s tiling (Triton, or
+    Mosaic for "pallas_tpu"), over the selected rows of the whole pool's bits (no per-layer slice, no gathered
+    copy). q [B, 1, N, r + dr] f32 -> [B, 1, N, r] f32."""
     idx, valid = sel
     lay = pages.layout
-    o = sparse_mla_decode(q[:, 0], pages.latent, block_tables, jnp.where(valid[:, 0], idx[:, 0], -1),
-                          pages.latent_scale, layer=layer, kv_lora_rank=lay.kv_lora_rank,
-                          softmax_scale=softmax_scale, value_dtype=lay.jnp_dtype, interpret=interpret,
-                          out_dtype=jnp.float32)
+    indices = jnp.where(valid[:, 0], idx[:, 0], -1)
+    if attention.tiling == "tpu":
+        o = sparse_mla_decode_tpu(q[:, 0], pages.latent, block_tables, indices, pages.latent_scale, layer=layer,
+                                  kv_lora_rank=lay.kv_lora_rank, softmax_scale=softmax_scale,
+                                  interpret=attention.interpret, out_dtype=jnp.float32)
+        return o[:, None]
+    o = sparse_mla_decode(q[:, 0], pages.latent, block_tables, indices, pages.latent_scale, layer=layer,
+                          kv_lora_rank=lay.kv_lora_rank, softmax_scale=softmax_scale, value_dtype=lay.jnp_dtype,
+                          interpret=attention.interpret, out_dtype=jnp.float32)
     return o[:, None]
 
 
@@ -187,20 +194,20 @@ def attend(q: jax.Array, index_q: tuple[jax.Array, jax.Array] | None, prev: Sele
     selection (by `index_q`, the indexer's (q [B, T, nh, hd], w [B, T, nh]) f32; or the block of `prev`, the
     selection an IndexShare layer reuses), its latent rows and absorbed attention over them, so the gathered rows
     are [B, block, K, r + dr], never [B, T, K, r + dr].
-    One query per row under attention="pallas": `kernel_attention` instead of the gather and XLA attention.
+    One query per row under attention="pallas" or "pallas_tpu": `kernel_attention` instead of the gather and XLA
+    attention.
     q [B, T, N, r + dr] f32 (absorbed); tables (block_tables [B, M], positions [B, T], ctx_lens [B]) int32.
     -> (softmax-weighted c_kv [B, T, N, r] f32, the selection [B, T, K])."""
     bt, positions, ctx_lens = tables
     B, T = q.shape[:2]
-    kernel = attention.implementation == "pallas" and T == 1
+    kernel = attention.implementation in ("pallas", "pallas_tpu") and T == 1
 
     def one(xs: tuple) -> tuple[jax.Array, Selection]:
         qb, iq, sel, pos = xs
         if iq is not None:
             sel = select_topk(iq[0], iq[1], pages, index_layer, bt, pos, ctx_lens, topk, attention=attention)
         if kernel:
-            return kernel_attention(qb, pages, layer, bt, sel, softmax_scale=softmax_scale,
-                                    interpret=attention.interpret), sel
+            return kernel_attention(qb, pages, layer, bt, sel, softmax_scale=softmax_scale, attention=attention), sel
         return latent_attention(qb, sparse_rows(pages, layer, bt, sel), sel[1], pages.layout,
                                 softmax_scale=softmax_scale), sel
 
