@@ -3,7 +3,8 @@ attention over only the selected tokens' latent rows (read by (page, slot)).
 
 Selection: each query keeps the `index_topk` causal keys with the highest index score (`attention.index_scores`;
 `block_scores`: keys in their stored precision, scales on the products; in decode under attention="pallas" the
-Triton kernel `dsa_index_scores`, reading the keys in place from the whole pool), computed blockwise over the row's
+Triton kernel `dsa_index_scores`, under "pallas_tpu" the Mosaic `dsa_index_scores_tpu` (page DMAs), reading the
+keys in place from the whole pool), computed blockwise over the row's
 pages (a running top-k merged with each block's scores), so memory grows with `index_topk + block`, not with the
 context. Ties go to the earlier token, as one `lax.top_k` over the whole row.
 A selection is (positions [B, T, K] int32 token indices within the row, valid [B, T, K] bool): slots a short
@@ -35,6 +36,7 @@ from jaxserve.models.attention import masked_softmax
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.sharding import POOL_AXES, Parallel
 from pallas_kernels.dsa_index_scores import dsa_index_scores
+from pallas_kernels.dsa_index_scores_tpu import dsa_index_scores_tpu
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 from pallas_kernels.sparse_mla_decode_tpu import sparse_mla_decode_tpu
 
@@ -72,9 +74,14 @@ def block_scores(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, b
 
 
 def kernel_scores(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, block_tables: jax.Array, *,
-                  interpret: bool) -> jax.Array:
-    """`block_scores` of one query per row by the Triton kernel, over the whole index-key pool's bits (no gathered
-    keys, no per-head scores in HBM). q [B, 1, nh, hd] f32, w [B, 1, nh] f32 -> [B, 1, m * ps] f32 (unmasked)."""
+                  attention: AttentionBackend) -> jax.Array:
+    """`block_scores` of one query per row by the scores kernel of `attention`'s tiling (Triton, or Mosaic for
+    "pallas_tpu"), over the whole index-key pool's bits (no gathered keys, no per-head scores in HBM).
+    q [B, 1, nh, hd] f32, w [B, 1, nh] f32 -> [B, 1, m * ps] f32 (unmasked)."""
+    interpret = attention.interpret
+    if attention.tiling == "tpu":
+        return dsa_index_scores_tpu(q[:, 0], w[:, 0], pages.index_k, block_tables, pages.index_k_scale,
+                                    layer=index_layer, interpret=interpret)
     s = dsa_index_scores(q[:, 0], w[:, 0], pages.index_k, block_tables, pages.index_k_scale, layer=index_layer,
                          value_dtype=pages.layout.index_layout.jnp_dtype, interpret=interpret)
     return s[:, None]
@@ -90,11 +97,12 @@ def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, bl
     of the row, this step's included: keys at or past it are never selected). block_tokens: keys per step,
     default BLOCK_TOKENS x (QUERY_BLOCK // T): T x block stays a prefill query block's, so a decode step (T = 1)
     scores up to 16 x more keys at once; a row that fits one step takes one top_k, with no running top-k's
-    [B, T, K + block] concatenation. One query per row under attention="pallas": the scores by `kernel_scores`.
+    [B, T, K + block] concatenation. One query per row under attention="pallas" / "pallas_tpu": the scores by
+    `kernel_scores`.
     -> Selection, K = topk.
     """
     B, T = q.shape[:2]
-    kernel = attention.implementation == "pallas" and T == 1
+    kernel = attention.implementation in ("pallas", "pallas_tpu") and T == 1
     M = block_tables.shape[1]
     ps = pages.layout.page_size
     pb = block_pages(M, ps, block_tokens or BLOCK_TOKENS * max(1, QUERY_BLOCK // T))
@@ -105,7 +113,7 @@ def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, bl
         """Block j's key positions [sb] and their causal scores [B, T, sb] (-inf where not allowed)."""
         kpos = j * sb + jnp.arange(sb, dtype=jnp.int32)
         allowed = (kpos[None, None, :] <= positions[:, :, None]) & (kpos[None, None, :] < ctx_lens[:, None, None])
-        s = (kernel_scores(q, w, pages, index_layer, bt, interpret=attention.interpret) if kernel
+        s = (kernel_scores(q, w, pages, index_layer, bt, attention=attention) if kernel
              else block_scores(q, w, pages, index_layer, bt))
         return kpos, jnp.where(allowed, s, -jnp.inf)
 

@@ -196,10 +196,10 @@ def test_sparse_prefill_blockwise_over_queries_equals_one_shot_and_shrinks_the_g
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
 def test_decode_attend_by_the_sparse_kernel_equals_the_xla_path(kv):
     """`dsa.attend` for one query per row under attention="pallas_interpret" (the indexer scores and sparse MLA
-    decode kernels over the whole pool, layer 1 of 2) and "pallas_tpu_interpret" (the Mosaic sparse MLA decode;
-    the scores in XLA) gives the XLA path's selection and outputs (within f32 rounding), rows whose context fills
-    the top-k and one that leaves slots invalid; the kernel's scores in the blockwise top-k (4 blocks of 8
-    tokens) select the same."""
+    decode kernels over the whole pool, layer 1 of 2) and "pallas_tpu_interpret" (their Mosaic counterparts)
+    gives the XLA path's selection and outputs (within f32 rounding), rows whose context fills the top-k and one
+    that leaves slots invalid; the kernels' scores in the blockwise top-k (4 blocks of 8 tokens) select the
+    same."""
     rng = np.random.default_rng(3)
     B, N, r, dr, nh, hd, M, ps, K = 3, 4, 32, 16, 4, 16, 8, 4, 16
     lay = KVLayout.mla(2, r, dr, page_size=ps, dtype=kv, index_layers=1, index_head_dim=hd)
@@ -223,10 +223,11 @@ def test_decode_attend_by_the_sparse_kernel_equals_the_xla_path(kv):
         np.testing.assert_array_equal(np.asarray(i_k), np.asarray(i_x))
         np.testing.assert_array_equal(np.asarray(v_k), np.asarray(v_x))
         np.testing.assert_allclose(np.asarray(o_k), np.asarray(o_x), rtol=1e-5, atol=1e-5)
-    i_b, v_b = dsa.select_topk(*index_q, pages, 0, bt, tables[1], ctx, K, block_tokens=8,
-                               attention=AttentionBackend.parse("pallas_interpret"))
-    np.testing.assert_array_equal(np.asarray(v_b), np.asarray(v_x))  # invalid slots' indices are don't-cares
-    np.testing.assert_array_equal(np.where(v_b, i_b, -1), np.where(v_x, i_x, -1))
+    for name in ("pallas_interpret", "pallas_tpu_interpret"):
+        i_b, v_b = dsa.select_topk(*index_q, pages, 0, bt, tables[1], ctx, K, block_tokens=8,
+                                   attention=AttentionBackend.parse(name))
+        np.testing.assert_array_equal(np.asarray(v_b), np.asarray(v_x))  # invalid slots' indices are don't-cares
+        np.testing.assert_array_equal(np.where(v_b, i_b, -1), np.where(v_x, i_x, -1))
 
 
 # ---- the model over pages against transformers -------------------------------------------------------------------
