@@ -20,6 +20,7 @@ from pallas_kernels import paged_attention as gpu
 from pallas_kernels import paged_attention_tpu as tpu
 from pallas_kernels.paged_prefill import paged_prefill_gqa, paged_prefill_mla
 from pallas_kernels.dsa_index_scores import dsa_index_scores
+from pallas_kernels.dsa_index_scores_tpu import dsa_index_scores_tpu
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 from pallas_kernels.sparse_mla_decode_tpu import sparse_mla_decode_tpu
 
@@ -155,4 +156,18 @@ def index_scores_program(geo: Geometry, page_size: int, kv_dtype, heads: int = G
             sds(t, (b, INDEX_BLOCK // page_size), jnp.int32),
             sds(t, lead, jnp.float32) if kv_dtype == F8 else None, sds(t, (), jnp.int32)]
     fn = functools.partial(dsa_index_scores, value_dtype=kv_dtype, **tiling)
+    return (lambda q, w, p, bt, sc, layer: fn(q, w, p, bt, sc, layer=layer)), args
+
+
+def index_scores_tpu_program(target: str, geo: Geometry, page_size: int, kv_dtype, **tiling):
+    """(fn, args) of the DSA indexer scores attention="pallas_tpu" selects on GLM-5.2 decode, as dsa.py calls it: the
+    whole index-key pool's stored bits [21, pages, ps, 128] and its scales, row-major as the engine pins them on
+    TPU (`sharding.pool_format`), + a layer, one 32,768-token block of the blockwise top-k's table per row."""
+    t, b = target, geo.decode_rows
+    bits = jnp.uint8 if kv_dtype == F8 else jnp.uint16
+    lead = (GLM52_INDEX_LAYERS, INDEX_POOL_PAGES, page_size)
+    args = [sds(t, (b, GLM52_INDEX_HEADS, GLM52_INDEX_DIM), jnp.float32), sds(t, (b, GLM52_INDEX_HEADS), jnp.float32),
+            sds(t, (*lead, GLM52_INDEX_DIM), bits, row_major(4)), sds(t, (b, INDEX_BLOCK // page_size), jnp.int32),
+            sds(t, lead, jnp.float32, row_major(3)) if kv_dtype == F8 else None, sds(t, (), jnp.int32)]
+    fn = functools.partial(dsa_index_scores_tpu, **tiling)
     return (lambda q, w, p, bt, sc, layer: fn(q, w, p, bt, sc, layer=layer)), args
