@@ -13,10 +13,10 @@ the last full layer before them.
 
 Attention (`sparse_attention`): in decode (one query per row) under attention="pallas" the Triton kernel
 `sparse_mla_decode`, under "pallas_tpu" the Mosaic kernel `sparse_mla_decode_tpu` (row DMAs), read the selected
-rows in place from the whole FP8/BF16 pool (no [B, K, r + dr] gather); otherwise XLA gathers them as stored (FP8 / BF16 bits) and attends, widening them in the dots' operands. Per
-shard on a mesh, inside one shard_map with the selection (no collective), and blockwise over queries
-(`QUERY_BLOCK` at a time: selection, gathered rows and attention), so a prefill chunk never holds every query's K
-gathered latent rows at once.
+rows in place from the whole FP8/BF16 pool (no [B, K, r + dr] gather); otherwise XLA gathers them as stored (FP8 /
+BF16 bits) and attends, widening them in the dots' operands. Per shard on a mesh, inside one shard_map with the
+selection (no collective), and blockwise over queries (`QUERY_BLOCK` at a time: selection, gathered rows and
+attention), so a prefill chunk never holds every query's K gathered latent rows at once.
 
 When a program's whole block table spans at most `index_topk` tokens every query's context fits in its top-k, so
 the selection is every causal key and DSA is dense attention: callers then keep their dense path (static: the
