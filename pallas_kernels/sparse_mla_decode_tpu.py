@@ -1,6 +1,16 @@
 """Sparse (DSA) absorbed-MLA decode attention for TPU (Mosaic): each decode row attends to its own selected tokens
-(GLM-5.x's indexer top-k), whose latent rows the kernel DMAs itself, one row per DMA, from the whole paged pool
-left in HBM (`memory_space=pl.ANY`; `layer` picks the layer: no per-layer slice, which XLA:TPU would copy).
+(GLM-5.x's indexer top-k), whose latent rows the kernel DMAs itself, one DMA per selected token, from the whole
+paged pool left in HBM (`memory_space=pl.ANY`; `layer` picks the layer: no per-layer slice, which XLA:TPU would
+copy).
+
+DMA granularity: Mosaic refuses a one-row DMA of an 8- or 16-bit array ("Offsets along tiled dimensions must be
+aligned to tiles": XLA:TPU tiles a u8 pool (32, 128)(4, 1), 4 consecutive tokens' bytes of a column share a 32-bit
+word), and accepts one at any row of a 32-bit array. So the kernel views the HBM bits as uint32 word rows
+(`ref.bitcast`, no copy: [L, P, ps / pack, r + dr], pack = 4 FP8 / 2 BF16 / 1 F32 tokens per word row, token k of
+a group in bits [k * bits, (k + 1) * bits)), DMAs the word row holding each selected token (2,304 B: 4x an FP8
+row's bytes, 2x a BF16 row's), and extracts the token in VMEM by shift and mask (FP8 -> f32 in 32-bit integer
+ops, `_e4m3_to_f32`; BF16 -> f32 by a 16-bit shift). Reading 1x would need the pool stored 32-bit-packed along the
+latent dim (one token per word row), a change to every MLA kernel and writer of the pool.
 
 Before the call (XLA, [B, K] int32 / f32, ~0.5 MB a layer at 64 rows x 2048): each selected token index is
 resolved through its row's block table to a pool row id (page * ps + slot; -1 for padding: negative or past the
@@ -9,15 +19,19 @@ table), and an FP8 pool's per-token scale is gathered. The whole block table is 
 
 Grid (row, head block), both "parallel". Per program: the row's pool row ids in SMEM (one [Kp] block); the
 selection is walked in blocks of `block_k` tokens, double-buffered: while block i is computed, block i + 1's
-block_k row DMAs ([1, r + dr] each, all on the buffer slot's one DMA semaphore) are in flight. A padding token's
-DMA is not issued; its logits are masked and its (stale) V row zeroed. Compute: the stored bits (uint8 FP8 /
-uint16 BF16) viewed as values in VMEM and widened to the compute dtype, absorbed logits (q . latent) * scale *
-softmax_scale (FP8: the per-token scale on the logits, then on the probabilities, as the GPU kernel), online
-softmax in f32 VMEM scratch, f32 accumulation of latent[:r]. A row with no valid index gives 0.
+block_k word-row DMAs (all on the buffer slot's one DMA semaphore) are in flight. A padding token's DMA is not
+issued; its logits are masked and its (stale) V row zeroed. Compute: absorbed logits (q . latent) * softmax_scale
+(FP8: the per-token scale on the logits, then on the probabilities, as the GPU kernel), online softmax in f32
+VMEM scratch, f32 accumulation of latent[:r]. A row with no valid index gives 0. Interpret mode has no ref
+bitcast: there the same word view (`pltpu.bitcast`, Mosaic's packing) is built in XLA, a copy.
 
 What was checked: interpret mode vs reference_sparse.py (tests/kernels/test_sparse_mla_decode_tpu.py) and real
-compiles by XLA:TPU + Mosaic for v5e / v5p / v6e at GLM-5.2's per-device shapes (tests/compile/
-test_compile_sparse.py). NOT run on a TPU: no DMA-rate or speed figures; block_k is an untuned prior.
+compiles by XLA:TPU + Mosaic (libtpu 0.0.42.1) for v5e / v5p / v6e at GLM-5.2's per-device shapes, TP 8 heads x 64
+rows and DP 64 x 8, FP8 and BF16, pages of 16 and 64 (tests/compile/test_compile_sparse.py): scoped VMEM 0.9-1.4
+MB, no pool copy; 2048-token blocks are refused (scoped VMEM OOM). NOT run on a TPU: that Mosaic's packed-ref
+bitcast of the HBM pool matches `pltpu.bitcast`'s packing is taken from Pallas' definition, not observed; no
+DMA-rate or speed figures (per selected token one 2,304 B DMA and ~10 VPU ops per latent element); block_k is an
+untuned prior.
 """
 from __future__ import annotations
 
