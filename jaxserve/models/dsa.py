@@ -3,7 +3,8 @@ attention over only the selected tokens' latent rows (read by (page, slot)).
 
 Selection: each query keeps the `index_topk` causal keys with the highest index score (`attention.index_scores`;
 `block_scores`: keys in their stored precision, scales on the products; in decode under attention="pallas" the
-Triton kernel `dsa_index_scores`, reading the keys in place from the whole pool), computed blockwise over the row's
+Triton kernel `dsa_index_scores`, under "pallas_tpu" the Mosaic `dsa_index_scores_tpu` (page DMAs), reading the
+keys in place from the whole pool), computed blockwise over the row's
 pages (a running top-k merged with each block's scores), so memory grows with `index_topk + block`, not with the
 context. Ties go to the earlier token, as one `lax.top_k` over the whole row.
 A selection is (positions [B, T, K] int32 token indices within the row, valid [B, T, K] bool): slots a short
@@ -11,11 +12,11 @@ context cannot fill are invalid and masked out of the softmax. IndexShare ("shar
 the last full layer before them.
 
 Attention (`sparse_attention`): in decode (one query per row) under attention="pallas" the Triton kernel
-`sparse_mla_decode` reads the selected rows in place from the whole FP8/BF16 pool (no f32 [B, K, r + dr] gather);
-otherwise XLA gathers them as stored (FP8 / BF16 bits) and attends, widening them in the dots' operands. Per
-shard on a mesh, inside one shard_map with the selection (no collective), and blockwise over queries
-(`QUERY_BLOCK` at a time: selection, gathered rows and attention), so a prefill chunk never holds every query's K
-gathered latent rows at once.
+`sparse_mla_decode`, under "pallas_tpu" the Mosaic kernel `sparse_mla_decode_tpu` (row DMAs), read the selected
+rows in place from the whole FP8/BF16 pool (no [B, K, r + dr] gather); otherwise XLA gathers them as stored (FP8 /
+BF16 bits) and attends, widening them in the dots' operands. Per shard on a mesh, inside one shard_map with the
+selection (no collective), and blockwise over queries (`QUERY_BLOCK` at a time: selection, gathered rows and
+attention), so a prefill chunk never holds every query's K gathered latent rows at once.
 
 When a program's whole block table spans at most `index_topk` tokens every query's context fits in its top-k, so
 the selection is every causal key and DSA is dense attention: callers then keep their dense path (static: the
@@ -35,7 +36,9 @@ from jaxserve.models.attention import masked_softmax
 from jaxserve.models.attention_backend import AttentionBackend
 from jaxserve.sharding import POOL_AXES, Parallel
 from pallas_kernels.dsa_index_scores import dsa_index_scores
+from pallas_kernels.dsa_index_scores_tpu import dsa_index_scores_tpu
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
+from pallas_kernels.sparse_mla_decode_tpu import sparse_mla_decode_tpu
 
 Selection = tuple[jax.Array, jax.Array]  # (positions [B, T, K] int32, valid [B, T, K] bool)
 BLOCK_TOKENS = 2048  # keys scored per step of the blockwise top-k (bounds the [B, T, nh, block] scores)
@@ -71,9 +74,14 @@ def block_scores(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, b
 
 
 def kernel_scores(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, block_tables: jax.Array, *,
-                  interpret: bool) -> jax.Array:
-    """`block_scores` of one query per row by the Triton kernel, over the whole index-key pool's bits (no gathered
-    keys, no per-head scores in HBM). q [B, 1, nh, hd] f32, w [B, 1, nh] f32 -> [B, 1, m * ps] f32 (unmasked)."""
+                  attention: AttentionBackend) -> jax.Array:
+    """`block_scores` of one query per row by the scores kernel of `attention`'s tiling (Triton, or Mosaic for
+    "pallas_tpu"), over the whole index-key pool's bits (no gathered keys, no per-head scores in HBM).
+    q [B, 1, nh, hd] f32, w [B, 1, nh] f32 -> [B, 1, m * ps] f32 (unmasked)."""
+    interpret = attention.interpret
+    if attention.tiling == "tpu":
+        return dsa_index_scores_tpu(q[:, 0], w[:, 0], pages.index_k, block_tables, pages.index_k_scale,
+                                    layer=index_layer, interpret=interpret)
     s = dsa_index_scores(q[:, 0], w[:, 0], pages.index_k, block_tables, pages.index_k_scale, layer=index_layer,
                          value_dtype=pages.layout.index_layout.jnp_dtype, interpret=interpret)
     return s[:, None]
@@ -89,11 +97,12 @@ def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, bl
     of the row, this step's included: keys at or past it are never selected). block_tokens: keys per step,
     default BLOCK_TOKENS x (QUERY_BLOCK // T): T x block stays a prefill query block's, so a decode step (T = 1)
     scores up to 16 x more keys at once; a row that fits one step takes one top_k, with no running top-k's
-    [B, T, K + block] concatenation. One query per row under attention="pallas": the scores by `kernel_scores`.
+    [B, T, K + block] concatenation. One query per row under attention="pallas" / "pallas_tpu": the scores by
+    `kernel_scores`.
     -> Selection, K = topk.
     """
     B, T = q.shape[:2]
-    kernel = attention.implementation == "pallas" and T == 1
+    kernel = attention.implementation in ("pallas", "pallas_tpu") and T == 1
     M = block_tables.shape[1]
     ps = pages.layout.page_size
     pb = block_pages(M, ps, block_tokens or BLOCK_TOKENS * max(1, QUERY_BLOCK // T))
@@ -104,7 +113,7 @@ def select_topk(q: jax.Array, w: jax.Array, pages: KVPages, index_layer: int, bl
         """Block j's key positions [sb] and their causal scores [B, T, sb] (-inf where not allowed)."""
         kpos = j * sb + jnp.arange(sb, dtype=jnp.int32)
         allowed = (kpos[None, None, :] <= positions[:, :, None]) & (kpos[None, None, :] < ctx_lens[:, None, None])
-        s = (kernel_scores(q, w, pages, index_layer, bt, interpret=attention.interpret) if kernel
+        s = (kernel_scores(q, w, pages, index_layer, bt, attention=attention) if kernel
              else block_scores(q, w, pages, index_layer, bt))
         return kpos, jnp.where(allowed, s, -jnp.inf)
 
@@ -167,15 +176,21 @@ def latent_attention(q: jax.Array, rows: tuple[jax.Array, jax.Array | None], val
 
 
 def kernel_attention(q: jax.Array, pages: KVPages, layer: int, block_tables: jax.Array, sel: Selection, *,
-                     softmax_scale: float, interpret: bool) -> jax.Array:
-    """`latent_attention` of one query per row by the Triton kernel, over the selected rows of the whole pool's
-    bits (no per-layer slice, no gathered copy). q [B, 1, N, r + dr] f32 -> [B, 1, N, r] f32."""
+                     softmax_scale: float, attention: AttentionBackend) -> jax.Array:
+    """`latent_attention` of one query per row by the sparse decode kernel of `attention`'s tiling (Triton, or
+    Mosaic for "pallas_tpu"), over the selected rows of the whole pool's bits (no per-layer slice, no gathered
+    copy). q [B, 1, N, r + dr] f32 -> [B, 1, N, r] f32."""
     idx, valid = sel
     lay = pages.layout
-    o = sparse_mla_decode(q[:, 0], pages.latent, block_tables, jnp.where(valid[:, 0], idx[:, 0], -1),
-                          pages.latent_scale, layer=layer, kv_lora_rank=lay.kv_lora_rank,
-                          softmax_scale=softmax_scale, value_dtype=lay.jnp_dtype, interpret=interpret,
-                          out_dtype=jnp.float32)
+    indices = jnp.where(valid[:, 0], idx[:, 0], -1)
+    if attention.tiling == "tpu":
+        o = sparse_mla_decode_tpu(q[:, 0], pages.latent, block_tables, indices, pages.latent_scale, layer=layer,
+                                  kv_lora_rank=lay.kv_lora_rank, softmax_scale=softmax_scale,
+                                  interpret=attention.interpret, out_dtype=jnp.float32)
+        return o[:, None]
+    o = sparse_mla_decode(q[:, 0], pages.latent, block_tables, indices, pages.latent_scale, layer=layer,
+                          kv_lora_rank=lay.kv_lora_rank, softmax_scale=softmax_scale, value_dtype=lay.jnp_dtype,
+                          interpret=attention.interpret, out_dtype=jnp.float32)
     return o[:, None]
 
 
@@ -187,20 +202,20 @@ def attend(q: jax.Array, index_q: tuple[jax.Array, jax.Array] | None, prev: Sele
     selection (by `index_q`, the indexer's (q [B, T, nh, hd], w [B, T, nh]) f32; or the block of `prev`, the
     selection an IndexShare layer reuses), its latent rows and absorbed attention over them, so the gathered rows
     are [B, block, K, r + dr], never [B, T, K, r + dr].
-    One query per row under attention="pallas": `kernel_attention` instead of the gather and XLA attention.
+    One query per row under attention="pallas" or "pallas_tpu": `kernel_attention` instead of the gather and XLA
+    attention.
     q [B, T, N, r + dr] f32 (absorbed); tables (block_tables [B, M], positions [B, T], ctx_lens [B]) int32.
     -> (softmax-weighted c_kv [B, T, N, r] f32, the selection [B, T, K])."""
     bt, positions, ctx_lens = tables
     B, T = q.shape[:2]
-    kernel = attention.implementation == "pallas" and T == 1
+    kernel = attention.implementation in ("pallas", "pallas_tpu") and T == 1
 
     def one(xs: tuple) -> tuple[jax.Array, Selection]:
         qb, iq, sel, pos = xs
         if iq is not None:
             sel = select_topk(iq[0], iq[1], pages, index_layer, bt, pos, ctx_lens, topk, attention=attention)
         if kernel:
-            return kernel_attention(qb, pages, layer, bt, sel, softmax_scale=softmax_scale,
-                                    interpret=attention.interpret), sel
+            return kernel_attention(qb, pages, layer, bt, sel, softmax_scale=softmax_scale, attention=attention), sel
         return latent_attention(qb, sparse_rows(pages, layer, bt, sel), sel[1], pages.layout,
                                 softmax_scale=softmax_scale), sel
 

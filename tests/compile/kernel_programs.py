@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from aot import sds
+from aot import row_major, sds
 from pallas_kernels import paged_attention as gpu
 from pallas_kernels import paged_attention_tpu as tpu
 from pallas_kernels.paged_prefill import paged_prefill_gqa, paged_prefill_mla
 from pallas_kernels.dsa_index_scores import dsa_index_scores
+from pallas_kernels.dsa_index_scores_tpu import dsa_index_scores_tpu
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
+from pallas_kernels.sparse_mla_decode_tpu import sparse_mla_decode_tpu
 
 F8 = jnp.float8_e4m3fn
 POOL_PAGES = 4096  # per-device pool: any size, the kernels never loop over it
@@ -47,6 +49,8 @@ GLM52_LAYERS, GLM52_TOPK = 78, 2048  # the sparse decode reads the whole pool: e
 # the indexer keys: 21 indexer layers x 32 heads x 128, pages as the H200 TP plan's pool (24,157: > 2**32 bytes of
 # u8 keys), scored 32,768 tokens (512 pages of 64) per call of dsa.select_topk's blockwise top-k
 GLM52_INDEX_LAYERS, GLM52_INDEX_HEADS, GLM52_INDEX_DIM, INDEX_POOL_PAGES, INDEX_BLOCK = 21, 32, 128, 24_157, 32_768
+# the TPU sparse decode's pool: 2048 pages of every layer (BF16 pages of 64: 11.8 GB, within a v5e's 16 GB HBM)
+TPU_SPARSE_POOL_PAGES = 2048
 PREFILL_ROWS, PREFILL_CHUNK = 2, 256  # EngineConfig: 512 prompt tokens per step, 256 per request
 
 def pools(target: str, geo: Geometry, page_size: int, kv_dtype, **layout) -> list:
@@ -125,6 +129,21 @@ def sparse_decode_program(geo: Geometry, page_size: int, kv_dtype, **tiling):
     return (lambda q, p, bt, idx, sc, layer: fn(q, p, bt, idx, sc, layer=layer)), args
 
 
+def sparse_decode_tpu_program(target: str, geo: Geometry, page_size: int, kv_dtype, **tiling):
+    """(fn, args) of the DSA sparse MLA decode attention="pallas_tpu" selects on GLM-5.2, as dsa.py calls it: the
+    whole pool's stored bits [78, pages, ps, 576] (uint8 for fp8, uint16 for bf16), row-major as the engine pins
+    it on TPU (`sharding.pool_format`), + a layer, the row's top-k token indices."""
+    t, b = target, geo.decode_rows
+    bits = jnp.uint8 if kv_dtype == F8 else jnp.uint16
+    lead = (GLM52_LAYERS, TPU_SPARSE_POOL_PAGES, page_size)
+    args = [sds(t, (b, geo.q_heads, geo.head_dim), jnp.float32), sds(t, (*lead, geo.head_dim), bits, row_major(4)),
+            sds(t, (b, geo.context // page_size), jnp.int32), sds(t, (b, GLM52_TOPK), jnp.int32),
+            sds(t, lead, jnp.float32) if kv_dtype == F8 else None, sds(t, (), jnp.int32)]
+    fn = functools.partial(sparse_mla_decode_tpu, kv_lora_rank=RANK, softmax_scale=0.07, out_dtype=jnp.float32,
+                           **tiling)
+    return (lambda q, p, bt, idx, sc, layer: fn(q, p, bt, idx, sc, layer=layer)), args
+
+
 def index_scores_program(geo: Geometry, page_size: int, kv_dtype, heads: int = GLM52_INDEX_HEADS, **tiling):
     """(fn, args) of the DSA indexer scores attention="pallas" selects on GLM-5.2 decode (h200), as dsa.py calls it:
     the whole index-key pool's stored bits [21, pages, ps, 128] (uint8 for fp8, uint16 for bf16) + a layer, one
@@ -137,4 +156,18 @@ def index_scores_program(geo: Geometry, page_size: int, kv_dtype, heads: int = G
             sds(t, (b, INDEX_BLOCK // page_size), jnp.int32),
             sds(t, lead, jnp.float32) if kv_dtype == F8 else None, sds(t, (), jnp.int32)]
     fn = functools.partial(dsa_index_scores, value_dtype=kv_dtype, **tiling)
+    return (lambda q, w, p, bt, sc, layer: fn(q, w, p, bt, sc, layer=layer)), args
+
+
+def index_scores_tpu_program(target: str, geo: Geometry, page_size: int, kv_dtype, **tiling):
+    """(fn, args) of the DSA indexer scores attention="pallas_tpu" selects on GLM-5.2 decode, as dsa.py calls it: the
+    whole index-key pool's stored bits [21, pages, ps, 128] and its scales, row-major as the engine pins them on
+    TPU (`sharding.pool_format`), + a layer, one 32,768-token block of the blockwise top-k's table per row."""
+    t, b = target, geo.decode_rows
+    bits = jnp.uint8 if kv_dtype == F8 else jnp.uint16
+    lead = (GLM52_INDEX_LAYERS, INDEX_POOL_PAGES, page_size)
+    args = [sds(t, (b, GLM52_INDEX_HEADS, GLM52_INDEX_DIM), jnp.float32), sds(t, (b, GLM52_INDEX_HEADS), jnp.float32),
+            sds(t, (*lead, GLM52_INDEX_DIM), bits, row_major(4)), sds(t, (b, INDEX_BLOCK // page_size), jnp.int32),
+            sds(t, lead, jnp.float32, row_major(3)) if kv_dtype == F8 else None, sds(t, (), jnp.int32)]
+    fn = functools.partial(dsa_index_scores_tpu, **tiling)
     return (lambda q, w, p, bt, sc, layer: fn(q, w, p, bt, sc, layer=layer)), args

@@ -78,10 +78,10 @@ def widened_sparse_rows(traffic: list[dict], rows: int, topk: int, latent_dim: i
 
 @pytest.mark.slow  # reuses test_glm52_v6e_32_chips_moves_no_weight[decode-4]'s compile (~1-3 min alone)
 def test_glm52_v6e_decode_sparse_rows_stay_8_bit():
-    """GLM-5.2's sparse decode on v6e (attention="pallas_tpu": the top-k rows gathered and attended in XLA) keeps
-    the 2048 gathered latent rows of each of the 64 rows in the pool's FP8 bits up to the dots, which widen them in
-    their operands (dsa.latent_attention): dequantized first, XLA:TPU wrote them in f32 and relaid the f32 array
-    out for the dots (f32[64, 2048, 576]: 377 + 604 MB a layer). What is left: the 8-bit rows' relayout (151 MB)."""
+    """GLM-5.2's sparse decode on v6e (attention="pallas_tpu") writes no widened copy of the 2048 selected latent
+    rows of each of the 64 rows: the Mosaic sparse_mla_decode_tpu reads them from the pool itself (before it, the
+    XLA path gathered them, and dequantized first XLA:TPU wrote them in f32 and relaid the f32 array out for the
+    dots: f32[64, 2048, 576], 377 + 604 MB a layer)."""
     spec, r = _compiled("v6e", "decode", devices=32, layers=4)
     cfg = from_hf_config(PRESETS["glm-5.2"])
     rows = widened_sparse_rows(r.traffic, spec.decode_rows, cfg.index_topk, cfg.latent_dim)

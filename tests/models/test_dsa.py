@@ -196,9 +196,10 @@ def test_sparse_prefill_blockwise_over_queries_equals_one_shot_and_shrinks_the_g
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
 def test_decode_attend_by_the_sparse_kernel_equals_the_xla_path(kv):
     """`dsa.attend` for one query per row under attention="pallas_interpret" (the indexer scores and sparse MLA
-    decode kernels over the whole pool, layer 1 of 2) gives the XLA path's selection and outputs (within f32
-    rounding), rows whose context fills the top-k and one that leaves slots invalid; the kernel's scores in the
-    blockwise top-k (4 blocks of 8 tokens) select the same."""
+    decode kernels over the whole pool, layer 1 of 2) and "pallas_tpu_interpret" (their Mosaic counterparts)
+    gives the XLA path's selection and outputs (within f32 rounding), rows whose context fills the top-k and one
+    that leaves slots invalid; the kernels' scores in the blockwise top-k (4 blocks of 8 tokens) select the
+    same."""
     rng = np.random.default_rng(3)
     B, N, r, dr, nh, hd, M, ps, K = 3, 4, 32, 16, 4, 16, 8, 4, 16
     lay = KVLayout.mla(2, r, dr, page_size=ps, dtype=kv, index_layers=1, index_head_dim=hd)
@@ -215,16 +216,18 @@ def test_decode_attend_by_the_sparse_kernel_equals_the_xla_path(kv):
                jnp.asarray(rng.normal(size=(B, 1, nh)), jnp.float32))
     out = {name: jax.jit(lambda q, iq, pages, tables, a=AttentionBackend.parse(name): dsa.attend(
         q, iq, None, pages, 1, 0, tables, topk=K, softmax_scale=0.1, attention=a))(q, index_q, pages, tables)
-        for name in ("xla", "pallas_interpret")}
-    (o_x, (i_x, v_x)), (o_k, (i_k, v_k)) = out.values()
-    np.testing.assert_array_equal(np.asarray(i_k), np.asarray(i_x))
-    np.testing.assert_array_equal(np.asarray(v_k), np.asarray(v_x))
+        for name in ("xla", "pallas_interpret", "pallas_tpu_interpret")}
+    (o_x, (i_x, v_x)), *kernels = out.values()
     assert not np.asarray(v_x)[2].all()
-    np.testing.assert_allclose(np.asarray(o_k), np.asarray(o_x), rtol=1e-5, atol=1e-5)
-    i_b, v_b = dsa.select_topk(*index_q, pages, 0, bt, tables[1], ctx, K, block_tokens=8,
-                               attention=AttentionBackend.parse("pallas_interpret"))
-    np.testing.assert_array_equal(np.asarray(v_b), np.asarray(v_x))  # invalid slots' indices are don't-cares
-    np.testing.assert_array_equal(np.where(v_b, i_b, -1), np.where(v_x, i_x, -1))
+    for o_k, (i_k, v_k) in kernels:
+        np.testing.assert_array_equal(np.asarray(i_k), np.asarray(i_x))
+        np.testing.assert_array_equal(np.asarray(v_k), np.asarray(v_x))
+        np.testing.assert_allclose(np.asarray(o_k), np.asarray(o_x), rtol=1e-5, atol=1e-5)
+    for name in ("pallas_interpret", "pallas_tpu_interpret"):
+        i_b, v_b = dsa.select_topk(*index_q, pages, 0, bt, tables[1], ctx, K, block_tokens=8,
+                                   attention=AttentionBackend.parse(name))
+        np.testing.assert_array_equal(np.asarray(v_b), np.asarray(v_x))  # invalid slots' indices are don't-cares
+        np.testing.assert_array_equal(np.where(v_b, i_b, -1), np.where(v_x, i_x, -1))
 
 
 # ---- the model over pages against transformers -------------------------------------------------------------------
@@ -284,9 +287,10 @@ def test_paged_logits_match_transformers_at_every_position(tiny, n_prompt, n_pag
 @pytest.mark.slow  # 30-40 s: test_decode_attend_by_the_sparse_kernel_equals_the_xla_path checks the same path cheaply
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
 def test_sparse_decode_kernel_greedy_equals_the_xla_path(tiny, kv):
-    """Decode on the sparse path (block tables of 32 pages > index_topk 8) under attention="pallas_interpret" (the
-    sparse MLA decode kernel reads each row's top-k rows from the whole pool) and "xla" (gathered f32 rows): two
-    rows of different lengths, an FP8 or BF16 pool, 4 greedy steps each: the same tokens, logits close."""
+    """Decode on the sparse path (block tables of 32 pages > index_topk 8) under attention="pallas_interpret" and
+    "pallas_tpu_interpret" (the Triton / Mosaic sparse MLA decode kernel reads each row's top-k rows from the whole
+    pool) and "xla" (gathered rows): two rows of different lengths, an FP8 or BF16 pool, 4 greedy steps each: the
+    same tokens, logits close."""
     _, cfg, model = tiny
     n_pages, prompts = 32, [_prompt(100, seed=21), _prompt(150, seed=22)]
     pages = init_pages(kv_layout(cfg, PS, kv), 1 + 2 * n_pages)
@@ -299,7 +303,7 @@ def test_sparse_decode_kernel_greedy_equals_the_xla_path(tiny, kv):
     step = nnx.jit(lambda model, pages, batch, attention: decode(model, pages, batch, integrity=False,
                                                                  attention=attention), static_argnums=3)
     runs = {}
-    for name in ("xla", "pallas_interpret"):
+    for name in ("xla", "pallas_interpret", "pallas_tpu_interpret"):
         toks, pos, pool, seq, all_logits = list(last), [len(p) for p in prompts], pages, [], []
         for _ in range(4):
             slots = [int(bt[r, q // PS]) * PS + q % PS for r, q in enumerate(pos)]
@@ -311,9 +315,10 @@ def test_sparse_decode_kernel_greedy_equals_the_xla_path(tiny, kv):
             seq.append(toks)
             all_logits.append(np.asarray(logits))
         runs[name] = (seq, np.stack(all_logits))
-    (xla_seq, xla_logits), (kern_seq, kern_logits) = runs.values()
-    assert kern_seq == xla_seq
-    np.testing.assert_allclose(kern_logits, xla_logits, atol=1e-3 * np.abs(xla_logits).max())
+    (xla_seq, xla_logits), *kernels = runs.values()
+    for kern_seq, kern_logits in kernels:
+        assert kern_seq == xla_seq
+        np.testing.assert_allclose(kern_logits, xla_logits, atol=1e-3 * np.abs(xla_logits).max())
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------------
