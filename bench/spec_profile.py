@@ -3,6 +3,7 @@ prompt, greedy), plain decode vs "ngram:K" / "mtp:K" speculation.
 
 Usage: python bench/spec_profile.py [--k 3] [--steps 40] [--json bench/results/spec_profile.json]
        python bench/spec_profile.py --program-rows 1,16 [--methods plain,ngram]   (programs only, R rows each)
+       python bench/spec_profile.py --program-rows 1 --ops [--methods plain,ngram]   (programs' op-level trace)
 
 Per engine (plain, ngram:K, mtp:K; the serving `EngineConfig()` otherwise, no prefix cache), after an untimed pass
 that compiles its shapes:
@@ -18,6 +19,11 @@ that compiles its shapes:
 --program-rows R1,R2: only the device program (as "program" above) with R requests decoding at once, for each R:
 the decode program at R rows against the verify at R rows x (k + 1) positions (ngram's chained verifies included:
 the program is the same, only its inputs are made on the device).
+--ops (with --program-rows): instead of timing, a `jax.profiler` trace of --steps back-to-back calls of each program:
+every XLA:CPU thunk's self time per call (fusions, dots, copies; loop bodies per trip), grouped by the model part
+its HLO came from (bench/decode_profile.py's rules) and by kind, the top ops, ops per call, and the wall time per
+call outside any op (no thunk running on any thread: dispatch, waits for XLA's threads), threads and hand-offs.
+Tracing adds per-thunk overhead (a traced call is ~2x an untraced one here): read shares, not absolute times.
 """
 from __future__ import annotations
 
@@ -95,9 +101,9 @@ def steps(engine: Engine, prompt: list[int], n: int, new: int) -> tuple[list[flo
     return ms, toks, traces
 
 
-def program_times(engine: Engine, prompts: list[list[int]], reps: int, new: int) -> dict:
-    """The device program of a steady decode step of `prompts` (decoding together) alone: capture its arguments,
-    call it back to back."""
+def capture_program(engine: Engine, prompts: list[list[int]], new: int) -> tuple[object, str, tuple]:
+    """Step `prompts` (decoding together) to a steady step and capture its device program's arguments
+    -> (the jitted program, its name, the arguments after (params, pages))."""
     prog = engine.scheduler.programs
     captured: dict[str, tuple] = {}
     spec = engine.scheduler._speculation
@@ -122,21 +128,107 @@ def program_times(engine: Engine, prompts: list[list[int]], reps: int, new: int)
         while "args" not in captured:
             engine.step()
     setattr(target, attr, fn)
-    rest = captured["args"]
-    ph = prog.decode_phase
+    return fn, attr, captured["args"]
+
+
+def call(engine: Engine, fn: object, rest: tuple) -> tuple:
+    """One call of the captured program on the decode pool (threaded through, as the engine does)."""
+    ph = engine.scheduler.programs.decode_phase
+    out = fn(ph.params, ph.pages, *rest)
+    ph.pages = out[2]
+    return out
+
+
+def program_times(engine: Engine, prompts: list[list[int]], reps: int, new: int) -> dict:
+    """The device program of a steady decode step of `prompts` (decoding together) alone: capture its arguments,
+    call it back to back."""
+    fn, attr, rest = capture_program(engine, prompts, new)
     total, dispatch = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        out = fn(ph.params, ph.pages, *rest)
+        out = call(engine, fn, rest)
         t1 = time.perf_counter()
         jax.block_until_ready(out)
         t2 = time.perf_counter()
-        ph.pages = out[2]
         dispatch.append((t1 - t0) * 1e3)
         total.append((t2 - t0) * 1e3)
     while engine.scheduler.has_work():
         engine.step()
     return {"program": attr, "ms": spread(total), "dispatch_ms": spread(dispatch)}
+
+
+def busy(pd: jax.profiler.ProfileData, steps: int) -> dict:
+    """Per step: the union of every XLA thread's thunk intervals (us: some thunk running somewhere), the threads that
+    ran thunks, and the hand-offs (consecutive thunks, by start, on different threads)."""
+    evs = sorted((e.start_ns, e.start_ns + e.duration_ns, line.name) for plane in pd.planes for line in plane.lines
+                 if line.name != "python" for e in line.events
+                 if not e.name.startswith(("ThunkExecutor", "ThreadpoolListener")))
+    union, end, handoffs, prev = 0, 0, 0, None
+    for start, stop, thread in evs:
+        union += max(0, stop - max(start, end))
+        end = max(end, stop)
+        handoffs += prev is not None and thread != prev
+        prev = thread
+    return {"union_us": union / 1e3 / steps, "threads": len({t for _, _, t in evs}), "handoffs": handoffs / steps}
+
+
+def op_profile(engine: Engine, prompts: list[list[int]], steps: int, new: int) -> dict:
+    """--ops: a `jax.profiler` trace of `steps` back-to-back calls of the captured program: each thunk's self time
+    per step (bench/decode_profile.thunk_times), its model part (HloFrames), and the wall time per call outside any
+    thunk (dispatch, waits for XLA's threads)."""
+    from jax._src.lib import _profiler
+
+    from bench.decode_profile import HloFrames, kind_of, thunk_times
+
+    fn, attr, rest = capture_program(engine, prompts, new)
+    ph = engine.scheduler.programs.decode_phase
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), ph.pages)
+    frames = HloFrames(fn.lower(ph.params, spec, *rest).compile().as_text())
+    for _ in range(5):
+        jax.block_until_ready(call(engine, fn, rest))
+    session = _profiler.ProfilerSession()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call(engine, fn, rest))
+        walls.append((time.perf_counter() - t0) * 1e6)
+    wall_us = float(np.mean(walls))
+    pd = jax.profiler.ProfileData.from_serialized_xspace(session.stop())
+    while engine.scheduler.has_work():
+        engine.step()
+    per = thunk_times(pd, steps)
+    groups: dict[str, list[float]] = {}
+    kinds: dict[str, list[float]] = {}
+    for name, (us, n) in per.items():
+        for table, key in ((groups, frames.group(name)), (kinds, kind_of(name))):
+            acc = table.setdefault(key, [0.0, 0.0])
+            acc[0] += us
+            acc[1] += n
+    b = busy(pd, steps)
+
+    def ranked(table: dict[str, list[float]]) -> dict:
+        return {k: {"us": u, "ops": n} for k, (u, n) in sorted(table.items(), key=lambda kv: -kv[1][0])}
+    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:20]
+    # a late thread wake-up shows in the mean: outside_median_us takes the median call against the mean busy time
+    return {"program": attr, "wall_us_per_call": wall_us, "wall_us": spread(walls),
+            "outside_median_us": float(np.median(walls)) - b["union_us"], "ops_per_call": sum(n for _, n in per.values()),
+            "op_self_us": sum(u for u, _ in per.values()), "busy_us": b["union_us"],
+            "outside_us": wall_us - b["union_us"], "threads": b["threads"], "handoffs_per_call": b["handoffs"],
+            "hlo_instructions": len(frames.inst), "groups": ranked(groups), "kinds": ranked(kinds),
+            "top": [{"op": n, "us": u, "per_call": k, "shape": frames.inst.get(n, ("",))[0],
+                     "group": frames.group(n)} for n, (u, k) in top]}
+
+
+def ops_lines(name: str, r: int, p: dict, load: tuple[float, float]) -> list[str]:
+    lines = [f"{name:>6} rows {r:>2}: {p['program']} {p['wall_us_per_call']:.0f} us/call traced (median {p['wall_us']['median']:.0f}), "
+             f"{p['ops_per_call']:.0f} ops ({p['op_self_us']:.0f} us self), busy {p['busy_us']:.0f} us, outside any "
+             f"op {p['outside_us']:.0f} us (median call {p['outside_median_us']:.0f}), {p['threads']} threads, {p['handoffs_per_call']:.0f} hand-offs/call; "
+             f"load {load[0]:.1f}->{load[1]:.1f}"]
+    lines += [f"    {g:<26} {v['us']:>7.0f} us {v['ops']:>6.1f} ops" for g, v in p["groups"].items()]
+    lines += [f"    kind {g:<21} {v['us']:>7.0f} us {v['ops']:>6.1f} ops" for g, v in p["kinds"].items()]
+    lines += [f"    {t['op']:<30} {t['us']:>7.0f} us x{t['per_call']:.0f} {t['shape'][:30]:<30} {t['group']}"
+              for t in p["top"][:12]]
+    return lines
 
 
 def phases(engine: Engine, prompt: list[int], n: int, new: int) -> dict:
@@ -160,14 +252,23 @@ def phases(engine: Engine, prompt: list[int], n: int, new: int) -> dict:
 
 def program_rows(args: argparse.Namespace, rows: list[int]) -> int:
     """--program-rows: each method's decode / verify program at each row count, engines built in turn."""
-    out = {"bench": "spec_profile_rows", "machine": common.machine(), "k": args.k, "rows": []}
+    out = {"bench": "spec_profile_ops" if args.ops else "spec_profile_rows", "machine": common.machine(), "k": args.k,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
     lines = []
     for name in args.methods.split(","):
         cfg = EngineConfig(prefix_cache=False, speculative=None if name == "plain" else Speculative(name, args.k, None))
         engine = Engine.from_checkpoint(CKPT, cfg, start=False)
         for r in rows:
             load0 = os.getloadavg()
-            p = program_times(engine, prompts_for(engine, r, seed=1), args.steps, args.new_tokens)
+            prompts = prompts_for(engine, r, seed=1)
+            if args.ops:
+                p = op_profile(engine, prompts, args.steps, args.new_tokens)
+                out["rows"].append({"engine": name, "decoding_rows": r, "ops": p, "loadavg_start": load0,
+                                    "loadavg_end": os.getloadavg()})
+                lines += ops_lines(name, r, p, (load0[0], os.getloadavg()[0]))
+                print("\n".join(lines[-1 - len(p["groups"]) - len(p["kinds"]) - 12:]), flush=True)
+                continue
+            p = program_times(engine, prompts, args.steps, args.new_tokens)
             out["rows"].append({"engine": name, "decoding_rows": r, "program": p, "loadavg_start": load0,
                                 "loadavg_end": os.getloadavg()})
             lines.append(f"{name:>6} rows {r:>2}: {p['program']} {p['ms']['median']:.2f} ms ({p['ms']['min']:.2f}.."
@@ -183,6 +284,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--methods", default="plain,ngram,mtp")
     ap.add_argument("--program-rows", default=None, help="R1,R2: only the programs at R decoding rows each")
+    ap.add_argument("--ops", action="store_true", help="with --program-rows: an op-level trace of each program")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "spec_profile.json")
     args = ap.parse_args()
     if args.program_rows:

@@ -232,16 +232,20 @@ class Experts(nnx.Module):
         [N, E * I] x [E * I, H]. The XLA path when N x E rows are fewer than the grouped matmul's padded tiles."""
         n = x.shape[0]
         e, _, inter = self.gate.shape
+        xe = jnp.broadcast_to(x, (e, *x.shape))  # [E, N, H]
 
         def up_proj(w: nnx.Param) -> jax.Array:
-            return jnp.einsum("nh,ehi->nei", x, w[...].astype(x.dtype),
+            # batched over experts: as one [N, H] x [H, E * I] product XLA:CPU copied each [E, H, I] weight to
+            # [H, E, I] on every call (2 MB a layer at the c = 1 verify; bench/spec_profile.py --ops)
+            return jnp.einsum("enh,ehi->eni", xe, w[...].astype(x.dtype),
                               preferred_element_type=jnp.float32).astype(x.dtype)
 
-        h = jax.nn.silu(up_proj(self.gate)) * up_proj(self.up)  # [N, E, I]
+        h = jax.nn.silu(up_proj(self.gate)) * up_proj(self.up)  # [E, N, I]
         # an unrouted expert's activations are dropped, not scaled by 0 (an inf there must not reach the row)
-        hw = jnp.where(weight[..., None] != 0, h.astype(jnp.float32) * weight[..., None], 0).astype(x.dtype)
+        w = weight.T[..., None]  # [E, N, 1]
+        hw = jnp.where(w != 0, h.astype(jnp.float32) * w, 0).astype(x.dtype)
         down = self.down[...].astype(x.dtype).reshape(e * inter, -1)
-        return jnp.dot(hw.reshape(n, e * inter), down, preferred_element_type=jnp.float32)
+        return jnp.dot(jnp.swapaxes(hw, 0, 1).reshape(n, e * inter), down, preferred_element_type=jnp.float32)
 
 
 class MoE(nnx.Module):

@@ -83,11 +83,14 @@ def mla_decode(q: jax.Array, latent: jax.Array, latent_scale: jax.Array | None, 
 
     def body(j: jax.Array, carry: tuple) -> tuple:
         ids = jax.lax.dynamic_slice_in_dim(bt, j * bp, bp, axis=1)  # [B, bp]
-        c = from_bits(latent[layer, ids], layout).astype(jnp.float32).reshape(b, t, -1)  # [B, t, r + dr]
+        # one block covers the table at short contexts, so the gathers were loop-invariant: hoisted out, XLA:CPU
+        # fused the layer's KV write into them and copied the whole scale pool per layer (bench/spec_profile.py --ops)
+        lat, lat_scale = jax.lax.optimization_barrier(((latent, latent_scale), j))[0]
+        c = from_bits(lat[layer, ids], layout).astype(jnp.float32).reshape(b, t, -1)  # [B, t, r + dr]
         logits = jnp.einsum("bnd,btd->bnt", q, c, precision=_HIGHEST) * softmax_scale
         s = None
         if latent_scale is not None:
-            s = latent_scale[layer, ids].reshape(b, 1, t)
+            s = lat_scale[layer, ids].reshape(b, 1, t)
             logits = logits * s
         pos = j * t + jnp.arange(t, dtype=jnp.int32)
         valid = (pos[None, :] < lengths[:, None])[:, None, :]

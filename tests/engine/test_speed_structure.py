@@ -147,6 +147,41 @@ def test_decode_attention_reads_page_blocks_in_a_loop(models, arch, kv_dtype):
 
 
 
+_COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy\(")
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_decode_copies_no_pool(models, kv_dtype):
+    """One block covering the table (a short context): the attention's page gathers stay in its loop, so XLA:CPU
+    cannot fuse the layer's KV write into a hoisted gather and copy the pool (it copied the FP8 scale pool once per
+    layer, bench/spec_profile.py --ops)."""
+    pr = _programs(models["deepseek_v3"], kv_dtype)
+    ph = pr.decode_phase
+    batch, samp = dummy_decode(1, 8)  # c = 1: the engine's shape where XLA:CPU made the copies
+    hlo = pr._decode.lower(ph.params, ph.pages, batch, samp).compile().as_text()
+    pool_copies = [m.group(0) for m in _COPY.finditer(hlo)
+                   if NUM_PAGES in [int(d) for d in m.group(1).split(",") if d]]
+    assert pool_copies == []
+
+
+def test_dense_all_copies_no_expert_weight():
+    """Experts.dense_all (a few rows through every expert) reads the stacked [E, H, I] weights as they are: no
+    transposed copy of a weight per call (XLA:CPU made one of each gate and up as an [N, H] x [H, E * I] product)."""
+    from flax import nnx
+
+    from jaxserve.models.layers import Experts
+
+    e, h, inter = 4, 32, 48
+    experts = Experts(e, h, inter, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jnp.ones((3, h), jnp.bfloat16)
+    weight = jnp.zeros((3, e), jnp.float32).at[:, 1].set(1.0)
+    graph, state = nnx.split(experts)  # the weights as arguments (a closed-over constant could be folded)
+    hlo = jax.jit(lambda st, x, w: nnx.merge(graph, st).dense_all(x, w)).lower(state, x, weight).compile().as_text()
+    weight_copies = [m.group(0) for m in _COPY.finditer(hlo)
+                     if int(np.prod([int(d) for d in m.group(1).split(",") if d] or [1])) >= e * h * inter]
+    assert weight_copies == []
+
+
 _SORT = re.compile(r"= \(?\w+\[([\d,]*)\]\S*(?:, \w+\[[\d,]*\]\S*)*\)? sort\(")
 
 

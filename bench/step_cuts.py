@@ -1,0 +1,147 @@
+"""The c = 1 step cuts of issue #33 against their previous forms, in one process: each variant is an engine traced
+with some cuts undone, its steady decode (plain) or verify (ngram:3) program captured, and the variants' calls
+interleaved A B A B ... (a drift in the shared host's load hits every variant alike).
+
+Usage: python bench/step_cuts.py [--rows 1,16] [--methods plain,ngram] [--reps 100]
+                                 [--variants now,before] [--json bench/results/step_cuts.json]
+
+Cuts (each undone by a variant):
+- "pin" (paged_attention_xla.mla_decode): the page gathers tied to the loop index. Without it, one block covering a
+  short context's table made the gathers loop-invariant: hoisted out of the loop, XLA:CPU fused the layer's KV
+  write into them and copied the whole FP8 scale pool once per layer.
+- "bdot" (layers.Experts.dense_all): gate and up batched over experts. As one [N, H] x [H, E * I] product XLA:CPU
+  transposed each [E, H, I] weight to [H, E, I] on every call.
+Variants: "now" (the tree), "no-pin", "no-bdot", "before" (both undone). Per (method, rows, variant): program ms
+(median, min..max over --reps calls), the compiled program's copies (all, and of >= 64K elements), and whether its
+first call's greedy tokens equal the first variant's. Load (/proc/loadavg) is recorded: the host may be shared.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import common  # noqa: E402
+from bench.spec_profile import call, capture_program  # noqa: E402
+from bench.speculative import CKPT, prompts_for  # noqa: E402
+from jaxserve.engine import Engine, EngineConfig  # noqa: E402
+from jaxserve.engine.config import Speculative  # noqa: E402
+from jaxserve.models import layers, paged_attention_xla  # noqa: E402
+
+PIN = "lat, lat_scale = jax.lax.optimization_barrier(((latent, latent_scale), j))[0]"
+
+
+def unpinned_mla_decode():  # noqa: ANN201
+    """mla_decode as it was: the same source with the loop-index barrier replaced by the arrays themselves."""
+    src = inspect.getsource(paged_attention_xla.mla_decode)
+    if PIN not in src:
+        raise SystemExit("mla_decode no longer has the barrier this bench undoes")
+    ns = dict(vars(paged_attention_xla))
+    exec(src.replace(PIN, "lat, lat_scale = latent, latent_scale"), ns)  # noqa: S102 - the module's own source
+    return ns["mla_decode"]
+
+
+def transposed_dense_all(self: layers.Experts, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """Experts.dense_all as it was: gate and up as one [N, H] x [H, E * I] product each."""
+    n = x.shape[0]
+    e, _, inter = self.gate.shape
+
+    def up_proj(w):  # noqa: ANN001, ANN202
+        return jnp.einsum("nh,ehi->nei", x, w[...].astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+    h = jax.nn.silu(up_proj(self.gate)) * up_proj(self.up)  # [N, E, I]
+    hw = jnp.where(weight[..., None] != 0, h.astype(jnp.float32) * weight[..., None], 0).astype(x.dtype)
+    down = self.down[...].astype(x.dtype).reshape(e * inter, -1)
+    return jnp.dot(hw.reshape(n, e * inter), down, preferred_element_type=jnp.float32)
+
+
+@contextlib.contextmanager
+def undone(variant: str):
+    """The tree with the variant's cuts undone while an engine is built and traced."""
+    real_mla, real_dense = paged_attention_xla.mla_decode, layers.Experts.dense_all
+    if variant in ("no-pin", "before"):
+        paged_attention_xla.mla_decode = unpinned_mla_decode()
+    if variant in ("no-bdot", "before"):
+        layers.Experts.dense_all = transposed_dense_all
+    try:
+        yield
+    finally:
+        paged_attention_xla.mla_decode, layers.Experts.dense_all = real_mla, real_dense
+
+
+def copies(hlo: str) -> tuple[int, int]:
+    """(copy ops, copies of >= 64K elements) in a compiled module's text."""
+    shapes = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", hlo)
+    return len(shapes), sum(int(np.prod([int(d) for d in s.split(",") if d] or [1])) >= 65536 for s in shapes)
+
+
+def build(variant: str, method: str, rows: int) -> dict:
+    with undone(variant):
+        cfg = EngineConfig(prefix_cache=False, speculative=None if method == "plain" else Speculative(method, 3, None))
+        engine = Engine.from_checkpoint(CKPT, cfg, start=False)
+        fn, attr, rest = capture_program(engine, prompts_for(engine, rows, seed=1), 64)
+        ph = engine.scheduler.programs.decode_phase
+        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), ph.pages)
+        n_copy, big = copies(fn.lower(ph.params, spec, *rest).compile().as_text())
+        tokens = np.asarray(call(engine, fn, rest)[0].tokens)
+    return {"engine": engine, "fn": fn, "rest": rest, "program": attr, "copies": n_copy, "big_copies": big,
+            "tokens": tokens, "ms": []}
+
+
+def measure(variants: list[str], method: str, rows: int, reps: int) -> list[dict]:
+    built = {v: build(v, method, rows) for v in variants}
+    load0 = os.getloadavg()
+    for i in range(reps + 5):  # 5 untimed rounds first
+        for b in built.values():
+            t0 = time.perf_counter()
+            jax.block_until_ready(call(b["engine"], b["fn"], b["rest"]))
+            if i >= 5:
+                b["ms"].append((time.perf_counter() - t0) * 1e3)
+    load1 = os.getloadavg()
+    first = built[variants[0]]["tokens"]
+    out = []
+    for v, b in built.items():
+        out.append({"method": method, "rows": rows, "variant": v, "program": b["program"], "ms": common.spread(b["ms"]),
+                    "copies": b["copies"], "big_copies": b["big_copies"],
+                    "tokens_equal_first": bool(np.array_equal(b["tokens"], first)),
+                    "loadavg_start": load0, "loadavg_end": load1})
+        b["engine"].close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,16")
+    ap.add_argument("--methods", default="plain,ngram")
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--variants", default="now,before")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "step_cuts.json")
+    args = ap.parse_args()
+    out = {"bench": "step_cuts", "machine": common.machine(), "rows": []}
+    lines = []
+    for method in args.methods.split(","):
+        for r in (int(x) for x in args.rows.split(",")):
+            for row in measure(args.variants.split(","), method, r, args.reps):
+                out["rows"].append(row)
+                ms = row["ms"]
+                lines.append(f"{method:>6} rows {r:>2} {row['variant']:<8} {ms['median']:.2f} ms ({ms['min']:.2f}.."
+                             f"{ms['max']:.2f}), copies {row['copies']} ({row['big_copies']} >= 64K elements), tokens "
+                             f"equal {row['tokens_equal_first']}, load {row['loadavg_start'][0]:.1f}->"
+                             f"{row['loadavg_end'][0]:.1f}")
+                print(lines[-1], flush=True)
+    return common.write_result(out, "\n".join(lines), args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
