@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-aot serve test test-compile test-slow plan-targets peers clean
+.PHONY: install install-aot serve test test-lane-cpu test-lane-server-compile test-compile test-slow plan-targets peers clean
 
 %/bin/python:  # a venv: .venv, .venv-aot
 	$(PYTHON) -m venv $*
@@ -32,12 +32,19 @@ install-aot: $(AOT_STAMP)
 serve: $(STAMP)
 	$(BIN)/jaxserve serve
 
-# Two processes: the HTTP server tests compile their engines in a fresh one. Late XLA compiles crashed twice in one
-# long process (likely the 65,530 memory-mapping limit: every live executable holds mappings; tests/conftest.py now
-# drops each module's compiled programs).
+# Two lanes at once, one per core of the CI host (`make -j2`; each lane's output is printed whole when it ends): the
+# CPU tests; then the HTTP server tests followed by the compile tier. One process runs tests at a time per lane:
+# XLA:CPU's small ops leave a second core mostly idle, and compiles are mostly one thread. The server tests compile
+# their engines in a fresh process: late XLA compiles crashed twice in one long process (likely the 65,530
+# memory-mapping limit: every live executable holds mappings; tests/conftest.py drops each module's programs).
 test: $(STAMP) $(AOT_STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-lane-cpu test-lane-server-compile
+
+test-lane-cpu: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS) --ignore=tests/server --ignore=tests/compile
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/server
+
+test-lane-server-compile: $(STAMP) $(AOT_STAMP)
+	$(BIN)/python -m pytest -q --durations=10 $(PYTEST_ARGS) tests/server
 	$(COMPILE_TIER)
 
 # Real compiles (not lowerings) of every Pallas kernel for H200 and TPU v5e/v5p/v6e, in .venv-aot; with
