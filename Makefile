@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-aot serve test test-lane-cpu test-lane-server-compile test-compile test-slow plan-targets peers clean
+.PHONY: install install-aot serve test test-engine test-server test-cpu-rest test-compile test-slow plan-targets peers clean
 
 %/bin/python:  # a venv: .venv, .venv-aot
 	$(PYTHON) -m venv $*
@@ -32,20 +32,23 @@ install-aot: $(AOT_STAMP)
 serve: $(STAMP)
 	$(BIN)/jaxserve serve
 
-# Two lanes at once, one per core of the CI host (`make -j2`; each lane's output is printed whole when it ends): the
-# CPU tests; then the HTTP server tests followed by the compile tier. One process runs tests at a time per lane:
-# XLA:CPU's small ops leave a second core mostly idle, and compiles are mostly one thread. The server tests compile
-# their engines in a fresh process: late XLA compiles crashed twice in one long process (likely the 65,530
-# memory-mapping limit: every live executable holds mappings; tests/conftest.py drops each module's programs).
+# Four parts, two at a time, one per core of the CI host (`make -j2`, each part's output printed whole when it ends),
+# longest first so the last to start are the short ones: the engine tests (the longest part: an estimated 3/4 of
+# the CPU tests), the HTTP server tests, the compile tier, the other CPU tests. The server tests compile their engines in a
+# fresh process: late XLA compiles crashed twice in one long process (likely the 65,530 memory-mapping limit: every
+# live executable holds mappings; tests/conftest.py drops each module's programs).
+CPU_TESTS = $(BIN)/python -m pytest -q --durations=10 $(PYTEST_ARGS)
 test: $(STAMP) $(AOT_STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-lane-cpu test-lane-server-compile
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-engine test-server test-compile test-cpu-rest
 
-test-lane-cpu: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS) --ignore=tests/server --ignore=tests/compile
+test-engine: $(STAMP)
+	$(CPU_TESTS) tests/engine
 
-test-lane-server-compile: $(STAMP) $(AOT_STAMP)
-	$(BIN)/python -m pytest -q --durations=10 $(PYTEST_ARGS) tests/server
-	$(COMPILE_TIER)
+test-server: $(STAMP)
+	$(CPU_TESTS) tests/server
+
+test-cpu-rest: $(STAMP)
+	$(CPU_TESTS) --ignore=tests/engine --ignore=tests/server --ignore=tests/compile
 
 # Real compiles (not lowerings) of every Pallas kernel for H200 and TPU v5e/v5p/v6e, in .venv-aot; with
 # JAXSERVE_COMPILE_TIER=1 a missing compiler fails the run instead of skipping it. JAX_PLATFORMS=cpu: the CUDA
