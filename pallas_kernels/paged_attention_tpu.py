@@ -60,7 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_kernels import online_softmax
+from pallas_kernels.online_softmax import MASK_VALUE, dot_precision
 # Block-table entries per grid step at most: 2 x 1024 x 4 B = 8 KiB of SMEM, far under tpu-inference's
 # 128k-entry guard, at any context length.
 MAX_PAGES_PER_CHUNK = 1024
@@ -139,11 +140,6 @@ def scale_rows(scales: jax.Array) -> jax.Array:
     ([L, P, Hkv, ps]) put a device's one kv head (TP) second-minor: XLA:TPU tiled that (1, 128), which its scatter
     of new scales relaid out to (8, 128) tiles over (P, ps) and back, copying the scale pools every step."""
     return jnp.transpose(scales, (0, 3, 1, 2))
-
-
-def dot_precision(dtype) -> lax.Precision | None:
-    """Mosaic refuses an fp32-precision contraction of bf16 operands (jax_default_matmul_precision="highest")."""
-    return None if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def _last_chunk(b, lens_ref, page_size: int, pages_per_chunk: int) -> jax.Array:
@@ -239,9 +235,7 @@ def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bo
 
     @pl.when(c == 0)
     def _init():
-        m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        online_softmax.reset(m_sc, l_sc, acc_sc)
 
     def compute(blk, slot):
         q = q_ref[...].astype(compute_dtype)
@@ -264,19 +258,13 @@ def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bo
             keep = keep & (lax.div(lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0), group) ==
                            head_of_row(col, kv_heads, page_size))
         logits = jnp.where(keep, logits * softmax_scale, MASK_VALUE)
-        m_prev, l_prev = m_sc[...], l_sc[...]
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(logits - m_next)  # masked entries underflow to exactly 0
-        l_sc[...] = correction * l_prev + p.sum(axis=-1, keepdims=True)
-        m_sc[...] = m_next
+        p, correction = online_softmax.fold_logits(m_sc, l_sc, logits)  # masked entries underflow to exactly 0
         if fp8:  # V-side dequant, after the sum so l stays the plain softmax denominator
             p = p * (k_row if mla else scale(1))
         # zero V rows past the length: stale or uncopied buffer rows may hold anything (NaN included)
         v_tok = token_of_row(lax.broadcasted_iota(jnp.int32, (bk, 1), 0), kv_heads, page_size)
         v = jnp.where(tok0 + v_tok < length, v, jnp.zeros((), v.dtype))
-        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                                                         precision=dot_precision(v.dtype))
+        online_softmax.fold_values(acc_sc, p, correction, v)
 
     @pl.when(n_blocks > 0)
     def _run():
@@ -297,9 +285,7 @@ def _decode_kernel(lens_ref, layer_ref, bt_ref, q_ref, *refs, mla: bool, fp8: bo
 
     @pl.when(c == pl.num_programs(2) - 1)
     def _finalize():
-        l = l_sc[...]
-        # empty sequence: l == 0, output 0 rather than 0 / 0
-        o_ref[...] = jnp.where(l > 0, acc_sc[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+        online_softmax.write_out(o_ref, l_sc, acc_sc)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "block_h", "pages_per_compute_block",

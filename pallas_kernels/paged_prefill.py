@@ -73,11 +73,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import online_softmax
+from pallas_kernels.online_softmax import MASK_VALUE, dot_precision
 from pallas_kernels.paged_attention import with_layer_axis
-from pallas_kernels.paged_attention_tpu import (BITS_TO_VALUES, _scale_row, _values, dot_precision, head_major,
-                                                head_of_row, scale_rows, token_of_row)
-
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_kernels.paged_attention_tpu import (BITS_TO_VALUES, _scale_row, _values, head_major, head_of_row,
+                                                scale_rows, token_of_row)
 _LOG2E = math.log2(math.e)
 
 
@@ -357,9 +357,7 @@ def _tpu_kernel(nblk_ref, lens_ref, layer_ref, bt_ref, q_ref, pos_ref, *refs, ml
         for c in copies(0, 0):
             c.start()
 
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    online_softmax.reset(m_sc, l_sc, acc_sc)
     q = q_ref[...]
     pos = pos_ref[...]  # [br, 1]
 
@@ -405,27 +403,19 @@ def _tpu_kernel(nblk_ref, lens_ref, layer_ref, bt_ref, q_ref, pos_ref, *refs, ml
         if kv_heads > 1:
             mask = mask & (head_of_row(col, kv_heads, page_size) == j)
         logits = jnp.where(mask, logits * softmax_scale, MASK_VALUE)
-        m_prev = m_sc[...]
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
-        correction = jnp.exp(m_prev - m_next)
-        # a row that has seen no key yet has m_next == MASK_VALUE: exp(0) = 1 must not count, hence the where
-        p = jnp.where(mask, jnp.exp(logits - m_next), 0.0)
-        l_sc[...] = correction * l_sc[...] + p.sum(axis=-1, keepdims=True)
-        m_sc[...] = m_next
+        # a row may have seen no key yet (causal mask, padding): its p must not count exp(0) = 1, hence keep
+        p, correction = online_softmax.fold_logits(m_sc, l_sc, logits, keep=mask)
         if fp8 and not mla:  # V-side dequant, after the sum so l stays the plain softmax denominator
             p = p * scale_row(bufs[3], i, slot)
         # zero V rows past ctx_len: a tail page may hold anything (NaN included) and 0 * NaN would leak
         kcol = i * block_k + token_of_row(lax.broadcasted_iota(jnp.int32, (block_k * kv_heads, 1), 0), kv_heads,
                                           page_size)
         v = jnp.where(kcol < ctx_len, v, jnp.zeros((), v.dtype))
-        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                                                         precision=dot_precision(v.dtype))
+        online_softmax.fold_values(acc_sc, p, correction, v)
         return carry
 
     lax.fori_loop(0, n_blocks, body, 0)
-    l = l_sc[...]
-    # rows that saw no key (padding, ctx_len 0): l == 0 -> output 0, not 0 / 0
-    o_ref[...] = jnp.where(l > 0, acc_sc[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+    online_softmax.write_out(o_ref, l_sc, acc_sc)
 
 
 def _key_blocks(pos: jax.Array, lens: jax.Array, block_r: int, block_k: int, max_blocks: int) -> jax.Array:

@@ -43,7 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention_tpu import MASK_VALUE, dot_precision
+from pallas_kernels import online_softmax
+from pallas_kernels.online_softmax import MASK_VALUE, dot_precision
 
 BLOCK_K = 128  # selected tokens per double-buffer slot: 128 row DMAs in flight (a [128, 576] u32 slot: 288 KiB)
 LANES = 128  # the selection is padded to whole blocks of a multiple of 128 (the SMEM block, the lane axis)
@@ -124,9 +125,7 @@ def _kernel(layer_ref, ids_ref, q_ref, sub_ref, *refs, value_dim: int, page_size
 
         lax.fori_loop(0, block_k, one, 0)
 
-    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    online_softmax.reset(m_sc, l_sc, acc_sc)
     each_row(0, 0, "start")
 
     def body(blk, carry):
@@ -150,22 +149,14 @@ def _kernel(layer_ref, ids_ref, q_ref, sub_ref, *refs, value_dim: int, page_size
         if fp8:
             logits = logits * w  # K-side dequant: (q . k8) s == q . (k8 s)
         logits = jnp.where(valid, logits * softmax_scale, MASK_VALUE)
-        m_prev, l_prev = m_sc[...], l_sc[...]
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(logits - m_next)  # masked entries underflow to exactly 0
-        l_sc[...] = correction * l_prev + p.sum(axis=-1, keepdims=True)
-        m_sc[...] = m_next
+        p, correction = online_softmax.fold_logits(m_sc, l_sc, logits)  # masked entries underflow to exactly 0
         if fp8:  # V-side dequant, after the sum so l stays the plain softmax denominator
             p = p * w
-        v = k[:, :value_dim]
-        acc_sc[...] = correction * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                                                         precision=dot_precision(v.dtype))
+        online_softmax.fold_values(acc_sc, p, correction, k[:, :value_dim])
         return carry
 
     lax.fori_loop(0, n_blocks, body, 0)
-    l = l_sc[...]
-    o_ref[...] = jnp.where(l > 0, acc_sc[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+    online_softmax.write_out(o_ref, l_sc, acc_sc)
 
 
 def resolve_rows(block_tables: jax.Array, indices: jax.Array, page_size: int, padded: int) -> jax.Array:
