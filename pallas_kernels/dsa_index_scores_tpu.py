@@ -130,6 +130,8 @@ def dsa_index_scores_tpu(q: jax.Array, w: jax.Array, pool: jax.Array, block_tabl
     chunks = -(-m // chunk)
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, chunks * chunk - m))).reshape(-1)
     hbm = [pool] + ([scales.astype(jnp.float32)] if fp8 else [])
+    if not interpret:  # pinned to HBM: XLA:TPU prefetched a pl.ANY operand that fits VMEM (few layers' scales) whole
+        hbm = [pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in hbm]
     scratch = [pltpu.VMEM((2, ppb, page_size, hd), pool.dtype)]
     scratch += [pltpu.VMEM((2, ppb, page_size), jnp.float32)] if fp8 else []
     kernel = functools.partial(_kernel, fp8=fp8, page_size=page_size, pages_per_block=ppb, scale=hd ** -0.5)

@@ -168,6 +168,8 @@ def gmm_tpu(xs: tuple[jax.Array, ...], group_sizes: jax.Array, w: jax.Array, sca
                               lambda j, v, kk, t, gr, xt, wg, *_: (wg[v], 0, 0), memory_space=pltpu.SMEM)
         kernel = functools.partial(_gmm_fp8_kernel, block_m=bm, n_k=n_k)
         scale_op = scale.astype(jnp.float32)
+    # w / scale pinned to HBM: unpinned, XLA:TPU prefetched an operand that fits VMEM (a v6e chip's 12 Kimi experts'
+    # scales, 11 MB; at one decode row their 88 MB weight stacks too) whole, where the kernel reads the routed ones
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(lay),
         grid=(n // bn, n_visits, n_k),  # N outermost ("parallel"): visits and K stay sequential on each core
@@ -182,4 +184,4 @@ def gmm_tpu(xs: tuple[jax.Array, ...], group_sizes: jax.Array, w: jax.Array, sca
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=TPU_VMEM_LIMIT_BYTES),
         interpret=interpret,
-    )(*lay, *xs, w, scale_op)
+    )(*lay, *xs, *(a if interpret else pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in (w, scale_op)))

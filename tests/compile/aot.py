@@ -29,6 +29,8 @@ from jax.experimental import topologies
 from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve import hlo_bytes
+
 TARGETS_DIR = Path(__file__).resolve().parents[2] / "jaxserve" / "target_configs"
 # target name -> (platform, topology); TPU names as libtpu spells them, GPU as slices x hosts x GPUs per host
 TARGETS = {
@@ -125,6 +127,21 @@ def copies_of(result: Compiled, shape: Sequence[int]) -> list[str]:
     dims = ",".join(str(d) for d in shape)
     return [line.strip() for line in result.hlo.splitlines()
             if re.search(rf"= \w+\[{dims}\]\{{[^}}]*\}} copy\(", line)]
+
+
+def mosaic_operands_in_vmem(result: Compiled, name: str) -> list[tuple[bool, ...]]:
+    """Per Mosaic call whose metadata names `name`: whether XLA:TPU placed each operand in VMEM (`S(1)` in its
+    layout), i.e. prefetched it there, where an operand left in HBM is read by the kernel's own DMAs."""
+    comps, _ = hlo_bytes.parse(result.hlo)
+    calls = []
+    for instrs in comps.values():
+        by_name = {i.name: i for i in instrs}
+        for call in instrs:
+            if call.op == "custom-call" and "tpu_custom_call" in call.attrs and name in call.attrs:
+                srcs = [by_name.get(o) for o in call.operands]
+                calls.append(tuple(s is not None and any(not s.in_hbm(j) for j in range(len(s.types)))
+                                   for s in srcs))
+    return calls
 
 
 class NoPool:

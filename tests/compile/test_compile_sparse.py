@@ -22,7 +22,7 @@ import traceback
 import jax.numpy as jnp
 import pytest
 
-from aot import check_budget, compile_for, copies_of, sds
+from aot import check_budget, compile_for, copies_of, mosaic_operands_in_vmem, sds
 from kernel_programs import (F8, GEOMETRIES, GLM52_INDEX_DIM, GLM52_INDEX_LAYERS, GLM52_LAYERS, GLM52_TOPK,
                              INDEX_BLOCK, INDEX_POOL_PAGES, POOL_PAGES, TPU_SPARSE_POOL_PAGES, index_scores_program,
                              index_scores_tpu_program, sparse_decode_program, sparse_decode_tpu_program)
@@ -103,11 +103,15 @@ def test_mosaic_refuses_an_over_budget_sparse_block():
 @pytest.mark.parametrize("kv_dtype,page_size", [(F8, 64), (jnp.bfloat16, 64), (F8, 16)], ids=["fp8", "bf16", "fp8-p16"])
 def test_tpu_index_scores_compile_within_vmem(target, geo, kv_dtype, page_size):
     """attention="pallas_tpu"'s indexer scores: one Mosaic call (scoped VMEM reported), the index-key pool and its
-    scales read in place (no copy), no gathered [rows, 32768, 128] keys outside it."""
+    scales read in place (no copy, left in HBM: the call's last operands), no gathered [rows, 32768, 128] keys
+    outside it."""
     fn, args = index_scores_tpu_program(target, geo, page_size, kv_dtype)
     result = compile_for(target, fn, *args)
     check_budget(target, result)
     assert len(result.vmem) == 1, result.vmem
+    pools = 2 if kv_dtype == F8 else 1
+    calls = mosaic_operands_in_vmem(result, "dsa_index_scores_tpu")
+    assert len(calls) == 1 and not any(calls[0][-pools:]), calls
     lead = (GLM52_INDEX_LAYERS, INDEX_POOL_PAGES, page_size)
     assert not copies_of(result, (*lead, GLM52_INDEX_DIM)) and not copies_of(result, lead)
     keys = geo.decode_rows * INDEX_BLOCK * GLM52_INDEX_DIM
