@@ -344,7 +344,8 @@ class Engine:
     def warm_up(self, level: WarmupLevel, progress: bool = False, max_maps: int | None = None,
                 hold: threading.Event | None = None) -> WarmupReport:
         """Compile ahead of traffic what `level` promises (engine.warmup: "full" every program a plain request
-        can select; "fast" the largest shape of each kind, then the rest in one background thread while steps pad
+        can select, only the fast set loading when `warm_manifest` vouches the compile cache holds the rest; "fast"
+        the largest shape of each kind, then the rest in one background thread while steps pad
         to what is compiled, `engine.fallback`; "none" nothing); then runs the fast set (full: the same set) once
         on padding under the step lock (`engine.priming`: no request pays a program's first run); safe beside live
         traffic (padding writes no page). Returns what it compiled before returning and what the persistent cache

@@ -66,17 +66,21 @@ def source_roots() -> list[Path]:
     return [Path(importlib.import_module(name).__file__).parent for name in SOURCES]
 
 
+SOURCE_DIGEST = tree_digest(source_roots())  # at import: the code this process runs, whatever changes on disk later
+
+
 def _abstract(tree: Any) -> list[str]:
     """Each leaf's shape, dtype and sharding (no values: the weights are program arguments)."""
     return [f"{x.shape} {x.dtype} {getattr(x, 'sharding', '')}" for x in jax.tree.leaves(tree)]
 
 
 def digest(programs: Programs, keys: list[Key], roots: list[Path] | None = None) -> str:
-    """The manifest name of a plan (see the module docstring); roots: the source folders (default `source_roots`)."""
+    """The manifest name of a plan (see the module docstring); roots: other source folders to digest (default: this
+    process's, `SOURCE_DIGEST`)."""
     config = {k: repr(v) for k, v in jax.config.values.items() if k != "jax_compilation_cache_dir"}
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
     parts = {
-        "source": tree_digest(roots if roots is not None else source_roots()),
+        "source": SOURCE_DIGEST if roots is None else tree_digest(roots),
         "versions": [jax.__version__, jaxlib.__version__, flax.__version__, np.__version__, sys.version],
         "jax_config": sorted(config.items()),
         "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)),

@@ -33,10 +33,12 @@ report = e.warm_up("full")
 after = WarmupReport("after ready")
 with counting(after):  # start=False: this thread steps, so what the workload loads is counted here
     outs = e.generate(prompts(3, seed=2, lengths=(3, 7, 11)), SamplingParams(max_tokens=5, ignore_eos=True))
+    # prompt logprobs (lm-eval's echo + logprobs): the scoring prefill is never in the fast set
+    scored = e.generate(prompts(1, seed=9, lengths=(9,)), SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
 e.close()
 print(json.dumps({"skipped": report.skipped, "jobs": sum(report.jobs.values()), "compiled": report.backend_compiles
                   - report.cache_hits, "after": [after.backend_compiles, after.cache_hits],
-                  "tokens": [o.token_ids for o in outs]}))
+                  "tokens": [o.token_ids for o in outs], "scores": scored.prompt_logprobs.logprobs}))
 """
 
 
@@ -57,7 +59,7 @@ def test_a_warm_full_warm_up_loads_the_fast_set_and_the_rest_from_the_cache_on_f
     assert warm["compiled"] == 0  # the fast set: cache hits
     backend, hits = warm["after"]
     assert hits > 0 and backend == hits  # the workload loaded skipped programs from the cache, compiled none
-    assert warm["tokens"] == cold["tokens"]
+    assert warm["tokens"] == cold["tokens"] and warm["scores"] == cold["scores"]
 
 
 def test_the_manifest_name_follows_sources_config_and_plan(tmp_path):
