@@ -32,6 +32,9 @@ from the persistent compilation cache.
     "full" (the scoring prefill included) in one background thread while a step whose shape is not compiled yet
     runs padded in the smallest compiled shape covering it (`engine.fallback`): nothing compiles on the engine
     thread (but a scoring prefill before any scoring shape covering it is compiled: it compiles its own).
+    A warm start of "full" (`warm_manifest`: a manifest, named by a digest of the sources, versions, configs and
+    plan, says an earlier full warm-up stored every program of this plan in the persistent cache) loads only the
+    fast set below; the rest load from the cache on first use, as evicted programs do (`WarmupReport.skipped`).
     Both "full" and "fast" then run the fast set's programs once on padding (`engine.priming`, under the engine's
     step lock; `WarmupReport.primed`): a program's first run costs several times a later one (XLA:CPU executable
     set-up, jit's C++ fast path: bench/first_execution.py), paid before ready instead of by a first request.
@@ -97,11 +100,15 @@ class WarmupReport:
     primed: dict[str, int] = field(default_factory=dict)  # programs run once on padding after compiling (priming)
     prime_seconds: float = 0.0
     freeze_seconds: float | None = None  # the garbage collection before freezing the heap (`engine.heap`)
+    job_seconds: dict[str, float] = field(default_factory=dict)  # wall time of the jobs by kind (threads overlap)
+    skipped: int = 0  # plan jobs left in the persistent cache, not loaded (`warm_manifest`: it holds them all)
 
     def line(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in self.jobs.items()) or "nothing"
         return (f"warm-up {self.level}: {kinds} in {self.seconds:.1f} s; {self.backend_compiles} XLA programs, "
                 f"{self.cache_hits} loaded from the compile cache, {self.backend_compiles - self.cache_hits} compiled"
+                + (f"; {self.skipped} more jobs' programs left in the compile cache, which holds them all (its "
+                   "warm-start manifest: they load on first use)" if self.skipped else "")
                 + (f"; dropped from memory {self.evictions} times to stay under {self.max_maps} memory mappings (they "
                    "load from the compile cache on first use)" if self.evictions else "")
                 + (f"; ran {sum(self.primed.values())} of them once ({self.prime_seconds:.1f} s)"
@@ -274,6 +281,7 @@ def run_jobs(level: str, jobs: list[Job], progress: bool, threads: int | None = 
     for kind, _ in jobs:
         report.jobs[kind] = report.jobs.get(kind, 0) + 1
     threads = threads or min(8, os.cpu_count() or 1)
+    lock = threading.Lock()
     with counting(report), tqdm(total=len(jobs), desc=f"warm-up {level}", disable=not progress) as bar, \
             concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxserve-warmup") as pool:
         pending: set[concurrent.futures.Future[None]] = set()
@@ -285,15 +293,25 @@ def run_jobs(level: str, jobs: list[Job], progress: bool, threads: int | None = 
                 f.result()
                 bar.update()
 
-        for _, job in jobs:
+        for kind, job in jobs:
             if len(pending) >= threads:
                 settle(concurrent.futures.FIRST_COMPLETED)
             if (maps := _over_bound(report)) is not None:
                 settle(concurrent.futures.ALL_COMPLETED)
                 _evict(report, maps, resident)
-            pending.add(pool.submit(job))
+            pending.add(pool.submit(_timed, report, kind, job, lock))
         settle(concurrent.futures.ALL_COMPLETED)
     return report
+
+
+def _timed(report: WarmupReport, kind: str, job: Callable[[], None], lock: threading.Lock) -> None:
+    """Run one job, adding its wall time to `report.job_seconds[kind]`."""
+    t0 = time.monotonic()
+    try:
+        job()
+    finally:
+        with lock:
+            report.job_seconds[kind] = report.job_seconds.get(kind, 0.0) + time.monotonic() - t0
 
 
 class MapGuard:
