@@ -22,7 +22,7 @@ from jaxserve.checkpoint import load
 from jaxserve.engine import heap
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.fallback import CompiledShapes
+from jaxserve.engine.fallback import CompiledShapes, largest_keys
 from jaxserve.engine.kv_transfer import Puller, TransferStore
 from jaxserve.engine.mtp_draft import serving_models, uses_mtp
 from jaxserve.engine.priming import prime, run_once
@@ -31,8 +31,8 @@ from jaxserve.engine.request import Request, RequestOutput, SamplingParams, Toke
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.engine.text_stream import TextStream
-from jaxserve.engine.warm_manifest import run_full
-from jaxserve.engine.warmup import Key, MapGuard, WarmupLevel, WarmupReport, default_max_maps
+from jaxserve.engine.warm_manifest import holds_plan, run_full
+from jaxserve.engine.warmup import Key, MapGuard, WarmupLevel, WarmupReport, default_max_maps, plan_keys
 from jaxserve.errors import InvalidRequestError, JaxserveError, QueueFullError
 from jaxserve.models import CausalLM
 
@@ -344,9 +344,9 @@ class Engine:
     def warm_up(self, level: WarmupLevel, progress: bool = False, max_maps: int | None = None,
                 hold: threading.Event | None = None) -> WarmupReport:
         """Compile ahead of traffic what `level` promises (engine.warmup: "full" every program a plain request
-        can select, only the fast set loading when `warm_manifest` vouches the compile cache holds the rest; "fast"
-        the largest shape of each kind, then the rest in one background thread while steps pad
-        to what is compiled, `engine.fallback`; "none" nothing); then runs the fast set (full: the same set) once
+        can select, or, when `warm_manifest` vouches the compile cache holds them all, the fast set now and the rest
+        loaded from the cache after ready as "fast" does; "fast" the largest shape of each kind, then the rest in one
+        background thread while steps pad to what is compiled, `engine.fallback`; "none" nothing); then runs the fast set (full: the same set) once
         on padding under the step lock (`engine.priming`: no request pays a program's first run); safe beside live
         traffic (padding writes no page). Returns what it compiled before returning and what the persistent cache
         answered. max_maps: the memory mappings the compiles may hold before they drop compiled programs to the
@@ -355,17 +355,18 @@ class Engine:
         max_maps = self.map_guard.max_maps if max_maps is None else max_maps
         self.map_guard.warming += 1  # the warm-up keeps the bound itself; no step evicts under its loads
         try:
-            if level == "full":
-                report, fast = run_full(self.programs, progress, max_maps)  # the fast set alone when warm_manifest
+            if level == "full" and not holds_plan(self.programs):  # cold: all of it now, then its manifest
+                report = run_full(self.programs, progress, max_maps)
                 self.map_guard.evictions += report.evictions
-                self._prime(fast, report)
+                self._prime(largest_keys(self.programs, plan_keys(self.programs)), report)
                 report.freeze_seconds = heap.freeze()  # what it made lives on: out of the collector's full walks
                 return report
             if level == "none":
                 return WarmupReport(level)
             shapes = CompiledShapes(self.programs)
-            rest = shapes.warm(level, progress, max_maps)
+            rest = shapes.warm(level, progress, max_maps)  # warm "full": the cache holds the rest (warm_manifest)
             report = shapes.report
+            report.skipped = len(rest) if level == "full" else 0
             self._prime(set(shapes.done), report)
             shapes.runner = self._run_once  # the background's programs too, before a step may use them
             self.scheduler.shapes = shapes  # from the next step on, a shape not compiled yet pads to a compiled one

@@ -1,13 +1,14 @@
 """A warm start of `--warmup full` that loads only what it keeps: a manifest in the persistent compile cache, written
 by a full warm-up once every program of its plan was stored there, lets a later full warm-up of the same plan load
-only the fast set (`fallback.largest_keys`, the programs it then runs once: `engine.priming`).
+only the fast set before ready (`fallback.largest_keys`, the programs it then runs once: `engine.priming`) and the
+rest after it, as "fast" does: one background thread loads them from the cache in demand order while a step whose
+shape is not loaded yet runs padded in a loaded one (`engine.fallback`), so no load runs on the engine thread.
 
 Why: on a warm cache each plan job still traces and lowers its program before JAX can look it up (JAX's cache key
 is the lowered module's hash): ~0.5-1 s a program on this host, the GIL held for most of it (bench/warmup_grid.py
 `spent`), and the default grid's 817 programs pass the memory-mapping bound several times over, so most of what a
 warm full warm-up loads it drops again before ready (`warmup.run_jobs`). With a valid manifest every other program of
-the plan is known to be in the cache and loads on its first use, as an evicted one already does (an XLA cache hit,
-never an XLA compile).
+the plan is known to be in the cache: what the background loads is an XLA cache hit, never an XLA compile.
 
 Valid: named by a digest, computed without tracing, of what decides the plan's lowered programs (`digest`: the
 source of jaxserve and pallas_kernels, the jax / jaxlib / flax / numpy versions, JAX's config, the XLA and JAX
@@ -35,7 +36,6 @@ import jax
 import jaxlib
 import numpy as np
 
-from jaxserve.engine.fallback import largest_keys
 from jaxserve.engine.warmup import Key, WarmupReport, _cache_holds_everything, job_of, plan_keys, run_jobs
 
 if TYPE_CHECKING:
@@ -166,22 +166,19 @@ def cache_folder() -> Path | None:
     return Path(jax.config.jax_compilation_cache_dir) if _cache_holds_everything() else None
 
 
-def run_full(programs: Programs, progress: bool, max_maps: int | None) -> tuple[WarmupReport, list[Key]]:
-    """`--warmup full`'s loads and compiles (`warmup.run_jobs`): with a complete manifest of this plan only the fast
-    set, the rest counted in `WarmupReport.skipped`; else the whole plan, then the manifest is written.
-    -> (the report, the fast set's keys: what the caller runs once, `engine.priming`)."""
-    keys = plan_keys(programs)
-    fast = largest_keys(programs, keys)
+def holds_plan(programs: Programs) -> bool:
+    """Whether the compile cache holds every program of this engine's plan (a complete manifest of its digest)."""
     folder = cache_folder()
-    name = digest(programs, keys) if folder is not None else None
-    if name is not None and complete(folder, name):
-        report = run_jobs("full", [job_of(programs, k) for k in fast], progress, max_maps=max_maps,
-                          resident=programs.resident)
-        report.skipped = len(keys) - len(fast)
-        return report, fast
+    return folder is not None and complete(folder, digest(programs, plan_keys(programs)))
+
+
+def run_full(programs: Programs, progress: bool, max_maps: int | None) -> WarmupReport:
+    """A cold `--warmup full`: the whole plan (`warmup.run_jobs`), then its manifest, when the cache stored it all."""
+    keys = plan_keys(programs)
+    folder = cache_folder()
     with recording() as entries:
         report = run_jobs("full", [job_of(programs, k) for k in keys], progress, max_maps=max_maps,
                           resident=programs.resident)
-    if name is not None:
-        write(folder, name, entries, len(keys))
-    return report, fast
+    if folder is not None:
+        write(folder, digest(programs, keys), entries, len(keys))
+    return report

@@ -34,7 +34,8 @@ from the persistent compilation cache.
     thread (but a scoring prefill before any scoring shape covering it is compiled: it compiles its own).
     A warm start of "full" (`warm_manifest`: a manifest, named by a digest of the sources, versions, configs and
     plan, says an earlier full warm-up stored every program of this plan in the persistent cache) loads only the
-    fast set below; the rest load from the cache on first use, as evicted programs do (`WarmupReport.skipped`).
+    fast set below; the rest load from the cache after ready as under "fast": in the background thread, steps
+    padded meanwhile (`WarmupReport.skipped`), no XLA compile.
     Both "full" and "fast" then run the fast set's programs once on padding (`engine.priming`, under the engine's
     step lock; `WarmupReport.primed`): a program's first run costs several times a later one (XLA:CPU executable
     set-up, jit's C++ fast path: bench/first_execution.py), paid before ready instead of by a first request.
@@ -101,14 +102,14 @@ class WarmupReport:
     prime_seconds: float = 0.0
     freeze_seconds: float | None = None  # the garbage collection before freezing the heap (`engine.heap`)
     job_seconds: dict[str, float] = field(default_factory=dict)  # wall time of the jobs by kind (threads overlap)
-    skipped: int = 0  # plan jobs left in the persistent cache, not loaded (`warm_manifest`: it holds them all)
+    skipped: int = 0  # warm "full": plan jobs left to the background, loaded from the cache (`warm_manifest`)
 
     def line(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in self.jobs.items()) or "nothing"
         return (f"warm-up {self.level}: {kinds} in {self.seconds:.1f} s; {self.backend_compiles} XLA programs, "
                 f"{self.cache_hits} loaded from the compile cache, {self.backend_compiles - self.cache_hits} compiled"
-                + (f"; {self.skipped} more jobs' programs left in the compile cache, which holds them all (its "
-                   "warm-start manifest: they load on first use)" if self.skipped else "")
+                + (f"; {self.skipped} more jobs' programs are in the compile cache (its warm-start manifest) and "
+                   "load from it in the background after ready, steps padded meanwhile" if self.skipped else "")
                 + (f"; dropped from memory {self.evictions} times to stay under {self.max_maps} memory mappings (they "
                    "load from the compile cache on first use)" if self.evictions else "")
                 + (f"; ran {sum(self.primed.values())} of them once ({self.prime_seconds:.1f} s)"

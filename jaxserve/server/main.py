@@ -136,9 +136,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-parallel replicas, each on its own --devices devices; a x-session-affinity session sticks to one")
     p.add_argument("--max-model-len", type=int, default=2048, help="context window (prompt + completion)")
     p.add_argument("--warmup", choices=WARMUP_LEVELS, default="fast",
-                   help="what compiles before /ready: full = every program a request without penalties, grammar or "
-                        "logprobs can select (nothing compiles after ready; past half of vm.max_map_count memory "
-                        "mappings they are dropped to the compile cache and load from it on first use), fast = the "
+                   help="what compiles before /ready: full = every program the serving config can select (nothing "
+                        "compiles after ready; past half of vm.max_map_count memory mappings they are dropped to the "
+                        "compile cache and load from it on first use; once the cache holds them all, a restart loads "
+                        "the fast set before ready and the rest from the cache as fast does), fast = the "
                         "largest shape of each kind, the rest in a low-priority background thread while smaller steps "
                         "run padded in a compiled shape, none = nothing (default fast)")
     p.add_argument("--max-maps", type=int, default=None,
