@@ -11,9 +11,13 @@ Cuts (each undone by a variant):
   write into them and copied the whole FP8 scale pool once per layer.
 - "bdot" (layers.Experts.dense_all): gate and up batched over experts. As one [N, H] x [H, E * I] product XLA:CPU
   transposed each [E, H, I] weight to [H, E, I] on every call.
-Variants: "now" (the tree), "no-pin", "no-bdot", "before" (both undone). Per (method, rows, variant): program ms
-(median, min..max over --reps calls), the compiled program's copies (all, and of >= 64K elements), and whether its
-first call's greedy tokens equal the first variant's. Load (/proc/loadavg) is recorded: the host may be shared.
+- "gbf16" (layers.Experts.gathered): a bf16 expert weight gathered as it is (XLA:CPU converts the gathered copy
+  to f32 inside the gather). Without it, gathered from its f32 twin: twice the bytes for the same values.
+- "g8" (layers.MoE.routed): as many (token, slot) pairs as experts (the c = 1 verify's 4 x 2 over 8) take the
+  gathers. Without it, dense_all (every expert's bf16 matmuls).
+Variants: "now" (the tree), "no-CUT" or "no-CUT+CUT..." (those undone), "before" (pin and bdot undone).
+Per (method, rows, variant): program ms (median, min..max, p10 over --reps calls), the compiled program's copies (all,
+and of >= 64K elements), and whether its first call's greedy tokens equal the first variant's. Load (/proc/loadavg) is recorded: the host may be shared.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import inspect
 import os
 import re
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -39,6 +44,7 @@ from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.engine.config import Speculative  # noqa: E402
 from jaxserve.models import layers, paged_attention_xla  # noqa: E402
 
+CUTS = ("pin", "bdot", "gbf16", "g8")
 PIN = "lat, lat_scale = jax.lax.optimization_barrier(((latent, latent_scale), j))[0]"
 
 
@@ -66,18 +72,61 @@ def transposed_dense_all(self: layers.Experts, x: jax.Array, weight: jax.Array) 
     return jnp.dot(hw.reshape(n, e * inter), down, preferred_element_type=jnp.float32)
 
 
+def twin_gathered(self: layers.Experts, x: jax.Array, expert: jax.Array) -> jax.Array:
+    """Experts.gathered as it was: a bf16 weight with an f32 twin gathered from the twin."""
+    valid = expert < self.gate.shape[0]
+    e = jnp.where(valid, expert, 0)
+
+    def mm(x, w, wide):  # noqa: ANN001, ANN202
+        wd = wide[...][e] if wide is not None else w[...][e].astype(x.dtype)
+        return jnp.einsum("mk,mkn->mn", x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    h = jax.nn.silu(mm(x, self.gate, self.gate_wide)) * mm(x, self.up, self.up_wide)
+    return jnp.where(valid[:, None], mm(h, self.down, self.down_wide), 0)
+
+
+G8 = "if not kernel and n * k <= e_local:"
+
+
+def dense_at_e_routed():  # noqa: ANN201
+    """MoE.routed as it was: as many (token, slot) pairs as experts went through dense_all, not the gathers."""
+    src = textwrap.dedent(inspect.getsource(layers.MoE.routed))
+    if G8 not in src:
+        raise SystemExit("MoE.routed no longer has the condition this bench undoes")
+    ns = dict(vars(layers))
+    exec(src.replace(G8, "if not kernel and n * k < e_local:"), ns)  # noqa: S102 - the module's own source
+    return ns["routed"]
+
+
+def cuts_of(variant: str) -> set[str]:
+    """The cuts a variant undoes: "now" none, "before" pin and bdot, "no-A+B" A and B."""
+    if variant == "now":
+        return set()
+    if variant == "before":
+        return {"pin", "bdot"}
+    cuts = set(variant.removeprefix("no-").split("+"))
+    if not variant.startswith("no-") or not cuts <= set(CUTS):
+        raise SystemExit(f"unknown variant {variant!r}: now, before, or no-CUT[+CUT...] of {', '.join(CUTS)}")
+    return cuts
+
+
 @contextlib.contextmanager
 def undone(variant: str):
     """The tree with the variant's cuts undone while an engine is built and traced."""
-    real_mla, real_dense = paged_attention_xla.mla_decode, layers.Experts.dense_all
-    if variant in ("no-pin", "before"):
+    real = (paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.Experts.gathered, layers.MoE.routed)
+    cuts = cuts_of(variant)
+    if "pin" in cuts:
         paged_attention_xla.mla_decode = unpinned_mla_decode()
-    if variant in ("no-bdot", "before"):
+    if "bdot" in cuts:
         layers.Experts.dense_all = transposed_dense_all
+    if "gbf16" in cuts:
+        layers.Experts.gathered = twin_gathered
+    if "g8" in cuts:
+        layers.MoE.routed = dense_at_e_routed()
     try:
         yield
     finally:
-        paged_attention_xla.mla_decode, layers.Experts.dense_all = real_mla, real_dense
+        paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.Experts.gathered, layers.MoE.routed = real
 
 
 def copies(hlo: str) -> tuple[int, int]:
@@ -112,7 +161,8 @@ def measure(variants: list[str], method: str, rows: int, reps: int) -> list[dict
     first = built[variants[0]]["tokens"]
     out = []
     for v, b in built.items():
-        out.append({"method": method, "rows": rows, "variant": v, "program": b["program"], "ms": common.spread(b["ms"]),
+        ms = {**common.spread(b["ms"]), "p10": float(np.percentile(b["ms"], 10))}
+        out.append({"method": method, "rows": rows, "variant": v, "program": b["program"], "ms": ms,
                     "copies": b["copies"], "big_copies": b["big_copies"],
                     "tokens_equal_first": bool(np.array_equal(b["tokens"], first)),
                     "loadavg_start": load0, "loadavg_end": load1})
@@ -136,7 +186,7 @@ def main() -> int:
                 out["rows"].append(row)
                 ms = row["ms"]
                 lines.append(f"{method:>6} rows {r:>2} {row['variant']:<8} {ms['median']:.2f} ms ({ms['min']:.2f}.."
-                             f"{ms['max']:.2f}), copies {row['copies']} ({row['big_copies']} >= 64K elements), tokens "
+                             f"{ms['max']:.2f}, p10 {ms['p10']:.2f}), copies {row['copies']} ({row['big_copies']} >= 64K elements), tokens "
                              f"equal {row['tokens_equal_first']}, load {row['loadavg_start'][0]:.1f}->"
                              f"{row['loadavg_end'][0]:.1f}")
                 print(lines[-1], flush=True)

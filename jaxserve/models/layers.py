@@ -209,21 +209,20 @@ class Experts(nnx.Module):
 
     def gathered(self, x: jax.Array, expert: jax.Array) -> jax.Array:
         """x [M, H], expert [M] int32 (E: no expert, gives 0) -> [M, H]: each row through its own expert's weights,
-        gathered (and dequantized) per row. The XLA path at decode sizes: reads M experts, not all E."""
+        gathered (and dequantized) per row. The XLA path at decode sizes: reads M experts, not all E.
+        A bf16 weight is gathered as it is, never from its f32 twin: XLA:CPU converts the gathered copy to f32 inside
+        the gather (the same values, the same f32 product), reading half the bytes the twin's gather read (the c = 1
+        verify's 8 expert copies a layer, bench/step_cuts.py "gbf16")."""
         valid = expert < self.gate.shape[0]
         e = jnp.where(valid, expert, 0)
 
-        def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None, wide: nnx.Param | None) -> jax.Array:
-            if wide is not None:  # one row per matrix: the f32 twins (MatmulFormat.wide), x upcast exactly
-                wd = wide[...][e]
-            else:
-                wd = (w[...][e] if s is None else formats.dequantize(
-                    w[...][e], local_scale(self.parallel, s, w.shape)[e], self.fmt)).astype(x.dtype)
+        def mm(x: jax.Array, w: nnx.Param, s: nnx.Param | None) -> jax.Array:
+            wd = (w[...][e] if s is None else formats.dequantize(
+                w[...][e], local_scale(self.parallel, s, w.shape)[e], self.fmt)).astype(x.dtype)
             return jnp.einsum("mk,mkn->mn", x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
 
-        h = jax.nn.silu(mm(x, self.gate, self.gate_scale, self.gate_wide)) * mm(x, self.up, self.up_scale,
-                                                                                 self.up_wide)
-        return jnp.where(valid[:, None], mm(h, self.down, self.down_scale, self.down_wide), 0)
+        h = jax.nn.silu(mm(x, self.gate, self.gate_scale)) * mm(x, self.up, self.up_scale)
+        return jnp.where(valid[:, None], mm(h, self.down, self.down_scale), 0)
 
     def dense_all(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         """x [N, H], weight [N, E] f32 (a row's routing weight of each expert, 0 where unrouted) -> [N, H] f32:
@@ -312,10 +311,10 @@ class MoE(nnx.Module):
         weight = w.reshape(-1)
         token = jnp.arange(n * k, dtype=jnp.int32) // k
         kernel = self.experts.use_kernel and self.experts.fmt in ("int4", "fp8")
-        if not kernel and n * k < e_local:
-            # fewer (token, slot) pairs than experts: gathering each pair's expert reads less than all experts (at as
-            # many pairs as experts the gathered copies cost more: a c = 1 verify's 4 x 2 pairs over the embedded
-            # model's 8 experts, 3.46 -> 2.51 ms min by `bench/spec_profile.py --program-rows 1` through dense_all)
+        if not kernel and n * k <= e_local:
+            # no more (token, slot) pairs than experts: gathering each pair's expert reads no more than all experts
+            # do, without dense_all's bf16 matmuls of every expert (a c = 1 verify's 4 x 2 pairs over the embedded
+            # model's 8 experts: bench/step_cuts.py "g8"; with f32 twins gathered it was the other way round)
             y = self.experts.gathered(flat[token], local)
             contrib = y.astype(jnp.float32) * weight[:, None]
             return jnp.zeros((n, flat.shape[-1]), jnp.float32).at[token].add(contrib)

@@ -321,3 +321,38 @@ def test_deferred_compiles_start_when_the_engine_is_idle(models):
         assert order == ["served", "compiled"] and e.deferred_compiles == []
     finally:
         e.close()
+
+
+def _read_params(hlo: str, shape: str) -> tuple[int, int]:
+    """(ENTRY parameters of HLO type `shape`, e.g. "f32[8,64,32]"; how many of them an instruction reads)."""
+    entry = hlo[hlo.index("\nENTRY "):]
+    names = re.findall(rf"%?([\w.\-]+) = {re.escape(shape)}\S* parameter\(", entry)
+    return len(names), sum(bool(re.search(rf"[(,] ?%?{re.escape(n)}[,)]", entry)) for n in names)
+
+
+def test_the_c1_verify_moe_gathers_bf16_experts_not_their_f32_twins():
+    """The c = 1 verify's MoE (k + 1 = 4 tokens x top-2 = 8 pairs over 8 experts) gathers each pair's expert from
+    the bf16 weights (XLA:CPU converts the gathered copy inside the gather): the f32 twins the CPU layout holds are
+    not read at all, where gathering from them read twice the bytes (bench/step_cuts.py "gbf16", "g8")."""
+    from flax import nnx
+
+    from jaxserve.models.layers import MoE
+    from jaxserve.quant.weight_format import WeightPlan
+
+    cfg = tiny_model("deepseek_v3").cfg
+    e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert 4 * cfg.num_experts_per_tok == e  # the shape this pins: as many pairs as experts
+    moe = MoE(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), path="layers.1.mlp", weights=WeightPlan(wide=True))
+    assert moe.experts.gate_wide is not None  # the twins exist (the CPU compute layout's)
+    graph, state = nnx.split(moe)  # the weights as arguments
+    x = jax.random.normal(jax.random.key(0), (1, 4, h), jnp.bfloat16)
+    hlo = jax.jit(lambda st, x: nnx.merge(graph, st)(x)).lower(state, x).compile().as_text()
+    twins = [f"f32[{e},{h},{inter}]", f"f32[{e},{inter},{h}]"]
+    assert largest(hlo, "gather", (h, inter)) == e * h * inter  # each pair's expert gathered (not dense_all)
+    # jit drops the arguments nothing reads: no twin is left among the program's parameters
+    assert [_read_params(hlo, s) for s in twins] == [(0, 0), (0, 0)]
+    assert [_read_params(hlo, s.replace("f32", "bf16")) for s in twins] == [(2, 2), (1, 1)]
+    # the check can fail: a gather from the twin keeps it, read
+    hlo = jax.jit(lambda st, i: nnx.merge(graph, st).experts.gate_wide[...][i]).lower(
+        state, jnp.arange(e)).compile().as_text()
+    assert _read_params(hlo, twins[0]) == (1, 1)

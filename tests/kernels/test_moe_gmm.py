@@ -230,8 +230,9 @@ def test_xla_tile_rows_follow_the_mean_group() -> None:
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_moe_routed_paths_agree_and_follow_the_size(dtype) -> None:
-    """8 experts, top-2: 2 tokens gather their experts, 8 go through every expert (64 rows < 8 tiles of 16), 16
-    and 32 take the grouped tile loop; each equals the tile loop run directly."""
+    """8 experts, top-2: 2 and 4 tokens (no more pairs than experts: a c = 1 verify's 4) gather their experts, 8 go
+    through every expert (64 rows < 8 tiles of 16), 16 and 32 take the grouped tile loop; each equals the tile
+    loop run directly."""
     import hf_tiny
     from flax import nnx
 
@@ -258,7 +259,7 @@ def test_moe_routed_paths_agree_and_follow_the_size(dtype) -> None:
                                                                     w.reshape(-1)[order][:, None])
 
     tol = 1e-6 if dtype == jnp.float32 else 1e-2  # bf16: roundings apart (measured 0.7% gathered, 0.3% dense)
-    for n, loop in ((2, False), (8, False), (16, True), (32, True)):
+    for n, loop in ((2, False), (4, False), (8, False), (16, True), (32, True)):
         x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size), dtype)
         got, want = jax.jit(routed)(state, x), jax.jit(tiles)(state, x)
         assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= tol, n
