@@ -346,12 +346,12 @@ class Engine:
         """Compile ahead of traffic what `level` promises (engine.warmup: "full" every program a plain request
         can select, or, when `warm_manifest` vouches the compile cache holds them all, the fast set now and the rest
         loaded from the cache after ready as "fast" does; "fast" the largest shape of each kind, then the rest in one
-        background thread while steps pad to what is compiled, `engine.fallback`; "none" nothing); then runs the fast set (full: the same set) once
-        on padding under the step lock (`engine.priming`: no request pays a program's first run); safe beside live
-        traffic (padding writes no page). Returns what it compiled before returning and what the persistent cache
-        answered. max_maps: the memory mappings the compiles may hold before they drop compiled programs to the
-        persistent cache (default `EngineConfig.max_maps`; `warmup.run_jobs`). hold: "fast"'s background thread
-        waits for it (tests)."""
+        background thread while steps pad to what is compiled, `engine.fallback`; "none" nothing); then runs the
+        fast set (full: the same set) once on padding under the step lock (`engine.priming`: no request pays a
+        program's first run); safe beside live traffic (padding writes no page). Returns what it compiled before
+        returning and what the persistent cache answered. max_maps: the memory mappings the compiles may hold before
+        they drop compiled programs to the persistent cache (default `EngineConfig.max_maps`; `warmup.run_jobs`).
+        hold: "fast"'s background thread waits for it (tests)."""
         max_maps = self.map_guard.max_maps if max_maps is None else max_maps
         self.map_guard.warming += 1  # the warm-up keeps the bound itself; no step evicts under its loads
         try:
