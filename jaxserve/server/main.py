@@ -33,6 +33,7 @@ import ctypes
 import ctypes.util
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -127,7 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-port", type=int, default=0, help="--role prefill: its port (0: a free port)")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--cpu-layout", choices=CPU_LAYOUTS, default="auto",
-                   help="on a CPU host, how the cores are used: single = one XLA device, tp / dp = one device per "
+                   help="on a CPU host, how the cores are used: single = one XLA device, sched = one device with "
+                        "XLA:CPU's concurrency-optimized scheduler, tp / dp = one device per "
                         "core (tensor parallel / DP attention), workers = one engine replica per core; auto = the "
                         "layout measured best for the core count (README, 'Every core'). No effect on GPU/TPU")
     p.add_argument("--cpu-cores", type=int, default=None,
@@ -190,6 +192,8 @@ def start_jax(args: argparse.Namespace) -> CpuLayout | None:
 
     cores = args.cpu_cores if args.cpu_cores is not None else usable_cores()
     want = resolve(args.cpu_layout, cores, "cpu", args.devices, args.workers)
+    if want.xla_flags:  # read when the backend starts (below): an accelerator host ignores the CPU flags
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {want.xla_flags}".strip()
     jax.config.update("jax_num_cpu_devices", want.cpu_devices)
     layout = resolve(args.cpu_layout, cores, jax.default_backend(), args.devices, args.workers)
     if layout is not None:

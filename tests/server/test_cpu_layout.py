@@ -8,15 +8,17 @@ import pytest
 from serve_procs import start_serve
 
 from jaxserve.errors import ConfigError
-from jaxserve.server.cpu_layout import AUTO, CPU_LAYOUTS, CpuLayout, resolve
+from jaxserve.server.cpu_layout import AUTO, CPU_LAYOUTS, SCHED_FLAG, CpuLayout, resolve
 
 TIMEOUT = 300.0  # a cold embedded-model start on a loaded 2-core host
 
 
 def test_auto_is_one_device_on_one_core_and_the_measured_winner_on_two():
     assert resolve("auto", 1, "cpu") == CpuLayout("single")
-    assert AUTO == "single"  # README "Every core": one device won on 2 cores (bench/results/cpu_cores.json)
-    assert resolve("auto", 2, "cpu") == resolve(AUTO, 2, "cpu") == CpuLayout("single")
+    # README "Every core": one device with the concurrency-optimized scheduler won on 2 cores (cpu_cores_quiet*.json)
+    assert AUTO == "sched"
+    assert resolve("auto", 2, "cpu") == resolve(AUTO, 2, "cpu") == CpuLayout("sched", xla_flags=SCHED_FLAG)
+    assert resolve("single", 2, "cpu") == CpuLayout("single")  # no flag
 
 
 def test_explicit_layouts_use_one_device_or_replica_per_core():
@@ -62,8 +64,8 @@ def _greedy(base: str) -> list[list[int]]:
 
 
 def test_a_served_request_under_the_two_core_auto_layout_and_dp_serve_the_same_tokens(tmp_path):
-    """auto (what two cores resolve to: one device) and dp (one device per core, DP attention: the layout that
-    creates devices) serve the same greedy tokens."""
+    """auto (what two cores resolve to: one device, the concurrency-optimized scheduler) and dp (one device per core,
+    DP attention: the layout that creates devices) serve the same greedy tokens."""
     outs, logs = {}, {}
     for layout in ("auto", "dp"):
         served = start_serve(tmp_path / "xla", "--cpu-layout", layout, "--cpu-cores", "2")
@@ -73,7 +75,7 @@ def test_a_served_request_under_the_two_core_auto_layout_and_dp_serve_the_same_t
         finally:
             served.proc.terminate()
             served.proc.wait(timeout=60)
-    assert f"CPU layout {resolve('auto', 2, 'cpu').name}: 1 engine(s) x 1 device(s)" in logs["auto"]
+    assert "CPU layout sched: 1 engine(s) x 1 device(s)" in logs["auto"]
     assert "CPU layout dp: 1 engine(s) x 2 device(s)" in logs["dp"]
     assert all(len(t) == 12 for t in outs["auto"])
     assert outs["dp"] == outs["auto"]
