@@ -305,10 +305,11 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout_s: float) -
     raise RuntimeError(f"port {port} not ready within {timeout_s:g} s")
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()  # SIGTERM: jaxserve serve shuts down like Ctrl-C
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM (jaxserve serve shuts down like Ctrl-C), then SIGKILL if it is still running after `timeout` s."""
+    proc.terminate()
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
+from bench.serving import stop_server  # noqa: E402
 
 NEW_TOKENS = 16
 PROMPT = "The quick brown fox"
@@ -71,12 +72,7 @@ def one_run(checkpoint: Path | None, cache: Path | None, log: Path) -> dict:
         tokens = complete(port)
         first = time.perf_counter() - t0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
     return {"listening_s": listen, "first_request_s": first, "completion_tokens": tokens,
             "loadavg": os.getloadavg()[0]}
 

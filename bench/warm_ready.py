@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
+from bench.serving import stop_server  # noqa: E402
 
 _SEED = """
 import json, sys
@@ -85,12 +86,7 @@ def serve_to_ready(cache: Path, flags: list[str], log: Path, limit: float = 3000
         else:
             raise RuntimeError(f"not ready within {limit} s")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc, timeout=60)
     lines = [ln for ln in log.read_text().splitlines() if "warm-up full:" in ln and "XLA programs" in ln]
     return {"listening_s": listening, "ready_s": ready, "load_before": load, "load_after": os.getloadavg()[0],
             "warmup_line": lines[-1].strip() if lines else None}
