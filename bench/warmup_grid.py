@@ -39,10 +39,11 @@ from jaxserve.cli import build_parser, default_checkpoint
 from jaxserve.engine import Engine
 from jaxserve.engine.compile_cache import enable_from_args
 from jaxserve.engine.warmup import full_plan, map_count
-from jaxserve.server.main import engine_config
+from jaxserve.server.main import engine_config, start_jax
 args = build_parser().parse_args(["serve", "--compile-cache", sys.argv[1], *sys.argv[3:]])
 enable_from_args(args)
-engine = Engine.from_checkpoint(default_checkpoint(), engine_config(args), start=False)
+layout = start_jax(args)  # as `serve` starts JAX: its CPU layout's devices and XLA flags are in every cache key
+engine = Engine.from_checkpoint(default_checkpoint(), engine_config(args, layout), start=False)
 if sys.argv[2] == "count":
     jobs = {}
     for kind, _ in full_plan(engine.programs):
