@@ -15,7 +15,8 @@ Cuts (each undone by a variant):
   to f32 inside the gather). Without it, gathered from its f32 twin: twice the bytes for the same values.
 - "g8" (layers.MoE.routed): as many (token, slot) pairs as experts (the c = 1 verify's 4 x 2 over 8) take the
   gathers. Without it, dense_all (every expert's bf16 matmuls).
-Variants: "now" (the tree), "no-CUT" or "no-CUT+CUT..." (those undone), "before" (pin and bdot undone).
+Variants: "now" (the tree), "no-CUT" or "no-CUT+CUT..." (those undone), "before" (pin and bdot undone),
+"wideN" (the tree with products of up to N token rows reading a Linear's f32 twin: `layers.WIDE_ROWS` = N).
 Per (method, rows, variant): program ms (median, min..max, p10 over --reps calls), the compiled program's copies (all,
 and of >= 64K elements), and whether its first call's greedy tokens equal the first variant's. Load (/proc/loadavg) is recorded: the host may be shared.
 """
@@ -104,6 +105,8 @@ def cuts_of(variant: str) -> set[str]:
         return set()
     if variant == "before":
         return {"pin", "bdot"}
+    if re.fullmatch(r"wide\d+", variant):
+        return set()
     cuts = set(variant.removeprefix("no-").split("+"))
     if not variant.startswith("no-") or not cuts <= set(CUTS):
         raise SystemExit(f"unknown variant {variant!r}: now, before, or no-CUT[+CUT...] of {', '.join(CUTS)}")
@@ -114,7 +117,10 @@ def cuts_of(variant: str) -> set[str]:
 def undone(variant: str):
     """The tree with the variant's cuts undone while an engine is built and traced."""
     real = (paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.Experts.gathered, layers.MoE.routed)
+    wide_rows = layers.WIDE_ROWS
     cuts = cuts_of(variant)
+    if variant.startswith("wide"):
+        layers.WIDE_ROWS = int(variant.removeprefix("wide"))
     if "pin" in cuts:
         paged_attention_xla.mla_decode = unpinned_mla_decode()
     if "bdot" in cuts:
@@ -127,6 +133,7 @@ def undone(variant: str):
         yield
     finally:
         paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.Experts.gathered, layers.MoE.routed = real
+        layers.WIDE_ROWS = wide_rows
 
 
 def copies(hlo: str) -> tuple[int, int]:

@@ -20,6 +20,9 @@ from jaxserve.sharding import Axes, Blocks, Parallel, ShardingError, local_scale
 INIT_STD = 0.02
 DENSE_FORMATS = ("f32", "bf16")
 DENSE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+# products of at most this many rows read a Linear's f32 twin (`MatmulFormat.wide`): from 2 rows on XLA:CPU's bf16
+# dot beat the twin's f32 one, decode and c = 1 verify alike (bench/step_cuts.py --variants now,wide64)
+WIDE_ROWS = 1
 M = TypeVar("M")
 
 
@@ -142,7 +145,7 @@ class Linear(nnx.Module):
         """The matmul on this module's arrays (one shard's, inside a shard_map): x [..., din] -> [..., dout]."""
         scale = None if self.scale is None else local_scale(self.parallel, self.scale, self.weight.shape)
         w, fmt = self.weight[...], self.fmt
-        if self.wide is not None and x.size == x.shape[-1]:  # one row: the f32 twin (MatmulFormat.wide)
+        if self.wide is not None and x.size <= WIDE_ROWS * x.shape[-1]:  # few rows: the f32 twin (WIDE_ROWS)
             w, fmt = self.wide[...], "f32"
         y = ops.linear(x, w, scale, fmt, use_kernel=self.use_kernel, interpret=self.interpret, backend=self.backend)
         return y if self.bias is None or not bias else y + self.bias[...].astype(y.dtype)

@@ -65,3 +65,19 @@ def test_a_one_row_product_converts_no_weight():
         pytest.skip("the convert is XLA:CPU's")
     assert converts(False)
     assert not converts(True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])  # decode at c = 1; decode at 2 rows; the c = 1 verify's k + 1 = 4 positions
+def test_only_products_of_up_to_wide_rows_rows_read_the_twin(rows):
+    """Which weight a product reads, by its row count: the f32 twin up to `WIDE_ROWS` rows, the bf16 weight above
+    (from 2 rows on XLA:CPU's bf16 dot measured faster than the twin's f32 one, in the decode and the c = 1 verify
+    alike: bench/step_cuts.py variants now vs wide64). jit drops the parameter the program does not read."""
+    from jaxserve.models import layers
+
+    lin = Linear(256, 512, axes=(None, None), dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fmt=MatmulFormat(wide=True))
+    graphdef, state = nnx.split(lin)
+    x = jnp.ones((1, rows, 256), jnp.bfloat16)  # [B, T, H]: a verify chunk's layout
+    hlo = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)).lower(state, x).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY "):]
+    read = {t for t in ("f32", "bf16") if re.search(rf"= {t}\[256,512\]\S* parameter\(", entry)}
+    assert read == ({"f32"} if rows <= layers.WIDE_ROWS else {"bf16"})
