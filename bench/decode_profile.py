@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
