@@ -2,13 +2,15 @@
 kind (routed experts / other, f32 twins of bf16 weights / the weights themselves), and the resident set size of a
 `jaxserve serve` process once /ready answers 200. Both with serve's defaults (`make serve`).
 
-Usage: python bench/resident_weights.py [--tree DIR ...] [--reps N] [--checkpoint DIR] --json OUT.json
+Usage: python bench/resident_weights.py [--tree DIR ...] [--reps N] [--warmup fast|none] [--checkpoint DIR]
+                                         --json OUT.json
 
-Each --tree is a source tree (default: this checkout) that runs the measurement as its own process (cwd and
-PYTHONPATH the tree), so two trees compare code before and after a change on the same checkpoint; the trees
-alternate within each repetition. Parameter bytes: `Engine.from_checkpoint` (not started), each array of both
-phases' state counted once (a phase may share the other's). RSS: VmRSS and VmHWM of the server process from
-/proc after /ready (warm-up "fast", --no-compile-cache: every run compiles its programs). The host's load
+Each --tree is a source tree (default: this checkout) whose `jaxserve` runs the measurement in its own processes
+(cwd and PYTHONPATH the tree), so two trees compare code before and after a change on the same checkpoint.
+Once per tree: parameter bytes (`Engine.from_checkpoint`, each array of both phases' state counted once: a phase
+may share the other's) and the greedy tokens of three prompts, alone and together. Per repetition, the trees
+alternating: VmRSS and VmHWM of a `jaxserve serve` process from /proc once /ready answers 200 (--warmup: none
+measures the loaded weights and runtime, fast adds its compiled programs; --no-compile-cache). The host's load
 average is recorded with each run (the host may be shared).
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if os.environ.get("RESIDENT_WEIGHTS_CHILD") != "1":  # a child imports the jaxserve of its tree (PYTHONPATH)
+    sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
 from bench.serving import stop_server  # noqa: E402
 
@@ -71,7 +74,7 @@ def param_bytes(checkpoint: Path) -> dict:
 
 
 def child(tree: Path, checkpoint: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(tree), "RESIDENT_WEIGHTS_CHILD": "1"}
     r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "--checkpoint", str(checkpoint)],
                        cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
@@ -88,10 +91,10 @@ def _status(pid: int) -> dict:
     return fields
 
 
-def serve_rss(tree: Path, checkpoint: Path, log: Path) -> dict:
+def serve_rss(tree: Path, checkpoint: Path, warmup: str, log: Path) -> dict:
     """Start `jaxserve serve` from `tree`, wait for /ready, -> VmRSS / VmHWM bytes and seconds to ready."""
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--checkpoint",
-           str(checkpoint), "--no-compile-cache"]
+           str(checkpoint), "--no-compile-cache", "--warmup", warmup]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.perf_counter()
     with log.open("w") as errf:
@@ -124,26 +127,24 @@ def _ready(port: int) -> bool:
         conn.close()
 
 
-def run(trees: list[Path], reps: int, checkpoint: Path) -> dict:
+def run(trees: list[Path], reps: int, warmup: str, checkpoint: Path) -> dict:
+    params = {str(t): {**child(t, checkpoint), "loadavg": os.getloadavg()[0]} for t in trees}
     runs: dict[str, list[dict]] = {str(t): [] for t in trees}
     with tempfile.TemporaryDirectory() as td:
         for _ in range(reps):
             for t in trees:
-                load = os.getloadavg()[0]
-                r = {"params": child(t, checkpoint), "loadavg_before": load}
-                r["serve"] = serve_rss(t, checkpoint, Path(td) / "log")
-                runs[str(t)].append(r)
-    first = runs[str(trees[0])][0]["params"]["greedy_tokens"]
-    summary = {t: {"param_bytes": v[0]["params"]["bytes"], "param_total": v[0]["params"]["total"],
-                   "greedy_tokens_equal_first_tree": all(r["params"]["greedy_tokens"] == first for r in v),
-                   "rss": common.spread([r["serve"]["VmRSS"] for r in v]),
-                   "hwm": common.spread([r["serve"]["VmHWM"] for r in v]),
-                   "ready_s": common.spread([r["serve"]["ready_s"] for r in v])} for t, v in runs.items()}
-    return {"bench": "resident_weights", "machine": common.machine(), "reps": reps, "checkpoint": str(checkpoint),
-            "command": "python -m jaxserve.cli serve --checkpoint CKPT --no-compile-cache (serve's defaults)",
-            "runs": runs, "summary": summary,
-            "notes": "params: both phases' state arrays, each counted once; RSS: /proc VmRSS after /ready (warm-up "
-                     "fast); trees alternate in each repetition; shared host, load average per run"}
+                runs[str(t)].append(serve_rss(t, checkpoint, warmup, Path(td) / "log"))
+    first = params[str(trees[0])]["greedy_tokens"]
+    summary = {t: {"param_bytes": params[t]["bytes"], "param_total": params[t]["total"],
+                   "greedy_tokens_equal_first_tree": params[t]["greedy_tokens"] == first,
+                   "rss": common.spread([r["VmRSS"] for r in v]), "hwm": common.spread([r["VmHWM"] for r in v]),
+                   "ready_s": common.spread([r["ready_s"] for r in v])} for t, v in runs.items()}
+    return {"bench": "resident_weights", "machine": common.machine(), "reps": reps, "warmup": warmup,
+            "checkpoint": str(checkpoint),
+            "command": f"python -m jaxserve.cli serve --checkpoint CKPT --no-compile-cache --warmup {warmup}",
+            "params": params, "runs": runs, "summary": summary,
+            "notes": "params: both phases' state arrays, each counted once; RSS: /proc VmRSS after /ready; trees "
+                     "alternate in each repetition; shared host, load average per run"}
 
 
 def table(r: dict) -> str:
@@ -162,7 +163,8 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", type=Path, action="append", default=None)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", choices=["none", "fast"], default="none")
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "tiny-kimi")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the in-process byte count
     ap.add_argument("--json", dest="json_out", type=Path, default=None)
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.json_out is None:
         ap.error("--json is required")
-    r = run([t.resolve() for t in args.tree or [ROOT]], args.reps, checkpoint)
+    r = run([t.resolve() for t in args.tree or [ROOT]], args.reps, args.warmup, checkpoint)
     return common.write_result(r, table(r), args.json_out)
 
 
