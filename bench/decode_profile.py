@@ -16,8 +16,9 @@ back to back on them (the pool threaded through, as the engine does):
   nested in it, e.g. a while loop's body), summed per step and per thunk, each thunk mapped to the Python frames
   of its HLO instruction (the compiled module's stack frames) and so to a part of the model (`GROUPS`);
   thunks_per_step counts the events (loop bodies once per trip).
-Variants: "wide" (the engine as it is: on CPU the compute layout also holds every bf16 matmul weight as f32 for
-one-row products, `engine.layouts.wide_weights`), "bf16-only" (without those twins, as before: XLA:CPU converted
+Variants: "wide" (the engine as it is: on CPU the compute layout also holds every bf16 Linear weight as f32 for
+one-row products, `engine.layouts.wide_weights`; the routed experts hold none since the MoE gathers bf16 experts,
+after bench/results/decode_profile.json was run), "bf16-only" (without those twins, as before: XLA:CPU converted
 each weight a one-row product read to f32 on every step). Load (/proc/loadavg) is recorded: the host may be shared.
 """
 from __future__ import annotations
@@ -32,7 +33,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -144,7 +144,7 @@ def thunk_times(pd: jax.profiler.ProfileData, steps: int) -> dict[str, list[floa
 
 @contextlib.contextmanager
 def no_wide_weights():
-    """The "bf16-only" variant: no f32 twins of the bf16 weights (the engine before them)."""
+    """The "bf16-only" variant: no f32 twins of the bf16 Linear weights (the engine before them)."""
     from jaxserve.engine import layouts
 
     real = layouts.wide_weights

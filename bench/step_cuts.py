@@ -11,8 +11,10 @@ Cuts (each undone by a variant):
   write into them and copied the whole FP8 scale pool once per layer.
 - "bdot" (layers.Experts.dense_all): gate and up batched over experts. As one [N, H] x [H, E * I] product XLA:CPU
   transposed each [E, H, I] weight to [H, E, I] on every call.
-- "gbf16" (layers.Experts.gathered): a bf16 expert weight gathered as it is (XLA:CPU converts the gathered copy
-  to f32 inside the gather). Without it, gathered from its f32 twin: twice the bytes for the same values.
+- "gbf16" (layers.Experts.gathered), dropped: a bf16 expert weight gathered as it is (XLA:CPU converts the
+  gathered copy to f32 inside the gather), where its f32 twin's gather read twice the bytes for the same values.
+  The experts hold no twin since, so the variant that gathered from it cannot run; its runs stay in
+  bench/results/step_cuts_gather.json and step_cuts_gather_c1.json.
 - "g8" (layers.MoE.routed): as many (token, slot) pairs as experts (the c = 1 verify's 4 x 2 over 8) take the
   gathers. Without it, dense_all (every expert's bf16 matmuls).
 Variants: "now" (the tree), "no-CUT" or "no-CUT+CUT..." (those undone), "before" (pin and bdot undone),
@@ -45,7 +47,7 @@ from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.engine.config import Speculative  # noqa: E402
 from jaxserve.models import layers, paged_attention_xla  # noqa: E402
 
-CUTS = ("pin", "bdot", "gbf16", "g8")
+CUTS = ("pin", "bdot", "g8")
 PIN = "lat, lat_scale = jax.lax.optimization_barrier(((latent, latent_scale), j))[0]"
 
 
@@ -71,19 +73,6 @@ def transposed_dense_all(self: layers.Experts, x: jax.Array, weight: jax.Array) 
     hw = jnp.where(weight[..., None] != 0, h.astype(jnp.float32) * weight[..., None], 0).astype(x.dtype)
     down = self.down[...].astype(x.dtype).reshape(e * inter, -1)
     return jnp.dot(hw.reshape(n, e * inter), down, preferred_element_type=jnp.float32)
-
-
-def twin_gathered(self: layers.Experts, x: jax.Array, expert: jax.Array) -> jax.Array:
-    """Experts.gathered as it was: a bf16 weight with an f32 twin gathered from the twin."""
-    valid = expert < self.gate.shape[0]
-    e = jnp.where(valid, expert, 0)
-
-    def mm(x, w, wide):  # noqa: ANN001, ANN202
-        wd = wide[...][e] if wide is not None else w[...][e].astype(x.dtype)
-        return jnp.einsum("mk,mkn->mn", x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
-
-    h = jax.nn.silu(mm(x, self.gate, self.gate_wide)) * mm(x, self.up, self.up_wide)
-    return jnp.where(valid[:, None], mm(h, self.down, self.down_wide), 0)
 
 
 G8 = "if not kernel and n * k <= e_local:"
@@ -116,7 +105,7 @@ def cuts_of(variant: str) -> set[str]:
 @contextlib.contextmanager
 def undone(variant: str):
     """The tree with the variant's cuts undone while an engine is built and traced."""
-    real = (paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.Experts.gathered, layers.MoE.routed)
+    real = (paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.MoE.routed)
     wide_rows = layers.WIDE_ROWS
     cuts = cuts_of(variant)
     if variant.startswith("wide"):
@@ -125,14 +114,12 @@ def undone(variant: str):
         paged_attention_xla.mla_decode = unpinned_mla_decode()
     if "bdot" in cuts:
         layers.Experts.dense_all = transposed_dense_all
-    if "gbf16" in cuts:
-        layers.Experts.gathered = twin_gathered
     if "g8" in cuts:
         layers.MoE.routed = dense_at_e_routed()
     try:
         yield
     finally:
-        paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.Experts.gathered, layers.MoE.routed = real
+        paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.MoE.routed = real
         layers.WIDE_ROWS = wide_rows
 
 

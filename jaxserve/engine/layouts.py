@@ -73,9 +73,10 @@ def in_format(model: CausalLM, wf: WeightFormat) -> CausalLM:
 
 
 def wide_weights(model: CausalLM, devices: list[jax.Device]) -> bool:
-    """Whether a phase's compute layout also holds its bf16 matmul weights in f32 (`MatmulFormat.wide`): on CPU
-    devices, where XLA converts a bf16 weight to f32 for every one-row (c = 1) product - the 4 MB head and every
-    layer's weights on each step - and runs bf16 natively from two rows on (bench/decode_profile.py)."""
+    """Whether a phase's compute layout also holds its bf16 Linear weights in f32 (`MatmulFormat.wide`): on CPU
+    devices, where XLA converts a bf16 weight to f32 for every one-row (c = 1) product - the 4 MB head and each
+    layer's Linear weights on each step - and runs bf16 natively from two rows on (bench/decode_profile.py). The
+    routed experts hold none: their gathers convert only the gathered experts."""
     return dtype_of(model) == jnp.bfloat16 and all(d.platform == "cpu" for d in devices)
 
 

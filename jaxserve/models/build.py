@@ -53,9 +53,8 @@ def _converted(model: nnx.Module, target: nnx.Module, group_size: int) -> dict[s
         pairs = ((("weight", "scale"),) if isinstance(dst, Linear)
                  else tuple((n, f"{n}_scale") for n in EXPERT_WEIGHTS))
         for w_name, s_name in pairs:
-            wide = "wide" if w_name == "weight" else f"{w_name}_wide"
-            # a new f32 twin (MatmulFormat.wide)
-            new_wide = getattr(dst, wide) is not None and getattr(src, wide) is None
+            # a new f32 twin (MatmulFormat.wide: Linear only, the routed experts hold none)
+            new_wide = isinstance(dst, Linear) and dst.wide is not None and src.wide is None
             if src.fmt == dst.fmt and not new_wide:
                 continue  # carried over as it is (and never read: abstract builds hold no values)
             s = getattr(src, s_name)
@@ -67,7 +66,7 @@ def _converted(model: nnx.Module, target: nnx.Module, group_size: int) -> dict[s
                 if scale is not None:
                     out[f"{path}.{s_name}"] = scale
             if new_wide:
-                out[f"{path}.{wide}"] = w.astype(jnp.float32)
+                out[f"{path}.wide"] = w.astype(jnp.float32)
     return out
 
 

@@ -174,7 +174,8 @@ class MLP(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Stacked routed experts: gate, up [E, H, I], down [E, I, H] in `fmt`, applied by grouped matmul."""
+    """Stacked routed experts: gate, up [E, H, I], down [E, I, H] in `fmt`, applied by grouped matmul. No f32 twins
+    (`fmt.wide` is for Linear): their one-row products gather the bf16 weights (`gathered`)."""
 
     def __init__(self, n: int, hidden: int, inter: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
                  fmt: MatmulFormat = MatmulFormat(), parallel: Parallel | None = None) -> None:
@@ -187,15 +188,12 @@ class Experts(nnx.Module):
         self.gate, gate_scale = _weight(_init(rngs, (n, hidden, inter)), fmt, self.fmt, dtype, up_axes)
         self.up, up_scale = _weight(_init(rngs, (n, hidden, inter)), fmt, self.fmt, dtype, up_axes)
         self.down, down_scale = _weight(_init(rngs, (n, inter, hidden)), fmt, self.fmt, dtype, down_axes)
-        wides = [_wide(w, fmt, self.fmt, a) for w, a in ((self.gate, up_axes), (self.up, up_axes),
-                                                          (self.down, down_axes))]
-        for p in (self.gate, self.up, self.down, gate_scale, up_scale, down_scale, *wides):
+        for p in (self.gate, self.up, self.down, gate_scale, up_scale, down_scale):
             if p is not None:  # the sharding rules keep a too-narrow FFN split whole (sharding._narrow_experts)
                 p.set_metadata("experts", (n, inter))
         self.gate_scale = nnx.data(gate_scale)  # None for dense formats
         self.up_scale = nnx.data(up_scale)
         self.down_scale = nnx.data(down_scale)
-        self.gate_wide, self.up_wide, self.down_wide = (nnx.data(w) for w in wides)  # f32 twins, or None
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
         """x [M, H] rows grouped by expert, or x [X, H] and rows [M] int32 (sorted row r is x[rows[r]]: the kernels
@@ -213,9 +211,9 @@ class Experts(nnx.Module):
     def gathered(self, x: jax.Array, expert: jax.Array) -> jax.Array:
         """x [M, H], expert [M] int32 (E: no expert, gives 0) -> [M, H]: each row through its own expert's weights,
         gathered (and dequantized) per row. The XLA path at decode sizes: reads M experts, not all E.
-        A bf16 weight is gathered as it is, never from its f32 twin: XLA:CPU converts the gathered copy to f32 inside
-        the gather (the same values, the same f32 product), reading half the bytes the twin's gather read (the c = 1
-        verify's 8 expert copies a layer, bench/step_cuts.py "gbf16")."""
+        A bf16 weight is gathered as it is: XLA:CPU converts the gathered copy to f32 inside the gather (the same
+        values, the same f32 product), reading half the bytes a gather of an f32 twin read (the c = 1 verify's 8
+        expert copies a layer, bench/results/step_cuts_gather_c1.json "gbf16"), so the experts hold no twin."""
         valid = expert < self.gate.shape[0]
         e = jnp.where(valid, expert, 0)
 

@@ -25,8 +25,8 @@ def quantize_model(model: CausalLM, wf: WeightFormat) -> CausalLM:
 
 def compute_layout(model: CausalLM, dtype: jnp.dtype, wide: bool = False) -> CausalLM:
     """`model` with every quantized Linear / Experts weight dequantized once into `dtype`: the layout the XLA matmul
-    path computes with, for backends with no kernel for the packed format (CPU). wide: every bf16 matmul weight
-    also held in f32 for one-row products (`MatmulFormat.wide`: XLA:CPU).
+    path computes with, for backends with no kernel for the packed format (CPU). wide: every bf16 Linear weight
+    also held in f32 for one-row products (`MatmulFormat.wide`: XLA:CPU; the routed experts hold no twin).
 
     The values are the quantized format's own (the INT4 / FP8 grid times its scales, rounded to `dtype` exactly as
     the packed XLA path rounds them before its matmul each step), so outputs match the packed path; what changes is

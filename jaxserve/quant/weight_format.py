@@ -42,9 +42,10 @@ class WeightFormat:
 @dataclass(frozen=True)
 class MatmulFormat:
     """One Linear's or Experts block's weight format: fmt None keeps the module's dense dtype; group_size: the INT4
-    group along the input dim; use_kernel/interpret/backend: as `WeightFormat`; wide: a bf16 weight also held as
-    f32 for products of one row per matrix (XLA:CPU converts a bf16 weight to f32 for every matrix-vector dot, and
-    runs bf16 natively from two rows on: the two copies give both the same values as before)."""
+    group along the input dim; use_kernel/interpret/backend: as `WeightFormat`; wide: a Linear's bf16 weight also
+    held as f32 for products of one row per matrix (XLA:CPU converts a bf16 weight to f32 for every matrix-vector
+    dot, and runs bf16 natively from two rows on: the two copies give both the same values as before). Experts
+    ignore it: their gathers convert only the gathered experts."""
 
     fmt: str | None = None
     group_size: int = 32
@@ -67,7 +68,7 @@ class WeightPlan:
 
     weights: WeightFormat = WeightFormat()
     stored: tuple[tuple[str, str], ...] = ()
-    wide: bool = False  # every bf16 matmul weight also held in f32 (`MatmulFormat.wide`)
+    wide: bool = False  # every bf16 Linear weight also held in f32 (`MatmulFormat.wide`)
 
     def _format(self, fmt: str | None) -> MatmulFormat:
         w = self.weights

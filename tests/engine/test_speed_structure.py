@@ -330,10 +330,11 @@ def _read_params(hlo: str, shape: str) -> tuple[int, int]:
     return len(names), sum(bool(re.search(rf"[(,] ?%?{re.escape(n)}[,)]", entry)) for n in names)
 
 
-def test_the_c1_verify_moe_gathers_bf16_experts_not_their_f32_twins():
+def test_the_c1_verify_moe_gathers_bf16_experts_which_hold_no_f32_twins():
     """The c = 1 verify's MoE (k + 1 = 4 tokens x top-2 = 8 pairs over 8 experts) gathers each pair's expert from
-    the bf16 weights (XLA:CPU converts the gathered copy inside the gather): the f32 twins the CPU layout holds are
-    not read at all, where gathering from them read twice the bytes (bench/step_cuts.py "gbf16", "g8")."""
+    the bf16 weights (XLA:CPU converts the gathered copy inside the gather, half the bytes a gather of f32 twins
+    read: bench/results/step_cuts_gather_c1.json "gbf16"), so the CPU compute layout (WeightPlan(wide=True)) gives
+    the routed experts no f32 twin: only the Linears hold one."""
     from flax import nnx
 
     from jaxserve.models.layers import MoE
@@ -343,16 +344,20 @@ def test_the_c1_verify_moe_gathers_bf16_experts_not_their_f32_twins():
     e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     assert 4 * cfg.num_experts_per_tok == e  # the shape this pins: as many pairs as experts
     moe = MoE(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), path="layers.1.mlp", weights=WeightPlan(wide=True))
-    assert moe.experts.gate_wide is not None  # the twins exist (the CPU compute layout's)
+
+    def f32_arrays(m: nnx.Module) -> list[str]:
+        return [".".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(m))
+                if v.get_value().dtype == jnp.float32]
+
+    assert f32_arrays(moe.experts) == []
+    assert sorted(f32_arrays(moe.shared)) == ["down.wide", "gate.wide", "up.wide"]  # the same plan's Linear twins
     graph, state = nnx.split(moe)  # the weights as arguments
     x = jax.random.normal(jax.random.key(0), (1, 4, h), jnp.bfloat16)
     hlo = jax.jit(lambda st, x: nnx.merge(graph, st)(x)).lower(state, x).compile().as_text()
-    twins = [f"f32[{e},{h},{inter}]", f"f32[{e},{inter},{h}]"]
     assert largest(hlo, "gather", (h, inter)) == e * h * inter  # each pair's expert gathered (not dense_all)
-    # jit drops the arguments nothing reads: no twin is left among the program's parameters
-    assert [_read_params(hlo, s) for s in twins] == [(0, 0), (0, 0)]
-    assert [_read_params(hlo, s.replace("f32", "bf16")) for s in twins] == [(2, 2), (1, 1)]
-    # the check can fail: a gather from the twin keeps it, read
-    hlo = jax.jit(lambda st, i: nnx.merge(graph, st).experts.gate_wide[...][i]).lower(
+    # gate and up, and down, each read as a bf16 argument (jit drops the arguments nothing reads)
+    assert [_read_params(hlo, f"bf16[{s}]") for s in (f"{e},{h},{inter}", f"{e},{inter},{h}")] == [(2, 2), (1, 1)]
+    # the check can fail: a program that gathers the gate weights alone keeps only them
+    hlo = jax.jit(lambda st, i: nnx.merge(graph, st).experts.gate[...][i]).lower(
         state, jnp.arange(e)).compile().as_text()
-    assert _read_params(hlo, twins[0]) == (1, 1)
+    assert [_read_params(hlo, f"bf16[{s}]") for s in (f"{e},{h},{inter}", f"{e},{inter},{h}")] == [(1, 1), (0, 0)]
