@@ -129,8 +129,8 @@ def table(r: dict) -> str:
         cells = ", ".join(f"{s} {t['median']:.0f} ({t['min']:.0f}..{t['max']:.0f})"
                           for s, t in row["tokens_per_s"].items())
         ratios = ", ".join(f"{s}/llama.cpp {v:.2f}x" for s, v in row["over_llama_cpp"].items())
-        extra = f", spec/plain {row['spec_over_plain']:.2f}x, accept {row['accept_length']:.2f}" \
-            if row["spec_over_plain"] else ""
+        extra = f", spec/plain {row['spec_over_plain']:.2f}x" if row["spec_over_plain"] else ""
+        extra += f", accept {row['accept_length']:.2f}" if row["accept_length"] else ""
         loads = row["loadavg_per_rep"]
         lines.append(f"  c = {row['c']}: {cells}; {ratios}{extra}; load {min(loads):.1f}-{max(loads):.1f}")
     return "\n".join(lines)

@@ -75,7 +75,8 @@ report = engine.warm_up("fast" if sys.argv[2] == "fast" else "full", progress=Tr
 print(json.dumps({**asdict(report), "ready_seconds": time.monotonic() - t0, "load_seconds": t0 - t_start,
                   "program_count": engine.cfg.program_count(), "maps_after": map_count(),
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "spent": {k: [round(v, 3), counts[k]] for k, v in sorted(spent.items())}}))
+                  "spent": {k: [round(v, 3), counts[k]] for k, v in sorted(spent.items())}}), flush=True)
+engine.close()  # a warm start leaves background loads running: exiting under them aborts the process
 """
 
 
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             key = name if name == "count" else f"{i}:{name}"  # passes in order; a name may repeat
             out[key] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "load_before": load,
                         "load_after": os.getloadavg()[0], "cache_bytes_after": cache_bytes(folder)}
+            args.json_out.write_text(json.dumps(out, indent=1))  # each pass kept as it ends (a cold one takes long)
     if args.count_only:
         return common.write_result(out, f"warm-up full jobs: {out['count']['jobs']}", args.json_out)
     done = [n for n in out if isinstance(out[n], dict) and "seconds" in out[n]]
