@@ -28,7 +28,8 @@ from the persistent compilation cache.
     cache on): the programs traffic uses stay loaded. Under "fast" an evicted program's shape stops being a padding
     target and the background thread loads it again (`fallback.CompiledShapes.dropped`): steps load nothing.
   * "fast": the largest shape of each program kind in both forms, the largest unpacking, every hand-off size and
-    the tag syncs, and what a lone short request runs (`fallback.lone_shapes`); then, after ready, the rest of
+    the tag syncs, what a lone short request runs (`fallback.lone_shapes`) and a ladder of decode covers
+    (`fallback.ladder_shapes`); then, after ready, the rest of
     "full" (the scoring prefill included) in one background thread while a step whose shape is not compiled yet
     runs padded in the smallest compiled shape covering it (`engine.fallback`): nothing compiles on the engine
     thread (but a scoring prefill before any scoring shape covering it is compiled: it compiles its own).

@@ -14,7 +14,7 @@ import jax
 from engine_util import prompts, small_config, tiny_model
 from jaxserve.engine import Engine, Request, SamplingParams
 from jaxserve.engine.structured import json_schema_output
-from jaxserve.engine.fallback import largest_keys
+from jaxserve.engine.fallback import CompiledShapes, largest_keys
 from jaxserve.engine.warmup import SERVING_MODES, full_plan, plan_keys
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -93,6 +93,26 @@ def test_full_warmup_leaves_nothing_to_compile_on_the_engine_thread():
         assert dict(e.programs.compiles) == traced
     finally:
         e.close()
+
+
+def test_fast_holds_a_ladder_of_decode_covers_so_a_few_rows_pad_into_a_few_more():
+    """max_batch 32: besides the largest decode shape (32 rows) and a lone request's (1 row), fast holds 8 rows x the
+    widest table in both forms with its unpacking (`fallback.ladder_shapes`), so a step of 4 rows pads into 8 rows,
+    not 32; with max_batch 8 (under 4 x 4 rows) it adds nothing. Nothing compiles here: the plan's keys only."""
+    e = Engine(tiny_model(), small_config(max_batch=32), start=False)
+    c, keys = e.cfg, plan_keys(e.programs)
+    first = largest_keys(e.programs, keys)
+    widest = c.page_buckets[-1]
+    decode_rows = {k[1] for k in first if k[0] == "decode"}
+    assert decode_rows == {1, 8, 32}
+    assert {("decode", 8, widest, 0, m) for m in SERVING_MODES} | {("unpack", 8, widest, 0, "")} <= set(first)
+    shapes = CompiledShapes(e.programs)
+    for k in first:
+        shapes.add(k)
+    assert shapes.cover("decode", 4, c.page_buckets[0]) == (8, widest, 0)
+    assert shapes.cover("decode", 16, c.page_buckets[0]) == (32, widest, 0)
+    small = Engine(tiny_model(), small_config(), start=False)
+    assert {k[1] for k in largest_keys(small.programs, plan_keys(small.programs)) if k[0] == "decode"} == {1, 8}
 
 
 def test_fast_and_none_levels():
