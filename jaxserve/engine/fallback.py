@@ -7,12 +7,12 @@ x the widest block table), in every sampling form, with the decode-batch unpacki
 size and the tag syncs; and the shapes a lone short request runs (`lone_shapes`: one row in the smallest block
 tables), so a single stream never pays a large bucket's step while the rest compiles beside it; and decode covers
 every LADDER-th row bucket below the most rows at the widest table (`ladder_shapes`), so a few concurrent streams
-pad into a few more rows, not into the largest bucket. After ready one
-thread compiles the rest of `warmup.full_plan` (the scoring prefill's grid included) in demand order: next, the
-shape the most padded steps have wanted so far (each form, and for decode its unpacking); with no such shape left,
-small (likely-first) shapes first. The traffic's own shapes so stop padding first (in the first-contact sweeps
-only ~20 of the ~170 jobs finish meanwhile: in size order most of those were shapes no step wanted). Meanwhile a step whose own shape is not compiled yet is padded to the smallest compiled shape that
-covers it (`fit`: more rows, pages and chunk tokens are padding the bucketed programs already handle), so the
+pad into a few more rows, not into the largest bucket. After ready one thread compiles the rest of
+`warmup.full_plan` (the scoring prefill's grid included) in demand order: next, the shape the most padded steps
+have wanted so far (each form, and for decode its unpacking); with no such shape left, small (likely-first) shapes
+first. The traffic's own shapes so stop padding first (in the first-contact sweeps only ~20 of the ~170 jobs
+finish meanwhile: in size order most of those were shapes no step wanted). Meanwhile a step whose own shape is not
+compiled yet is padded to the smallest compiled shape that covers it (`fit`: more rows, pages and chunk tokens are padding the bucketed programs already handle), so the
 engine thread never compiles; once its own shape (every form, and for decode its unpacking) is compiled, it is used
 (after the engine's `runner`, when set, has run its program once between steps: `engine.priming`).
 The background thread runs at the lowest CPU priority (`lower_priority`: nice 19, Linux), so on a host with few
@@ -61,7 +61,7 @@ MODEL_KINDS = ("prefill", "decode", "verify", "prefill_scored")
 FORMS = {"prefill_scored": (SCORING_MODE,)}  # a kind's sampling forms, where not SERVING_MODES
 BACKGROUND_NICE = 19  # the lowest priority: the background compiles take only the CPU nothing else wants
 RELOAD_POLL_S = 0.05  # how often the background looks for evicted keys wanted again, once the plan is compiled
-LADDER = 4  # fast's decode covers step rows by this factor (`ladder_shapes`): a padded step computes < 4x its rows
+LADDER = 4  # fast's decode covers step rows by this factor (`ladder_shapes`): few rows pad into <= 4x their bucket
 BACKGROUND_SWITCH_S = 0.0005  # the interpreter's thread switch interval while they run (CPython's default: 5 ms)
 log = logging.getLogger("jaxserve.warmup")
 
@@ -115,7 +115,7 @@ def ladder_shapes(programs: Programs) -> set[Shape]:
     """Decode and verify covers between a lone request and the largest batch: every LADDER-th row bucket below the
     most rows, down to LADDER rows (under that a padded step computes few rows anyway), at the widest block table.
     A first batch of a few rows then pads into a few more rows, not into the largest bucket (the first-contact c = 4
-    sweep ran its 4 rows padded to 32: TTFT p50 1.6-2.5x the warm sweep's, bench/serving.py --first-contact)."""
+    sweep ran its 4 rows padded to 32: TTFT p50 1.5-2.2x the warm sweep's, bench/serving.py --first-contact)."""
     c = programs.cfg
     out, r = set(), c.row_buckets[-1] // LADDER
     while r >= LADDER:
@@ -133,8 +133,9 @@ def maximal(shapes: set[Shape]) -> set[Shape]:
 
 def largest_keys(programs: Programs, keys: list[Key]) -> list[Key]:
     """The keys "fast" compiles before ready: the model programs of each kind's maximal shapes (no other shape of
-    that kind has rows, pages and chunk all >=), of `lone_shapes` and of `ladder_shapes`, the unpacking of those decode and verify shapes, every
-    other job (hand-off, tag syncs); not the scoring prefill (few requests use it: it compiles in the background)."""
+    that kind has rows, pages and chunk all >=), of `lone_shapes` and of `ladder_shapes`, the unpacking of those
+    decode and verify shapes, every other job (hand-off, tag syncs); not the scoring prefill (few requests use it:
+    it compiles in the background)."""
     shapes = {k[:4] for k in keys if k[0] in MODEL_KINDS}
     first = (maximal(shapes) | lone_shapes(programs) | ladder_shapes(programs)) - \
         {s for s in shapes if s[0] == "prefill_scored"}
