@@ -16,7 +16,6 @@ average is recorded with each run (the host may be shared).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import subprocess
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if os.environ.get("RESIDENT_WEIGHTS_CHILD") != "1":  # a child imports the jaxserve of its tree (PYTHONPATH)
     sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
-from bench.serving import stop_server  # noqa: E402
+from bench.serving import is_ready, listening_port, stop_server  # noqa: E402
 
 KINDS = ("experts", "experts_twins", "other", "other_twins")
 PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):"]
@@ -105,26 +104,13 @@ def serve_rss(tree: Path, checkpoint: Path, warmup: str, log: Path) -> dict:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
             if port is None:
-                for line in log.read_text().splitlines():
-                    if "serving" in line and "http://127.0.0.1:" in line:
-                        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
-            elif _ready(port):
+                port = listening_port(log)
+            elif is_ready(port):
                 return {**_status(proc.pid), "ready_s": time.perf_counter() - t0, "loadavg": os.getloadavg()[0]}
             time.sleep(0.2)
         raise RuntimeError("server not ready within 600 s")
     finally:
         stop_server(proc)
-
-
-def _ready(port: int) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", "/ready")
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        conn.close()
 
 
 def run(trees: list[Path], reps: int, warmup: str, checkpoint: Path) -> dict:

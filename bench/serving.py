@@ -265,6 +265,26 @@ def bench_checkpoint(checkpoint: Path | None, tmp: Path) -> tuple[Path, str]:
     return convert(tmp / "hf", tmp / "random-tiny-kimi", progress=False), "random tiny-kimi architecture"
 
 
+def listening_port(log: Path) -> int | None:
+    """The port a `jaxserve serve` printed in its log ("serving ... http://127.0.0.1:PORT/"), None before it has."""
+    for line in log.read_text().splitlines():
+        if "serving" in line and "http://127.0.0.1:" in line:
+            return int(line.split("http://127.0.0.1:")[1].split("/")[0])
+    return None
+
+
+def is_ready(port: int) -> bool:
+    """Whether GET /ready on 127.0.0.1:port answers 200 (the server's warm-up is done)."""
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/ready")
+        status = conn.getresponse().status
+        conn.close()
+        return status == 200
+    except OSError:
+        return False
+
+
 def start_server(checkpoint: Path, threads: int, log: Path, extra: tuple[str, ...] = (),
                  launcher: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int]:
     """`jaxserve serve` on 127.0.0.1, port 0 (and `extra` flags) -> (process, the port it printed); launcher: the
@@ -277,10 +297,8 @@ def start_server(checkpoint: Path, threads: int, log: Path, extra: tuple[str, ..
     while time.monotonic() - t0 < 300:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        for line in log.read_text().splitlines():
-            if "serving" in line and "http://127.0.0.1:" in line:
-                port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
-                return proc, port
+        if (port := listening_port(log)) is not None:
+            return proc, port
         time.sleep(0.2)
     proc.terminate()
     raise RuntimeError("server did not start within 300 s")
@@ -292,15 +310,8 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout_s: float) -
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            conn.request("GET", "/ready")
-            status = conn.getresponse().status
-            conn.close()
-            if status == 200:
-                return
-        except OSError:
-            pass
+        if is_ready(port):
+            return
         time.sleep(0.2)
     raise RuntimeError(f"port {port} not ready within {timeout_s:g} s")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
-from bench.serving import stop_server  # noqa: E402
+from bench.serving import listening_port, stop_server  # noqa: E402
 
 NEW_TOKENS = 16
 PROMPT = "The quick brown fox"
@@ -42,9 +42,8 @@ def start(checkpoint: Path | None, cache: Path | None, log: Path) -> tuple[subpr
     while time.perf_counter() - t0 < 300:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        for line in log.read_text().splitlines():
-            if "serving" in line and "http://127.0.0.1:" in line:
-                return proc, int(line.split("http://127.0.0.1:")[1].split("/")[0]), t0, time.perf_counter() - t0
+        if (port := listening_port(log)) is not None:
+            return proc, port, t0, time.perf_counter() - t0
         time.sleep(0.02)
     proc.kill()
     raise RuntimeError("server did not start within 300 s")

@@ -28,14 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
-from bench.serving import stop_server  # noqa: E402
+from bench.serving import is_ready, listening_port, stop_server  # noqa: E402
 
 _SEED = """
 import json, sys
@@ -75,11 +73,9 @@ def serve_to_ready(cache: Path, flags: list[str], log: Path, limit: float = 3000
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
             if port is None:
-                for line in log.read_text().splitlines():
-                    if "serving" in line and "http://127.0.0.1:" in line:
-                        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
-                        listening = time.perf_counter() - t0
-            elif _ready(port):
+                if (port := listening_port(log)) is not None:
+                    listening = time.perf_counter() - t0
+            elif is_ready(port):
                 ready = time.perf_counter() - t0
                 break
             time.sleep(0.1)
@@ -90,14 +86,6 @@ def serve_to_ready(cache: Path, flags: list[str], log: Path, limit: float = 3000
     lines = [ln for ln in log.read_text().splitlines() if "warm-up full:" in ln and "XLA programs" in ln]
     return {"listening_s": listening, "ready_s": ready, "load_before": load, "load_after": os.getloadavg()[0],
             "warmup_line": lines[-1].strip() if lines else None}
-
-
-def _ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:
