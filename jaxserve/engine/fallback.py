@@ -12,9 +12,10 @@ pad into a few more rows, not into the largest bucket. After ready one thread co
 have wanted so far (each form, and for decode its unpacking); with no such shape left, small (likely-first) shapes
 first. The traffic's own shapes so stop padding first (in the first-contact sweeps only ~20 of the ~170 jobs
 finish meanwhile: in size order most of those were shapes no step wanted). Meanwhile a step whose own shape is not
-compiled yet is padded to the smallest compiled shape that covers it (`fit`: more rows, pages and chunk tokens are padding the bucketed programs already handle), so the
-engine thread never compiles; once its own shape (every form, and for decode its unpacking) is compiled, it is used
-(after the engine's `runner`, when set, has run its program once between steps: `engine.priming`).
+compiled yet is padded to the smallest compiled shape that covers it (`fit`: more rows, pages and chunk tokens are
+padding the bucketed programs already handle), so the engine thread never compiles; once its own shape (every
+form, and for decode its unpacking) is compiled, it is used (after the engine's `runner`, when set, has run its
+program once between steps: `engine.priming`).
 The background thread runs at the lowest CPU priority (`lower_priority`: nice 19, Linux), so on a host with few
 cores the engine and HTTP threads win them; XLA:CPU's own compile pool (threads the client started earlier) keeps
 its priority: a cold compile's codegen runs there, a compile-cache load and the tracing/lowering on the thread. The
