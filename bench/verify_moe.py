@@ -52,25 +52,16 @@ def _per_expert(moe: MoE, flat: jax.Array, w: jax.Array, ids: jax.Array) -> jax.
 
 
 def gathered(moe: MoE, flat: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
-    token, local, weight = _pairs(moe, flat, w, ids)
-    y = moe.experts.gathered(flat[token], local)
-    return jnp.zeros((flat.shape[0], flat.shape[-1]), jnp.float32).at[token].add(y.astype(jnp.float32) * weight[:, None])
+    return moe.routed_by_gather(flat, *_pairs(moe, flat, w, ids))
 
 
 def dense_all(moe: MoE, flat: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
-    return moe.experts.dense_all(flat, _per_expert(moe, flat, w, ids))
+    return moe.routed_by_dense(flat, *_pairs(moe, flat, w, ids))
 
 
 def grouped(moe: MoE, flat: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
-    n, k = ids.shape
     token, local, _ = _pairs(moe, flat, w, ids)
-    e = moe.experts.gate.shape[0]
-    order = jnp.argsort(local, stable=True)
-    sizes = jnp.bincount(local, length=e + 1)[:e].astype(jnp.int32)
-    y_sorted = moe.experts(flat, sizes, token[order])
-    unsort = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
-    y = y_sorted[unsort].astype(jnp.float32).reshape(n, k, -1)
-    return jnp.sum(y * w.astype(jnp.float32)[:, :, None], axis=1)
+    return moe.routed_by_groups(flat, w, token, local)
 
 
 def unrolled(moe: MoE, flat: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:

@@ -316,15 +316,33 @@ class MoE(nnx.Module):
             # no more (token, slot) pairs than experts: gathering each pair's expert reads no more than all experts
             # do, without dense_all's bf16 matmuls of every expert (a c = 1 verify's 4 x 2 pairs over the embedded
             # model's 8 experts: bench/step_cuts.py "g8"; with f32 twins gathered it was the other way round)
-            y = self.experts.gathered(flat[token], local)
-            contrib = y.astype(jnp.float32) * weight[:, None]
-            return jnp.zeros((n, flat.shape[-1]), jnp.float32).at[token].add(contrib)
+            return self.routed_by_gather(flat, token, local, weight)
         if not kernel and self.experts.fmt in DENSE_FORMATS and \
                 n * e_local < ops.xla_tile_rows(n * k, e_local) * min(e_local, n * k):
             # every token through every expert is fewer rows than the pairs' padded tiles, and no tile loop (the
             # embedded model's decode program at batch 8: 3.14 vs 3.30 ms on one core; at 16, rows equal, no gain)
-            per_expert = jnp.zeros((n, e_local + 1), jnp.float32).at[token, local].add(weight)[:, :e_local]
-            return self.experts.dense_all(flat, per_expert)
+            return self.routed_by_dense(flat, token, local, weight)
+        return self.routed_by_groups(flat, w, token, local)
+
+    def routed_by_gather(self, flat: jax.Array, token: jax.Array, local: jax.Array, weight: jax.Array) -> jax.Array:
+        """`routed` by gathering each (token, slot) pair's expert: flat [N, H]; token, local (this module's expert,
+        E_local: none), weight [N * k] -> [N, H] f32."""
+        y = self.experts.gathered(flat[token], local)
+        contrib = y.astype(jnp.float32) * weight[:, None]
+        return jnp.zeros((flat.shape[0], flat.shape[-1]), jnp.float32).at[token].add(contrib)
+
+    def routed_by_dense(self, flat: jax.Array, token: jax.Array, local: jax.Array, weight: jax.Array) -> jax.Array:
+        """`routed` with every token through every expert (`Experts.dense_all`), routing weights per expert column:
+        arguments as `routed_by_gather`."""
+        e_local = self.experts.gate.shape[0]
+        per_expert = jnp.zeros((flat.shape[0], e_local + 1), jnp.float32).at[token, local].add(weight)[:, :e_local]
+        return self.experts.dense_all(flat, per_expert)
+
+    def routed_by_groups(self, flat: jax.Array, w: jax.Array, token: jax.Array, local: jax.Array) -> jax.Array:
+        """`routed` by the grouped matmul over the pairs sorted by expert: flat [N, H]; w [N, k]; token, local
+        [N * k] as `routed_by_gather` -> [N, H] f32."""
+        n, k = w.shape
+        e_local = self.experts.gate.shape[0]
         # sort the pairs by expert so each expert's rows are contiguous for the grouped matmul; pairs of experts
         # held elsewhere sort last and fall past sum(group_sizes), where the grouped matmul gives 0
         order = jnp.argsort(local, stable=True)
