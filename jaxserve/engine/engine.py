@@ -22,6 +22,7 @@ from jaxserve.checkpoint import load
 from jaxserve.engine import heap
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.exit_hook import close_at_exit
 from jaxserve.engine.fallback import CompiledShapes, largest_keys
 from jaxserve.engine.kv_transfer import Puller, TransferStore
 from jaxserve.engine.mtp_draft import serving_models, uses_mtp
@@ -77,6 +78,8 @@ class Engine:
         self._stop = threading.Event()
         self._started = time.monotonic()
         self._thread: threading.Thread | None = None
+        # closed at exit if the caller does not: its threads stop before JAX's exit handlers (engine.exit_hook)
+        self._cancel_exit_close = close_at_exit(self.close)
         if start:
             self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
             self._thread.start()
@@ -427,6 +430,9 @@ class Engine:
                 self._wake.clear()
 
     def close(self) -> None:
+        """Stop the loop, the background compiles and the KV transfer service, waiting for the work in flight (a
+        second call does nothing new)."""
+        self._cancel_exit_close()
         if self.transfers is not None:
             self.transfers.close()
         self._stop.set()
@@ -435,6 +441,9 @@ class Engine:
             self._thread.join(timeout=10)
         if self.scheduler.shapes is not None:  # the fast warm-up's background compiles end with the engine
             self.scheduler.shapes.stop(timeout=60)
+        self.deferred_compiles.clear()  # warmup="first"'s idle compiles: the one in flight ends, no more start
+        if self.background_compile is not None:
+            self.background_compile.join(timeout=60)
         self.map_guard.close()
         heap.thaw()  # what the warm-up froze (this engine's programs and caches) may be collected
 

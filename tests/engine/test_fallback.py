@@ -139,3 +139,39 @@ def test_close_ends_the_background_compiles():
     assert seen[1] == min(switch, BACKGROUND_SWITCH_S)
     if sys.platform.startswith("linux"):
         assert seen[0] == BACKGROUND_NICE and mine < BACKGROUND_NICE
+
+
+EXIT_CHILD = """
+import atexit, sys, threading
+sys.path[:0] = {paths!r}
+from engine_util import small_config, tiny_model
+from jaxserve.engine import Engine
+from jaxserve.engine.fallback import CompiledShapes
+from jaxserve.engine.warmup import plan_keys
+seen = {{}}
+# registered before the engine's hook, so it runs after it (atexit: last registered first)
+atexit.register(lambda: print("at exit: loop", seen["loop"].is_alive(), "background", seen["bg"].is_alive(),
+                              flush=True))
+e = Engine(tiny_model(), small_config(kv_dtype="fp8", max_batch=4, max_model_len=64, prefill_chunk=32,
+                                      max_prefill_tokens=32), start=True)
+shapes = CompiledShapes(e.programs)
+e.scheduler.shapes = shapes
+seen["loop"], seen["bg"] = e._thread, shapes.start(plan_keys(e.programs), hold=threading.Event())
+print("exiting without close", flush=True)
+"""
+
+
+def test_an_engine_never_closed_is_closed_at_exit_before_jax_tears_down():
+    """A library user who exits without Engine.close() while its threads run: the engine's exit hook
+    (engine.exit_hook) closes it before JAX's own exit handlers, so no daemon thread is left inside XLA at
+    finalization (that aborted the process, exit 134, in about 1 run of 3: bench/exit_abort.py)."""
+    import subprocess
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = EXIT_CHILD.format(paths=[tests, os.path.dirname(tests)])
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exiting without close" in proc.stdout
+    assert "at exit: loop False background False" in proc.stdout, proc.stdout
+
+
