@@ -17,6 +17,8 @@ Cuts (each undone by a variant):
   bench/results/step_cuts_gather.json and step_cuts_gather_c1.json.
 - "g8" (layers.MoE.routed): as many (token, slot) pairs as experts (the c = 1 verify's 4 x 2 over 8) take the
   gathers. Without it, dense_all (every expert's bf16 matmuls).
+- "slots" (layers.MoE.routed_by_slots): more pairs than dense_all takes (the 16- and 32-row decode, a verify of 4+
+  rows) fill expert slots, one batched product per projection. Without it, the grouped tile loop (a trip per tile).
 Variants: "now" (the tree), "no-CUT" or "no-CUT+CUT..." (those undone), "before" (pin and bdot undone),
 "wideN" (the tree with products of up to N token rows reading a Linear's f32 twin: `layers.WIDE_ROWS` = N).
 Per (method, rows, variant): program ms (median, min..max, p10 over --reps calls), the compiled program's copies (all,
@@ -47,7 +49,7 @@ from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.engine.config import Speculative  # noqa: E402
 from jaxserve.models import layers, paged_attention_xla  # noqa: E402
 
-CUTS = ("pin", "bdot", "g8")
+CUTS = ("pin", "bdot", "g8", "slots")
 PIN = "lat, lat_scale = jax.lax.optimization_barrier(((latent, latent_scale), j))[0]"
 
 
@@ -106,8 +108,10 @@ def cuts_of(variant: str) -> set[str]:
 def undone(variant: str):
     """The tree with the variant's cuts undone while an engine is built and traced."""
     real = (paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.MoE.routed)
-    wide_rows = layers.WIDE_ROWS
+    wide_rows, slots_max = layers.WIDE_ROWS, layers.SLOTS_MAX_ELEMENTS
     cuts = cuts_of(variant)
+    if "slots" in cuts:
+        layers.SLOTS_MAX_ELEMENTS = -1
     if variant.startswith("wide"):
         layers.WIDE_ROWS = int(variant.removeprefix("wide"))
     if "pin" in cuts:
@@ -120,7 +124,7 @@ def undone(variant: str):
         yield
     finally:
         paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.MoE.routed = real
-        layers.WIDE_ROWS = wide_rows
+        layers.WIDE_ROWS, layers.SLOTS_MAX_ELEMENTS = wide_rows, slots_max
 
 
 def copies(hlo: str) -> tuple[int, int]:

@@ -23,6 +23,9 @@ DENSE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 # products of at most this many rows read a Linear's f32 twin (`MatmulFormat.wide`): from 2 rows on XLA:CPU's bf16
 # dot beat the twin's f32 one, decode and c = 1 verify alike (bench/step_cuts.py --variants now,wide64)
 WIDE_ROWS = 1
+# `MoE.routed_by_slots` runs where its [experts, capacity, max(hidden, ffn)] activations stay this small (the embedded
+# model's decode and verify on CPU; a real model's prefill keeps the grouped matmul, whose temporaries are one tile)
+SLOTS_MAX_ELEMENTS = 1 << 20
 M = TypeVar("M")
 
 
@@ -248,6 +251,13 @@ class Experts(nnx.Module):
         return jnp.dot(jnp.swapaxes(hw, 0, 1).reshape(n, e * inter), down, preferred_element_type=jnp.float32)
 
 
+def slot_capacity(pairs: int, experts: int) -> int:
+    """Rows per expert in `MoE.routed_by_slots`: the power of two at or above twice the mean pairs per expert, at
+    most the pairs (static: shapes)."""
+    mean = -(-pairs // max(1, experts))
+    return min(pairs, 1 << max(0, (2 * mean - 1).bit_length()))
+
+
 class MoE(nnx.Module):
     """Sigmoid-scored, group-limited top-k routing with score-correction bias, routed + shared experts."""
 
@@ -322,7 +332,47 @@ class MoE(nnx.Module):
             # every token through every expert is fewer rows than the pairs' padded tiles, and no tile loop (the
             # embedded model's decode program at batch 8: 3.14 vs 3.30 ms on one core; at 16, rows equal, no gain)
             return self.routed_by_dense(flat, token, local, weight)
+        capacity = slot_capacity(n * k, e_local)
+        if not kernel and self.experts.fmt in DENSE_FORMATS and \
+                e_local * capacity * max(self.experts.gate.shape[1:]) <= SLOTS_MAX_ELEMENTS:
+            # one batched product per projection instead of a loop trip per tile: XLA:CPU's cost is per op here
+            # (the embedded model's 16-row decode 5.74 -> 4.86 ms: bench/step_cuts.py "no-slots")
+            return self.routed_by_slots(flat, w, token, local, weight, capacity)
         return self.routed_by_groups(flat, w, token, local)
+
+    def routed_by_slots(self, flat: jax.Array, w: jax.Array, token: jax.Array, local: jax.Array,
+                        weight: jax.Array, capacity: int) -> jax.Array:
+        """`routed` by expert slots: each expert's first `capacity` pairs (in pair order) fill its rows of an
+        [E, capacity, H] batch, run through every expert as one batched product per projection; the pairs past an
+        expert's capacity (skewed routing) go through `routed_by_groups`, only when there are any (a cond).
+        Arguments as `routed_by_gather`, w [N, k] as `routed_by_groups` -> [N, H] f32."""
+        n, hidden = flat.shape
+        e_local = self.experts.gate.shape[0]
+        here = local < e_local
+        # each pair's place among the earlier pairs of its expert
+        mine = local[:, None] == jnp.arange(e_local, dtype=local.dtype)[None, :]
+        place = jnp.take_along_axis(jnp.cumsum(mine.astype(jnp.int32), axis=0),
+                                    jnp.minimum(local, e_local - 1)[:, None], axis=1)[:, 0] - 1
+        fits = here & (place < capacity)
+        slots = e_local * capacity
+        slot = jnp.where(fits, local * capacity + place, slots)  # slots: a pair with no slot (dropped write)
+        src = jnp.full((slots + 1,), n, jnp.int32).at[slot].set(token.astype(jnp.int32))[:slots]  # n: an empty slot
+        x = jnp.concatenate([flat, jnp.zeros((1, hidden), flat.dtype)])[src].reshape(e_local, capacity, hidden)
+        ex, dtype = self.experts, flat.dtype
+
+        def proj(eq: str, a: jax.Array, wp: nnx.Param) -> jax.Array:
+            return jnp.einsum(eq, a, wp[...].astype(dtype), preferred_element_type=jnp.float32)
+
+        h = (jax.nn.silu(proj("ech,ehi->eci", x, ex.gate).astype(dtype)) *
+             proj("ech,ehi->eci", x, ex.up).astype(dtype))
+        y = proj("eci,eih->ech", h, ex.down).reshape(slots, hidden)
+        contrib = y[jnp.minimum(slot, slots - 1)] * jnp.where(fits, weight, 0.0)[:, None]
+        out = jnp.zeros((n, hidden), jnp.float32).at[token].add(contrib)
+        over = here & ~fits
+        rest = jax.lax.cond(jnp.any(over), lambda: self.routed_by_groups(flat, w, token,
+                                                                         jnp.where(over, local, e_local)),
+                            lambda: jnp.zeros((n, hidden), jnp.float32))
+        return out + rest
 
     def routed_by_gather(self, flat: jax.Array, token: jax.Array, local: jax.Array, weight: jax.Array) -> jax.Array:
         """`routed` by gathering each (token, slot) pair's expert: flat [N, H]; token, local (this module's expert,

@@ -231,8 +231,8 @@ def test_xla_tile_rows_follow_the_mean_group() -> None:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_moe_routed_paths_agree_and_follow_the_size(dtype) -> None:
     """8 experts, top-2: 2 and 4 tokens (no more pairs than experts: a c = 1 verify's 4) gather their experts, 8 go
-    through every expert (64 rows < 8 tiles of 16), 16 and 32 take the grouped tile loop; each equals the tile
-    loop run directly."""
+    through every expert (64 rows < 8 tiles of 16), 16 and 32 fill expert slots (one batched product per projection,
+    the grouped tile loop under a cond for pairs past a slot's capacity); each equals the tile loop run directly."""
     import hf_tiny
     from flax import nnx
 
@@ -263,7 +263,46 @@ def test_moe_routed_paths_agree_and_follow_the_size(dtype) -> None:
         x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size), dtype)
         got, want = jax.jit(routed)(state, x), jax.jit(tiles)(state, x)
         assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= tol, n
-        assert ("while" in jax.jit(routed).lower(state, x).as_text()) == loop, n
+        text = jax.jit(routed).lower(state, x).as_text()
+        assert ("while" in text) == loop and ("stablehlo.case" in text or "stablehlo.if" in text) == loop, n
+
+
+def test_moe_slots_equal_the_tile_loop_past_capacity_and_for_experts_elsewhere() -> None:
+    """MoE.routed_by_slots: pairs past an expert's capacity (skewed routing: every token on experts 0 and 1) go
+    through the grouped tile loop, pairs routed to experts held elsewhere (EP: local id E) add nothing; in f32 it
+    equals routed_by_groups at every capacity. The bound: a shape whose slots pass SLOTS_MAX_ELEMENTS (a real
+    model's prefill) keeps the tile loop alone."""
+    import hf_tiny
+    from flax import nnx
+
+    from jaxserve.config import from_hf_config
+    from jaxserve.models import layers
+
+    cfg = from_hf_config(hf_tiny.CONFIGS["deepseek_v3"]().to_dict())
+    moe = layers.MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(2), path="layers.1.mlp")
+    e = moe.experts.gate.shape[0]
+    n, k = 16, 2
+    x = jax.random.normal(jax.random.key(3), (n, cfg.hidden_size), jnp.float32)
+    w = jax.nn.softmax(jax.random.normal(jax.random.key(4), (n, k)), axis=-1)
+    token = jnp.arange(n * k, dtype=jnp.int32) // k
+    rng = np.random.default_rng(5)
+    cases = {"balanced": rng.integers(0, e, n * k), "skewed": np.tile([0, 1], n),
+             "elsewhere": np.where(rng.random(n * k) < 0.4, e, rng.integers(0, e, n * k))}
+    for name, ids in cases.items():
+        local = jnp.asarray(ids, jnp.int32)
+        want = moe.routed_by_groups(x, w, token, local)
+        for cap in (1, 2, layers.slot_capacity(n * k, e), n * k):
+            got = moe.routed_by_slots(x, w, token, local, w.reshape(-1), cap)
+            assert float(jnp.max(jnp.abs(got - want))) <= 1e-6 * float(jnp.max(jnp.abs(want))), (name, cap)
+    assert layers.slot_capacity(32, 8) == 8 and layers.slot_capacity(2, 8) == 2 and layers.slot_capacity(9, 8) == 4
+    widest = max(moe.experts.gate.shape[1:])
+    big = 4 * layers.SLOTS_MAX_ELEMENTS // (e * widest)  # tokens whose slots (capacity ~ twice the mean) pass it
+    assert e * layers.slot_capacity(k * big, e) * widest > layers.SLOTS_MAX_ELEMENTS
+    xb = jnp.zeros((big, cfg.hidden_size), jnp.float32)
+    wb, ids = jax.eval_shape(moe.route, xb)
+    text = jax.jit(lambda x, w, i: moe.routed(x, w, i, 0)).lower(
+        xb, jnp.zeros(wb.shape, wb.dtype), jnp.zeros(ids.shape, ids.dtype)).as_text()
+    assert "while" in text and "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
 def test_bad_format_and_shapes_raise_typed_errors() -> None:
