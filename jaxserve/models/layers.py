@@ -336,7 +336,7 @@ class MoE(nnx.Module):
         if not kernel and self.experts.fmt in DENSE_FORMATS and \
                 e_local * capacity * max(self.experts.gate.shape[1:]) <= SLOTS_MAX_ELEMENTS:
             # one batched product per projection instead of a loop trip per tile: XLA:CPU's cost is per op here
-            # (the embedded model's 16-row decode 5.74 -> 4.86 ms: bench/step_cuts.py "no-slots")
+            # (the embedded model's 16-row decode 6.53 -> 5.48 ms: bench/results/step_cuts_slots.json)
             return self.routed_by_slots(flat, w, token, local, weight, capacity)
         return self.routed_by_groups(flat, w, token, local)
 
@@ -366,7 +366,8 @@ class MoE(nnx.Module):
         h = (jax.nn.silu(proj("ech,ehi->eci", x, ex.gate).astype(dtype)) *
              proj("ech,ehi->eci", x, ex.up).astype(dtype))
         y = proj("eci,eih->ech", h, ex.down).reshape(slots, hidden)
-        contrib = y[jnp.minimum(slot, slots - 1)] * jnp.where(fits, weight, 0.0)[:, None]
+        # a pair with no slot is dropped, not scaled by 0 (an inf in the row it reads must not reach its token)
+        contrib = jnp.where(fits[:, None], y[jnp.minimum(slot, slots - 1)] * weight[:, None], 0.0)
         out = jnp.zeros((n, hidden), jnp.float32).at[token].add(contrib)
         over = here & ~fits
         rest = jax.lax.cond(jnp.any(over), lambda: self.routed_by_groups(flat, w, token,
