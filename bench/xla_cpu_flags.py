@@ -7,7 +7,8 @@ Usage: python bench/xla_cpu_flags.py [--sets base,noeigen,...] [--rounds 2] [--r
 
 Every set starts from `serve`'s CPU layout flags (`cpu_layout.SCHED_FLAG`) and adds its own (SETS). Per child, like
 bench/step_cuts.py "now": an engine (serving EngineConfig, no prefix cache) steps R prompts to a steady step, its
-decode (plain) or verify (ngram:3) program is captured and called --reps times back to back (5 untimed first).
+decode (plain) or verify (ngram:3) program is captured (`step_cuts.build`) and called --reps times back to back (5
+untimed first).
 Reported per (set, method, rows): program ms median (min..max, p10) over the rounds' calls, and whether the first
 call's greedy tokens equal the base set's (a flag that changes numerics changes them). Load is recorded.
 """
@@ -40,25 +41,19 @@ def child(method: str, rows: list[int], reps: int) -> dict:
     """Runs inside a child: times each rows' program and returns {rows: {"ms": [...], "tokens": [...]}}."""
     import jax
 
-    from bench.spec_profile import call, capture_program
-    from bench.speculative import CKPT, prompts_for
-    from jaxserve.engine import Engine, EngineConfig
-    from jaxserve.engine.config import Speculative
+    from bench.spec_profile import call
+    from bench.step_cuts import build
 
     out = {}
     for r in rows:
-        cfg = EngineConfig(prefix_cache=False, speculative=None if method == "plain" else Speculative(method, 3, None))
-        engine = Engine.from_checkpoint(CKPT, cfg, start=False)
-        fn, _, rest = capture_program(engine, prompts_for(engine, r, seed=1), 64)
-        tokens = np.asarray(call(engine, fn, rest)[0].tokens).tolist()
-        ms = []
+        b = build("now", method, r)  # the engine, its captured steady program and first tokens, as step_cuts has them
         for i in range(reps + 5):
             t0 = time.perf_counter()
-            jax.block_until_ready(call(engine, fn, rest))
+            jax.block_until_ready(call(b["engine"], b["fn"], b["rest"]))
             if i >= 5:
-                ms.append((time.perf_counter() - t0) * 1e3)
-        engine.close()
-        out[str(r)] = {"ms": ms, "tokens": tokens}
+                b["ms"].append((time.perf_counter() - t0) * 1e3)
+        b["engine"].close()
+        out[str(r)] = {"ms": b["ms"], "tokens": b["tokens"].tolist()}
     return out
 
 

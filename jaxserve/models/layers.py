@@ -228,6 +228,23 @@ class Experts(nnx.Module):
         h = jax.nn.silu(mm(x, self.gate, self.gate_scale)) * mm(x, self.up, self.up_scale)
         return jnp.where(valid[:, None], mm(h, self.down, self.down_scale), 0)
 
+    def _gated(self, xe: jax.Array) -> jax.Array:
+        """xe [E, N, H] (row block e for expert e) -> silu(gate) * up [E, N, I] in xe.dtype (f32 / bf16 weights)."""
+
+        def up_proj(w: nnx.Param) -> jax.Array:
+            # batched over experts: as one [N, H] x [H, E * I] product XLA:CPU copied each [E, H, I] weight to
+            # [H, E, I] on every call (2 MB a layer at the c = 1 verify; bench/spec_profile.py --ops)
+            return jnp.einsum("enh,ehi->eni", xe, w[...].astype(xe.dtype),
+                              preferred_element_type=jnp.float32).astype(xe.dtype)
+
+        return jax.nn.silu(up_proj(self.gate)) * up_proj(self.up)
+
+    def per_expert(self, xe: jax.Array) -> jax.Array:
+        """xe [E, C, H]: row block e through expert e alone (f32 / bf16 weights), one batched product per projection
+        -> [E, C, H] f32 (`MoE.routed_by_slots`)."""
+        return jnp.einsum("eci,eih->ech", self._gated(xe), self.down[...].astype(xe.dtype),
+                          preferred_element_type=jnp.float32)
+
     def dense_all(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         """x [N, H], weight [N, E] f32 (a row's routing weight of each expert, 0 where unrouted) -> [N, H] f32:
         every row through every expert (f32 / bf16 weights only), with no batched matmul: gate and up as one
@@ -235,15 +252,7 @@ class Experts(nnx.Module):
         [N, E * I] x [E * I, H]. The XLA path when N x E rows are fewer than the grouped matmul's padded tiles."""
         n = x.shape[0]
         e, _, inter = self.gate.shape
-        xe = jnp.broadcast_to(x, (e, *x.shape))  # [E, N, H]
-
-        def up_proj(w: nnx.Param) -> jax.Array:
-            # batched over experts: as one [N, H] x [H, E * I] product XLA:CPU copied each [E, H, I] weight to
-            # [H, E, I] on every call (2 MB a layer at the c = 1 verify; bench/spec_profile.py --ops)
-            return jnp.einsum("enh,ehi->eni", xe, w[...].astype(x.dtype),
-                              preferred_element_type=jnp.float32).astype(x.dtype)
-
-        h = jax.nn.silu(up_proj(self.gate)) * up_proj(self.up)  # [E, N, I]
+        h = self._gated(jnp.broadcast_to(x, (e, *x.shape)))  # [E, N, I]
         # an unrouted expert's activations are dropped, not scaled by 0 (an inf there must not reach the row)
         w = weight.T[..., None]  # [E, N, 1]
         hw = jnp.where(w != 0, h.astype(jnp.float32) * w, 0).astype(x.dtype)
@@ -358,14 +367,7 @@ class MoE(nnx.Module):
         slot = jnp.where(fits, local * capacity + place, slots)  # slots: a pair with no slot (dropped write)
         src = jnp.full((slots + 1,), n, jnp.int32).at[slot].set(token.astype(jnp.int32))[:slots]  # n: an empty slot
         x = jnp.concatenate([flat, jnp.zeros((1, hidden), flat.dtype)])[src].reshape(e_local, capacity, hidden)
-        ex, dtype = self.experts, flat.dtype
-
-        def proj(eq: str, a: jax.Array, wp: nnx.Param) -> jax.Array:
-            return jnp.einsum(eq, a, wp[...].astype(dtype), preferred_element_type=jnp.float32)
-
-        h = (jax.nn.silu(proj("ech,ehi->eci", x, ex.gate).astype(dtype)) *
-             proj("ech,ehi->eci", x, ex.up).astype(dtype))
-        y = proj("eci,eih->ech", h, ex.down).reshape(slots, hidden)
+        y = self.experts.per_expert(x).reshape(slots, hidden)
         # a pair with no slot is dropped, not scaled by 0 (an inf in the row it reads must not reach its token)
         contrib = jnp.where(fits[:, None], y[jnp.minimum(slot, slots - 1)] * weight[:, None], 0.0)
         out = jnp.zeros((n, hidden), jnp.float32).at[token].add(contrib)
