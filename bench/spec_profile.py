@@ -208,7 +208,7 @@ def op_profile(engine: Engine, prompts: list[list[int]], steps: int, new: int) -
 
     def ranked(table: dict[str, list[float]]) -> dict:
         return {k: {"us": u, "ops": n} for k, (u, n) in sorted(table.items(), key=lambda kv: -kv[1][0])}
-    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:20]
+    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:60]
     # a late thread wake-up shows in the mean: outside_median_us takes the median call against the mean busy time
     return {"program": attr, "wall_us_per_call": wall_us, "wall_us": spread(walls),
             "outside_median_us": float(np.median(walls)) - b["union_us"], "ops_per_call": sum(n for _, n in per.values()),

@@ -19,8 +19,13 @@ Cuts (each undone by a variant):
   gathers. Without it, dense_all (every expert's bf16 matmuls).
 - "slots" (layers.MoE.routed_by_slots): more pairs than dense_all takes (the 16- and 32-row decode, a verify of 4+
   rows) fill expert slots, one batched product per projection. Without it, the grouped tile loop (a trip per tile).
+- "gateup" (layers.MoE.routed, `layers.GATE_UP_ROWS`): up to 32 token rows run dense_all off the experts' gate_up
+  twin, as two-dimensional products. Without it, the paths above.
+- "swiglu" (layers.swiglu): a bf16 silu computed in f32 and rounded once (as torch's). Without it, jax.nn.silu on
+  bf16, rounding after each of its ops.
 Variants: "now" (the tree), "no-CUT" or "no-CUT+CUT..." (those undone), "before" (pin and bdot undone),
-"wideN" (the tree with products of up to N token rows reading a Linear's f32 twin: `layers.WIDE_ROWS` = N).
+"wideN" (the tree with products of up to N token rows reading a Linear's f32 twin: `layers.WIDE_ROWS` = N),
+"gateupN" (the tree with `layers.GATE_UP_ROWS` = N).
 Per (method, rows, variant): program ms (median, min..max, p10 over --reps calls), the compiled program's copies (all,
 and of >= 64K elements), and whether its first call's greedy tokens equal the first variant's. Load (/proc/loadavg) is recorded: the host may be shared.
 """
@@ -49,7 +54,7 @@ from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.engine.config import Speculative  # noqa: E402
 from jaxserve.models import layers, paged_attention_xla  # noqa: E402
 
-CUTS = ("pin", "bdot", "g8", "slots")
+CUTS = ("pin", "bdot", "g8", "slots", "gateup", "swiglu")
 PIN = "lat, lat_scale = jax.lax.optimization_barrier(((latent, latent_scale), j))[0]"
 
 
@@ -96,7 +101,7 @@ def cuts_of(variant: str) -> set[str]:
         return set()
     if variant == "before":
         return {"pin", "bdot"}
-    if re.fullmatch(r"wide\d+", variant):
+    if re.fullmatch(r"(wide|gateup)\d+", variant):
         return set()
     cuts = set(variant.removeprefix("no-").split("+"))
     if not variant.startswith("no-") or not cuts <= set(CUTS):
@@ -107,24 +112,30 @@ def cuts_of(variant: str) -> set[str]:
 @contextlib.contextmanager
 def undone(variant: str):
     """The tree with the variant's cuts undone while an engine is built and traced."""
-    real = (paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.MoE.routed)
-    wide_rows, slots_max = layers.WIDE_ROWS, layers.SLOTS_MAX_ELEMENTS
+    real = (paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.MoE.routed, layers.swiglu)
+    wide_rows, slots_max, gate_up_rows = layers.WIDE_ROWS, layers.SLOTS_MAX_ELEMENTS, layers.GATE_UP_ROWS
     cuts = cuts_of(variant)
     if "slots" in cuts:
         layers.SLOTS_MAX_ELEMENTS = -1
+    if "gateup" in cuts:
+        layers.GATE_UP_ROWS = 0
     if variant.startswith("wide"):
         layers.WIDE_ROWS = int(variant.removeprefix("wide"))
+    if re.fullmatch(r"gateup\d+", variant):
+        layers.GATE_UP_ROWS = int(variant.removeprefix("gateup"))
     if "pin" in cuts:
         paged_attention_xla.mla_decode = unpinned_mla_decode()
     if "bdot" in cuts:
         layers.Experts.dense_all = transposed_dense_all
     if "g8" in cuts:
         layers.MoE.routed = dense_at_e_routed()
+    if "swiglu" in cuts:
+        layers.swiglu = lambda gate, up: jax.nn.silu(gate) * up
     try:
         yield
     finally:
-        paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.MoE.routed = real
-        layers.WIDE_ROWS, layers.SLOTS_MAX_ELEMENTS = wide_rows, slots_max
+        paged_attention_xla.mla_decode, layers.Experts.dense_all, layers.MoE.routed, layers.swiglu = real
+        layers.WIDE_ROWS, layers.SLOTS_MAX_ELEMENTS, layers.GATE_UP_ROWS = wide_rows, slots_max, gate_up_rows
 
 
 def copies(hlo: str) -> tuple[int, int]:

@@ -80,7 +80,15 @@ def wide_weights(model: CausalLM, devices: list[jax.Device]) -> bool:
     return dtype_of(model) == jnp.bfloat16 and all(d.platform == "cpu" for d in devices)
 
 
+def gate_up_twin(devices: list[jax.Device]) -> bool:
+    """Whether a phase's compute layout also holds its dense routed experts' gate and up as one row-major twin
+    (`MatmulFormat.gate_up`): on CPU, where XLA:CPU's two-dimensional product of every expert beats the batched one
+    per expert and the expert slots (bench/step_cuts.py "gateup"). A single-device block only (`Experts`)."""
+    return all(d.platform == "cpu" for d in devices)
+
+
 def phase_weights(model: CausalLM, wf: WeightFormat, layout: str, devices: list[jax.Device]) -> CausalLM:
     """`model` in a phase's format `wf` and weight layout ("packed" | "compute", `weight_layout`) on `devices`."""
     out = in_format(model, wf)
-    return compute_layout(out, dtype_of(out), wide_weights(out, devices)) if layout == "compute" else out
+    return compute_layout(out, dtype_of(out), wide_weights(out, devices), gate_up_twin(devices)) \
+        if layout == "compute" else out

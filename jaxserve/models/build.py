@@ -67,6 +67,10 @@ def _converted(model: nnx.Module, target: nnx.Module, group_size: int) -> dict[s
                     out[f"{path}.{s_name}"] = scale
             if new_wide:
                 out[f"{path}.wide"] = w.astype(jnp.float32)
+        if isinstance(dst, Experts) and dst.gate_up is not None and src.gate_up is None:
+            # a new gate_up twin (MatmulFormat.gate_up), from the block's gate and up as the target holds them
+            gate, up = (out[f"{path}.{n}"] if f"{path}.{n}" in out else getattr(src, n)[...] for n in ("gate", "up"))
+            out[f"{path}.gate_up"] = Experts.gate_up_of(gate, up)
     return out
 
 

@@ -29,7 +29,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig, RopeConfig, _rope_from_hf
 from jaxserve.errors import CheckpointError, ConfigError
 from jaxserve.models.decoder import causal_mask
-from jaxserve.models.layers import INIT_STD, RMSNorm, abstract_build
+from jaxserve.models.layers import INIT_STD, RMSNorm, abstract_build, swiglu
 from jaxserve.models.rope import apply_rope, cos_sin
 
 NEG = -1e30  # masked attention score: finite, so a fully masked (padding) row stays NaN-free
@@ -163,7 +163,7 @@ class Eagle3Draft(nnx.Module):
         """o [..., N d] (attention output), residual [..., H] -> the layer's output h [..., H] (before `norm`)."""
         h = residual + jnp.dot(o, self.o[...])
         x = self.post_norm(h)
-        return h + jnp.dot(jax.nn.silu(jnp.dot(x, self.gate[...])) * jnp.dot(x, self.up[...]), self.down[...])
+        return h + jnp.dot(swiglu(jnp.dot(x, self.gate[...]), jnp.dot(x, self.up[...])), self.down[...])
 
     def logits(self, h: jax.Array) -> jax.Array:
         """h [..., H] -> logits over the draft vocabulary [..., Vd] f32."""

@@ -26,6 +26,9 @@ WIDE_ROWS = 1
 # `MoE.routed_by_slots` runs where its [experts, capacity, max(hidden, ffn)] activations stay this small (the embedded
 # model's decode and verify on CPU; a real model's prefill keeps the grouped matmul, whose temporaries are one tile)
 SLOTS_MAX_ELEMENTS = 1 << 20
+# `MoE.routed` runs dense_all for up to this many token rows where the experts hold the gate_up twin: measured up to
+# EngineConfig's default max_batch (bench/results/step_cuts_gateup.json); wider batches keep the slots
+GATE_UP_ROWS = 32
 M = TypeVar("M")
 
 
@@ -70,6 +73,13 @@ class LayerNorm(nnx.Module):
         var = jnp.mean((xf - mu) ** 2, axis=-1, keepdims=True)
         y = (xf - mu) * jax.lax.rsqrt(var + self.eps)
         return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up [..., I] in gate's dtype, the silu computed in f32 and rounded once, as torch's bf16 silu does
+    (jax.nn.silu on bf16 rounds after each of its ops: a chain of converts on XLA:CPU, bench/step_cuts.py "swiglu").
+    f32 inputs: the same values as jax.nn.silu's."""
+    return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
 def _wide(weight: nnx.Param, fmt: MatmulFormat, stored: str, axes: Axes) -> nnx.Param | None:
@@ -169,16 +179,17 @@ class MLP(nnx.Module):
         self.down = linear("down", inter, hidden, ("ffn", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(swiglu(self.gate(x), self.up(x)))
 
     def local(self, x: jax.Array) -> jax.Array:
         """On this module's arrays (FFN-split inside a shard_map: a partial sum of the output). x [N, H] -> [N, H]."""
-        return self.down.local(jax.nn.silu(self.gate.local(x)) * self.up.local(x))
+        return self.down.local(swiglu(self.gate.local(x), self.up.local(x)))
 
 
 class Experts(nnx.Module):
     """Stacked routed experts: gate, up [E, H, I], down [E, I, H] in `fmt`, applied by grouped matmul. No f32 twins
-    (`fmt.wide` is for Linear): their one-row products gather the bf16 weights (`gathered`)."""
+    (`fmt.wide` is for Linear): their one-row products gather the bf16 weights (`gathered`). With `fmt.gate_up` a
+    dense single-device block also holds gate_up [H, 2, E, I] (`gate_up_of`) for `dense_all`."""
 
     def __init__(self, n: int, hidden: int, inter: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
                  fmt: MatmulFormat = MatmulFormat(), parallel: Parallel | None = None) -> None:
@@ -197,6 +208,15 @@ class Experts(nnx.Module):
         self.gate_scale = nnx.data(gate_scale)  # None for dense formats
         self.up_scale = nnx.data(up_scale)
         self.down_scale = nnx.data(down_scale)
+        twin = fmt.gate_up and self.fmt in DENSE_FORMATS and parallel is None
+        self.gate_up = nnx.data(nnx.Param(self.gate_up_of(self.gate[...], self.up[...]),
+                                          axes=("embed", None, "experts", "expert_ffn")) if twin else None)
+
+    @staticmethod
+    def gate_up_of(gate: jax.Array, up: jax.Array) -> jax.Array:
+        """gate, up [E, H, I] -> the `gate_up` twin [H, 2, E, I] (the same values): dense_all's gate and up as one
+        [N, H] x [H, 2 * E * I] product, which from the [E, H, I] stacks XLA:CPU transposed on every call."""
+        return jnp.stack([gate, up]).transpose(2, 0, 1, 3)
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
         """x [M, H] rows grouped by expert, or x [X, H] and rows [M] int32 (sorted row r is x[rows[r]]: the kernels
@@ -208,7 +228,7 @@ class Experts(nnx.Module):
                                       use_kernel=self.use_kernel, interpret=self.interpret, backend=self.backend,
                                       rows=rows)
 
-        h = jax.nn.silu(mm(x, self.gate, self.gate_scale, rows)) * mm(x, self.up, self.up_scale, rows)
+        h = swiglu(mm(x, self.gate, self.gate_scale, rows), mm(x, self.up, self.up_scale, rows))
         return mm(h, self.down, self.down_scale)
 
     def gathered(self, x: jax.Array, expert: jax.Array) -> jax.Array:
@@ -225,7 +245,7 @@ class Experts(nnx.Module):
                 w[...][e], local_scale(self.parallel, s, w.shape)[e], self.fmt)).astype(x.dtype)
             return jnp.einsum("mk,mkn->mn", x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
 
-        h = jax.nn.silu(mm(x, self.gate, self.gate_scale)) * mm(x, self.up, self.up_scale)
+        h = swiglu(mm(x, self.gate, self.gate_scale), mm(x, self.up, self.up_scale))
         return jnp.where(valid[:, None], mm(h, self.down, self.down_scale), 0)
 
     def _gated(self, xe: jax.Array) -> jax.Array:
@@ -237,7 +257,7 @@ class Experts(nnx.Module):
             return jnp.einsum("enh,ehi->eni", xe, w[...].astype(xe.dtype),
                               preferred_element_type=jnp.float32).astype(xe.dtype)
 
-        return jax.nn.silu(up_proj(self.gate)) * up_proj(self.up)
+        return swiglu(up_proj(self.gate), up_proj(self.up))
 
     def per_expert(self, xe: jax.Array) -> jax.Array:
         """xe [E, C, H]: row block e through expert e alone (f32 / bf16 weights), one batched product per projection
@@ -247,16 +267,25 @@ class Experts(nnx.Module):
 
     def dense_all(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         """x [N, H], weight [N, E] f32 (a row's routing weight of each expert, 0 where unrouted) -> [N, H] f32:
-        every row through every expert (f32 / bf16 weights only), with no batched matmul: gate and up as one
-        [N, H] x [H, E * I] product each, and the weighted sum over experts folded into the down projection as
-        [N, E * I] x [E * I, H]. The XLA path when N x E rows are fewer than the grouped matmul's padded tiles."""
-        n = x.shape[0]
+        every row through every expert (f32 / bf16 weights only): gate and up batched over experts, or with the
+        `gate_up` twin as one [N, H] x [H, 2 * E * I] product, and the weighted sum over experts folded into the down
+        projection as [N, E * I] x [E * I, H]. The XLA path when N x E rows are fewer than the grouped matmul's padded
+        tiles, and with the twin up to GATE_UP_ROWS rows."""
+        n, hidden = x.shape
         e, _, inter = self.gate.shape
+        down = self.down[...].astype(x.dtype).reshape(e * inter, -1)
+        if self.gate_up is not None:
+            gu = jnp.dot(x, self.gate_up[...].reshape(hidden, 2 * e * inter).astype(x.dtype),
+                         preferred_element_type=jnp.float32).reshape(n, 2, e, inter)
+            # each half rounded after the split: the product rounded whole, then split, made XLA:CPU's fused loop slow
+            h = swiglu(gu[:, 0].astype(x.dtype), gu[:, 1].astype(x.dtype))  # [N, E, I]
+            w = weight[..., None]  # [N, E, 1]
+            hw = jnp.where(w != 0, h.astype(jnp.float32) * w, 0).astype(x.dtype)
+            return jnp.dot(hw.reshape(n, e * inter), down, preferred_element_type=jnp.float32)
         h = self._gated(jnp.broadcast_to(x, (e, *x.shape)))  # [E, N, I]
         # an unrouted expert's activations are dropped, not scaled by 0 (an inf there must not reach the row)
         w = weight.T[..., None]  # [E, N, 1]
         hw = jnp.where(w != 0, h.astype(jnp.float32) * w, 0).astype(x.dtype)
-        down = self.down[...].astype(x.dtype).reshape(e * inter, -1)
         return jnp.dot(jnp.swapaxes(hw, 0, 1).reshape(n, e * inter), down, preferred_element_type=jnp.float32)
 
 
@@ -336,6 +365,10 @@ class MoE(nnx.Module):
             # do, without dense_all's bf16 matmuls of every expert (a c = 1 verify's 4 x 2 pairs over the embedded
             # model's 8 experts: bench/step_cuts.py "g8"; with f32 twins gathered it was the other way round)
             return self.routed_by_gather(flat, token, local, weight)
+        if self.experts.gate_up is not None and n <= GATE_UP_ROWS:
+            # every row through every expert as two-dimensional products off the twin: at 16 and 32 rows twice the
+            # slots' products and still faster on XLA:CPU (bench/results/step_cuts_gateup.json)
+            return self.routed_by_dense(flat, token, local, weight)
         if not kernel and self.experts.fmt in DENSE_FORMATS and \
                 n * e_local < ops.xla_tile_rows(n * k, e_local) * min(e_local, n * k):
             # every token through every expert is fewer rows than the pairs' padded tiles, and no tile loop (the

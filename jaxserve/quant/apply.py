@@ -23,17 +23,18 @@ def quantize_model(model: CausalLM, wf: WeightFormat) -> CausalLM:
     return rebuild(model, WeightPlan(wf, stored), model.parallel)
 
 
-def compute_layout(model: CausalLM, dtype: jnp.dtype, wide: bool = False) -> CausalLM:
+def compute_layout(model: CausalLM, dtype: jnp.dtype, wide: bool = False, gate_up: bool = False) -> CausalLM:
     """`model` with every quantized Linear / Experts weight dequantized once into `dtype`: the layout the XLA matmul
     path computes with, for backends with no kernel for the packed format (CPU). wide: every bf16 Linear weight
-    also held in f32 for one-row products (`MatmulFormat.wide`: XLA:CPU; the routed experts hold no twin).
+    also held in f32 for one-row products (`MatmulFormat.wide`: XLA:CPU; the routed experts hold no twin); gate_up:
+    every dense routed-experts block also holds gate and up as one row-major twin (`MatmulFormat.gate_up`).
 
     The values are the quantized format's own (the INT4 / FP8 grid times its scales, rounded to `dtype` exactly as
     the packed XLA path rounds them before its matmul each step), so outputs match the packed path; what changes is
     memory (dtype bytes per weight instead of 0.5 / 1) and that no step unpacks or rescales a weight again."""
     dense = dense_format(dtype)
     stored = tuple((path, dense if m.fmt in QUANTIZED else m.fmt) for path, m in matmuls(model))
-    return rebuild(model, WeightPlan(model.weights.weights, stored, wide), model.parallel)
+    return rebuild(model, WeightPlan(model.weights.weights, stored, wide, gate_up), model.parallel)
 
 
 def weight_bytes(model: nnx.Module, *, experts_only: bool = False) -> int:

@@ -45,7 +45,9 @@ class MatmulFormat:
     group along the input dim; use_kernel/interpret/backend: as `WeightFormat`; wide: a Linear's bf16 weight also
     held as f32 for products of one row per matrix (XLA:CPU converts a bf16 weight to f32 for every matrix-vector
     dot, and runs bf16 natively from two rows on: the two copies give both the same values as before). Experts
-    ignore it: their gathers convert only the gathered experts."""
+    ignore it: their gathers convert only the gathered experts. gate_up: a single-device dense Experts block also
+    holds its gate and up weights as one [H, 2, E, I] twin (`Experts.dense_all`'s two-dimensional product; Linear
+    ignores it)."""
 
     fmt: str | None = None
     group_size: int = 32
@@ -53,6 +55,7 @@ class MatmulFormat:
     interpret: bool = False
     backend: str = "gpu"
     wide: bool = False
+    gate_up: bool = False
 
     def resolve(self, dtype: jnp.dtype) -> str:
         """The stored format of a module whose dense dtype is `dtype`."""
@@ -69,10 +72,11 @@ class WeightPlan:
     weights: WeightFormat = WeightFormat()
     stored: tuple[tuple[str, str], ...] = ()
     wide: bool = False  # every bf16 Linear weight also held in f32 (`MatmulFormat.wide`)
+    gate_up: bool = False  # dense routed experts also hold gate and up as one row-major twin (`MatmulFormat.gate_up`)
 
     def _format(self, fmt: str | None) -> MatmulFormat:
         w = self.weights
-        return MatmulFormat(fmt, w.group_size, w.use_kernel, w.interpret, w.backend, self.wide)
+        return MatmulFormat(fmt, w.group_size, w.use_kernel, w.interpret, w.backend, self.wide, self.gate_up)
 
     def linear(self, path: str, din: int) -> MatmulFormat:
         """The format of the Linear at `path` with input dim `din`."""

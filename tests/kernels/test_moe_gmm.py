@@ -9,6 +9,7 @@ gpu tiling runs in legacy `interpret=True`, the tpu tiling in TPU interpret mode
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -265,6 +266,51 @@ def test_moe_routed_paths_agree_and_follow_the_size(dtype) -> None:
         assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= tol, n
         text = jax.jit(routed).lower(state, x).as_text()
         assert ("while" in text) == loop and ("stablehlo.case" in text or "stablehlo.if" in text) == loop, n
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_moe_gate_up_twin_runs_every_expert_as_two_dimensional_products(dtype) -> None:
+    """Experts holding the gate_up twin (`MatmulFormat.gate_up`, the CPU compute layout): the twin is gate and up's
+    own values; 2 and 4 tokens still gather their experts, 8 to GATE_UP_ROWS tokens run dense_all off the twin (one
+    [N, H] x [H, 2 * E * I] product and the down projection, no batched product, loop or cond), more fill the
+    slots; each equals the same block without the twin (f32: to rounding; bf16: within its roundings)."""
+    import hf_tiny
+    from flax import nnx
+
+    from jaxserve.config import from_hf_config
+    from jaxserve.models import layers
+    from jaxserve.quant.weight_format import WeightPlan
+
+    cfg = from_hf_config(hf_tiny.CONFIGS["deepseek_v3"]().to_dict())
+    plain = layers.MoE(cfg, dtype=dtype, rngs=nnx.Rngs(1), path="layers.1.mlp")
+    twin = layers.MoE(cfg, dtype=dtype, rngs=nnx.Rngs(1), path="layers.1.mlp", weights=WeightPlan(gate_up=True))
+    assert plain.experts.gate_up is None
+    e, h, i = twin.experts.gate.shape
+    np.testing.assert_array_equal(np.asarray(twin.experts.gate[...]), np.asarray(plain.experts.gate[...]))
+    gu = np.asarray(twin.experts.gate_up[...].astype(jnp.float32))  # [H, 2, E, I]
+    assert gu.shape == (h, 2, e, i)
+    np.testing.assert_array_equal(gu[:, 0], np.asarray(twin.experts.gate[...].astype(jnp.float32)).transpose(1, 0, 2))
+    np.testing.assert_array_equal(gu[:, 1], np.asarray(twin.experts.up[...].astype(jnp.float32)).transpose(1, 0, 2))
+
+    def routed(moe: layers.MoE, x: jax.Array) -> jax.Array:
+        w, ids = moe.route(x)
+        return moe.routed(x, w, ids, 0)
+
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for n in (2, 4, 8, 16, layers.GATE_UP_ROWS, 2 * layers.GATE_UP_ROWS):
+        x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size), dtype)
+        got, want = jax.jit(routed, static_argnums=0)(twin, x), jax.jit(routed, static_argnums=0)(plain, x)
+        assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= tol, n
+        text = jax.jit(routed, static_argnums=0).lower(twin, x).as_text()
+        wide = re.search(rf"dot_general.*-> tensor<{n}x{2 * e * i}x", text) is not None
+        batched = re.search(r"dot_general[^\n]*batching_dims", text) is not None
+        cond = "stablehlo.case" in text or "stablehlo.if" in text
+        if n * 2 <= e:  # gathered, as without the twin
+            assert not wide and not cond, n
+        elif n <= layers.GATE_UP_ROWS:
+            assert wide and not batched and not cond and "while" not in text, n
+        else:  # the slots, the tile loop under a cond
+            assert not wide and batched and cond, n
 
 
 def test_moe_slots_equal_the_tile_loop_past_capacity_and_for_experts_elsewhere() -> None:

@@ -95,3 +95,33 @@ def test_dsa_indexer_changes_long_context(tmp_path):
     dense = np.asarray(forward(model, tokens))
     assert np.abs(with_dsa[0, cfg.index_topk:] - dense[0, cfg.index_topk:]).max() > 1e-3
     np.testing.assert_allclose(with_dsa[0, : cfg.index_topk], dense[0, : cfg.index_topk], atol=1e-5)
+
+
+def test_swiglu_rounds_as_torchs_bf16_silu():
+    """layers.swiglu on bf16: bitwise torch's silu(gate) * up on bf16 tensors (the silu computed in f32 and rounded
+    once, then the product rounded once), over every finite bf16 gate value but those whose silu is below 1e-30
+    (f32's subnormals are flushed to 0 by XLA:CPU), subnormal products flushed as well; jax.nn.silu on bf16, rounding after each of its ops, differs
+    (negative control)."""
+    import jax
+
+    from jaxserve.models.layers import swiglu
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    gate = bits.view(jnp.bfloat16)
+    tiny = np.finfo(np.float32).tiny
+    gate = gate[np.isfinite(gate.astype(np.float32))]
+    g64 = gate.astype(np.float64)
+    with np.errstate(over="ignore"):
+        silu = g64 / (1 + np.exp(-g64))
+    gate = gate[(g64 == 0) | (np.abs(silu) >= 1e-30)]  # far from f32's subnormals, which XLA:CPU flushes to 0
+    up = np.random.default_rng(0).standard_normal(gate.shape).astype(jnp.bfloat16)
+    ours = np.asarray(swiglu(jnp.asarray(gate), jnp.asarray(up))).astype(np.float32)
+
+    def as_torch(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+
+    theirs = (torch.nn.functional.silu(as_torch(gate)) * as_torch(up)).to(torch.float32).numpy()
+    theirs = np.where(np.abs(theirs) < tiny, 0, theirs)  # XLA:CPU flushes subnormals
+    np.testing.assert_array_equal(ours, theirs)
+    chained = np.asarray(jax.nn.silu(jnp.asarray(gate)) * jnp.asarray(up)).astype(np.float32)
+    assert np.sum(chained != theirs) > 0

@@ -1,6 +1,7 @@
 """f32 twins of bf16 Linear weights (`MatmulFormat.wide`, the CPU compute layout): one-row products read the twin,
 so XLA:CPU converts no weight per call, and every output is the bf16 weights' own, bit for bit. The routed experts
-hold none (their gathers convert only the gathered experts)."""
+hold none (their gathers convert only the gathered experts). The routed experts' gate_up twin (`MatmulFormat.gate_up`)
+holds their gate and up values as one row-major weight."""
 from __future__ import annotations
 
 import re
@@ -15,8 +16,8 @@ import hf_tiny
 from jaxserve.config import from_hf_config
 from jaxserve.models import CausalLM, forward
 from jaxserve.models.layers import Experts, Linear
-from jaxserve.quant.apply import compute_layout
-from jaxserve.quant.weight_format import MatmulFormat
+from jaxserve.quant.apply import compute_layout, quantize_model
+from jaxserve.quant.weight_format import MatmulFormat, WeightFormat
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +81,21 @@ def test_only_products_of_up_to_wide_rows_rows_read_the_twin(rows):
     entry = hlo[hlo.index("\nENTRY "):]
     read = {t for t in ("f32", "bf16") if re.search(rf"= {t}\[256,512\]\S* parameter\(", entry)}
     assert read == ({"f32"} if rows <= layers.WIDE_ROWS else {"bf16"})
+
+
+def test_gate_up_twin_holds_the_dequantized_values(bf16_model):
+    """compute_layout(gate_up=True) from INT4 experts: each block's twin is its dequantized gate and up, exactly
+    (`Experts.gate_up_of`); off unless asked; the logits of 8 rows (dense_all off the twin) equal the model's
+    without it to within the roundings of another accumulation order."""
+    int4 = quantize_model(bf16_model, WeightFormat("int4"))
+    twin = compute_layout(int4, jnp.bfloat16, gate_up=True)
+    plain = compute_layout(int4, jnp.bfloat16)
+    experts = [m for _, m in nnx.iter_graph(twin) if isinstance(m, Experts)]
+    assert experts and all(m.fmt == "bf16" for m in experts)
+    for m in experts:
+        np.testing.assert_array_equal(np.asarray(m.gate_up[...].astype(jnp.float32)),
+                                      np.asarray(Experts.gate_up_of(m.gate[...], m.up[...]).astype(jnp.float32)))
+    assert all(m.gate_up is None for _, m in nnx.iter_graph(plain) if isinstance(m, Experts))
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, 256, (8, 1)), jnp.int32)
+    got, want = (np.asarray(forward(m, tokens).astype(jnp.float32)) for m in (twin, plain))
+    assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))
