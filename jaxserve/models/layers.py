@@ -279,14 +279,12 @@ class Experts(nnx.Module):
                          preferred_element_type=jnp.float32).reshape(n, 2, e, inter)
             # each half rounded after the split: the product rounded whole, then split, made XLA:CPU's fused loop slow
             h = swiglu(gu[:, 0].astype(x.dtype), gu[:, 1].astype(x.dtype))  # [N, E, I]
-            w = weight[..., None]  # [N, E, 1]
-            hw = jnp.where(w != 0, h.astype(jnp.float32) * w, 0).astype(x.dtype)
-            return jnp.dot(hw.reshape(n, e * inter), down, preferred_element_type=jnp.float32)
-        h = self._gated(jnp.broadcast_to(x, (e, *x.shape)))  # [E, N, I]
+        else:
+            h = jnp.swapaxes(self._gated(jnp.broadcast_to(x, (e, *x.shape))), 0, 1)  # [N, E, I]
         # an unrouted expert's activations are dropped, not scaled by 0 (an inf there must not reach the row)
-        w = weight.T[..., None]  # [E, N, 1]
+        w = weight[..., None]  # [N, E, 1]
         hw = jnp.where(w != 0, h.astype(jnp.float32) * w, 0).astype(x.dtype)
-        return jnp.dot(jnp.swapaxes(hw, 0, 1).reshape(n, e * inter), down, preferred_element_type=jnp.float32)
+        return jnp.dot(hw.reshape(n, e * inter), down, preferred_element_type=jnp.float32)
 
 
 def slot_capacity(pairs: int, experts: int) -> int:
