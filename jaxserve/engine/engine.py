@@ -358,19 +358,24 @@ class Engine:
         max_maps = self.map_guard.max_maps if max_maps is None else max_maps
         self.map_guard.warming += 1  # the warm-up keeps the bound itself; no step evicts under its loads
         try:
-            if level == "full" and not holds_plan(self.programs):  # cold: all of it now, then its manifest
-                report = run_full(self.programs, progress, max_maps)
-                self.map_guard.evictions += report.evictions
-                self._prime(largest_keys(self.programs, plan_keys(self.programs)), report)
-                report.freeze_seconds = heap.freeze()  # what it made lives on: out of the collector's full walks
-                return report
             if level == "none":
                 return WarmupReport(level)
             shapes = CompiledShapes(self.programs)
-            rest = shapes.warm(level, progress, max_maps)  # warm "full": the cache holds the rest (warm_manifest)
-            report = shapes.report
-            report.skipped = len(rest) if level == "full" else 0
-            self._prime(set(shapes.done), report)
+            if level == "full" and not holds_plan(self.programs):  # cold: all of it now, then its manifest
+                report = run_full(self.programs, progress, max_maps)
+                self.map_guard.evictions += report.evictions
+                # what the mapping bound dropped meanwhile loads again in the background when a step wants it, the
+                # step padded meanwhile: a load on the engine thread would stall every stream
+                keys = plan_keys(self.programs)
+                shapes.adopt(keys)
+                rest: list[Key] = []
+                fast = set(largest_keys(self.programs, keys))  # what fast would hold: run once, not all of the plan
+            else:
+                rest = shapes.warm(level, progress, max_maps)  # warm "full": the cache holds the rest (warm_manifest)
+                report = shapes.report
+                report.skipped = len(rest) if level == "full" else 0
+                fast = set(shapes.done)
+            self._prime(fast, report)
             shapes.runner = self._run_once  # the background's programs too, before a step may use them
             self.scheduler.shapes = shapes  # from the next step on, a shape not compiled yet pads to a compiled one
             report.freeze_seconds = heap.freeze()  # before the background adds to it (it freezes after each job)

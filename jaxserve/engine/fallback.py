@@ -35,6 +35,9 @@ used nor a load in flight, `cover` marks what it returns used (no eviction betwe
 an evicted key is loaded again only on new demand: what the bound just dropped because no step used it stays out.
 Only `jax.clear_caches` (when dropping the least recently used is not enough) leaves no loaded cover; the steps then
 load their own shapes until the background has loaded the wanted ones again.
+A cold `--warmup full` compiles the whole plan itself and then hands it over here (`adopt`): the keys the bound
+dropped during it are treated as evicted ones, so after ready no level but "none" loads a program on the engine
+thread.
 """
 from __future__ import annotations
 
@@ -249,6 +252,24 @@ class CompiledShapes:
         done = set(first)
         return sorted((k for k in keys if k not in done), key=_size)  # stable: full_plan's order within a size
 
+    def adopt(self, keys: list[Key]) -> None:
+        """After a cold full warm-up compiled `keys` (each labelled with its key: `warmup.labelled_job`): the keys
+        still loaded are done; of those the mapping bound dropped meanwhile, the fast set's (`largest_keys`) load
+        again now and the maximal shapes' stay loaded (a step always has a loaded cover, as after `warm`); the
+        others wait as evicted keys do (`dropped`: loaded again by the background once a padded step wants them)."""
+        first = largest_keys(self.programs, keys)
+        gone = set(self.programs.resident.gone(list(keys)))
+        for key in keys:
+            if key not in gone:
+                self.add(key)
+        for key in first:
+            if key in gone:
+                self._load(key, freeze=False)
+                gone.discard(key)
+        self.programs.resident.keep([k for k in first if k[:4] in maximal({k[:4] for k in keys})])
+        with self._lock:
+            self._drop(gone)
+
     def start(self, keys: list[Key], hold: threading.Event | None = None, max_maps: int | None = None,
               done: Callable[[WarmupReport | None], None] | None = None) -> threading.Thread:
         """Compile `keys` in one background thread (started and returned; it waits for `hold` first, a test hook),
@@ -367,7 +388,7 @@ class CompiledShapes:
 def fit(shapes: CompiledShapes | None, kind: str, ranks: list[int], n_ranks: int, B: int, place: list[int], M: int,
         T: int = 0) -> tuple[int, list[int], int, int]:
     """A step's bucket (B rows with rows `place` for items on DP ranks `ranks`, M pages, T chunk tokens) moved to
-    `shapes.cover`'s (unchanged with no fallback: `--warmup` full or none). -> (B, place, M, T)."""
+    `shapes.cover`'s (unchanged with no fallback: `--warmup none`). -> (B, place, M, T)."""
     if shapes is None:
         return B, place, M, T
     b, m, t = shapes.cover(kind, B, M, T)

@@ -14,7 +14,9 @@ cache is keyed on the function: one shared function would drop every signature's
 Labels: a caller that loads programs for something of its own (`fallback.CompiledShapes`: a warm-up plan key) does
 so inside `labelled(label)`; the signatures its thread gets meanwhile carry that label, and every eviction reports
 the labels it dropped to `on_drop`, so the caller learns what is no longer loaded without this module knowing
-what a label means. A label being loaded (inside `labelled`) is never evicted; `touch` marks labels used now.
+what a label means. A label being loaded (inside `labelled`) is never evicted; `touch` marks labels used now. `clear`
+(after `jax.clear_caches`) reports every label loaded since the last clear, those whose programs are not held here
+(an unpacking, a tag sync) too.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any
 
 import jax
 
+UNUSED = -(1 << 62)  # the recency of a program loaded (inside `labelled`) that no step has run yet: none to protect
 Signature = tuple[str, Any, tuple]  # (entry point, pytree structure, leaf shapes/dtypes or scalar values)
 # told the labels of dropped programs, and whether every compiled program of the process went (jax.clear_caches)
 OnDrop = Callable[[list[Hashable], bool], None]
@@ -52,6 +55,7 @@ class Resident:
         self._labels: dict[Signature, Hashable] = {}
         self._by_label: dict[Hashable, set[Signature]] = {}
         self._gone: set[Hashable] = set()  # labels with a program dropped since it was last loaded
+        self._loaded: set[Hashable] = set()  # labels loaded (`labelled`) since the last `clear`, held here or not
         self._loading: collections.Counter[Hashable] = collections.Counter()  # labels inside `labelled` now
         self._local = threading.local()  # .label: the calling thread's current label
         self._kept: set[Hashable] = set()  # labels no least-recently-used eviction takes (`keep`)
@@ -63,8 +67,10 @@ class Resident:
             if jit is None:
                 jit = self._jits[sig] = make()
             self._jits.move_to_end(sig)
-            self._used[sig] = self.tick
             label = getattr(self._local, "label", None)
+            # a load is not a use: before any step all of a warm-up's loads would count as used by the current one,
+            # and no least-recently-used eviction could drop anything (the bound then dropped every program)
+            self._used[sig] = self._used.get(sig, UNUSED) if label is not None else self.tick
             if label is not None and sig not in self._labels:  # a signature keeps its first label
                 self._labels[sig] = label
                 self._by_label.setdefault(label, set()).add(sig)
@@ -74,20 +80,28 @@ class Resident:
     @contextlib.contextmanager
     def labelled(self, label: Hashable) -> Iterator[None]:
         """Label the signatures this thread gets in the block (see the module docstring); none of the label's
-        programs is evicted meanwhile, and they count as used at the end."""
+        programs is evicted meanwhile, and they are the most recently loaded at the end (a load is not a use: only a
+        step's call or `touch` protects a program from the least-recently-used eviction's recency bound)."""
         before = getattr(self._local, "label", None)
         self._local.label = label
         with self._lock:
             self._loading[label] += 1
+        loaded = False
         try:
             yield
+            loaded = True
         finally:
             self._local.label = before
             with self._lock:
                 self._loading[label] -= 1
                 if not self._loading[label]:
                     del self._loading[label]
-            self.touch([label])
+                if loaded:  # a label whose programs are not held here (an unpacking, a tag sync) is loaded now too
+                    self._loaded.add(label)
+                    if not self._by_label.get(label):
+                        self._gone.discard(label)
+                for sig in self._by_label.get(label, ()):  # the most recently loaded; used once a step runs it
+                    self._jits.move_to_end(sig)
 
     def keep(self, labels: list[Hashable]) -> None:
         """Never evict the programs of `labels` by recency (`clear` still drops them)."""
@@ -107,6 +121,11 @@ class Resident:
                     self._jits.move_to_end(sig)
                     self._used[sig] = self.tick
         return gone
+
+    def gone(self, labels: list[Hashable]) -> list[Hashable]:
+        """The labels with a program dropped since it was loaded (as `touch` reports them), marking nothing used."""
+        with self._lock:
+            return [label for label in labels if label in self._gone]
 
     def __len__(self) -> int:
         return len(self._jits)
@@ -141,7 +160,12 @@ class Resident:
         """Forget every jit object (after `jax.clear_caches` dropped their programs) and report all labels."""
         with self._lock:
             n, sigs = len(self._jits), list(self._jits)
+            # jax.clear_caches dropped the programs of every label loaded since, held here or not (not gone already)
+            elsewhere = self._loaded - self._gone - set(self._labels.values())
             labels = [label for label in map(self._forget, sigs) if label is not None]
+            labels += sorted(elsewhere, key=repr)
+            self._gone.update(elsewhere)
+            self._loaded.clear()
             self._jits.clear()
             self._used.clear()
         self.dropped += n

@@ -36,7 +36,7 @@ import jax
 import jaxlib
 import numpy as np
 
-from jaxserve.engine.warmup import Key, WarmupReport, _cache_holds_everything, job_of, plan_keys, run_jobs
+from jaxserve.engine.warmup import Key, WarmupReport, _cache_holds_everything, labelled_job, plan_keys, run_jobs
 
 if TYPE_CHECKING:
     from jaxserve.engine.programs import Programs
@@ -177,7 +177,8 @@ def run_full(programs: Programs, progress: bool, max_maps: int | None) -> Warmup
     keys = plan_keys(programs)
     folder = cache_folder()
     with recording() as entries:
-        report = run_jobs("full", [job_of(programs, k) for k in keys], progress, max_maps=max_maps,
+        # labelled: the engine learns which keys the mapping bound dropped meanwhile (`CompiledShapes.adopt`)
+        report = run_jobs("full", [labelled_job(programs, k) for k in keys], progress, max_maps=max_maps,
                           resident=programs.resident)
     if folder is not None:
         write(folder, digest(programs, keys), entries, len(keys))

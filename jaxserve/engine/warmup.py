@@ -18,15 +18,18 @@ from the persistent compilation cache.
     (default half that limit): past it, it waits for the jobs in flight and drops the least recently used model
     programs (`engine.resident`: one jit object per shape; `drop_oldest`, to LOW_WATER x max_maps, never those of
     the last KEEP_STEPS + 1 engine steps), or, where that is not enough, every compiled program from memory
-    (`jax.clear_caches`); the persistent compile cache (`compile_cache.py`) has already stored them. Such a
-    program is then traced again and loaded from the cache on its first use after ready: an XLA cache hit, never
-    an XLA compile. Without the persistent cache a grid over the limit is refused (ConfigError) instead.
+    (`jax.clear_caches`); the persistent compile cache (`compile_cache.py`) has already stored them. Each job is
+    labelled with its plan key (`labelled_job`), so after ready the engine knows which keys were dropped
+    (`fallback.CompiledShapes.adopt`): a step of such a shape runs padded in a loaded one while the background
+    thread loads it again from the cache once steps want it (an XLA cache hit, never an XLA compile, never on the
+    engine thread: loading there stalls every stream). Without the persistent cache a grid over the limit
+    is refused (ConfigError) instead.
     `jax.clear_caches` is process-wide: a program another thread is loading at that moment may miss the persistent
     cache and compile (seen in a test), so the warm-up clears only with its own jobs settled; a request served
     before ready can still race it. After ready the engine keeps the same bound (`MapGuard`): between steps,
     on the thread that steps, past `max_maps` it drops the least recently used programs again (with the persistent
-    cache on): the programs traffic uses stay loaded. Under "fast" an evicted program's shape stops being a padding
-    target and the background thread loads it again (`fallback.CompiledShapes.dropped`): steps load nothing.
+    cache on): the programs traffic uses stay loaded. An evicted program's shape stops being a padding target and
+    the background thread loads it again (`fallback.CompiledShapes.dropped`): steps load nothing.
   * "fast": the largest shape of each program kind in both forms, the largest unpacking, every hand-off size and
     the tag syncs, what a lone short request runs (`fallback.lone_shapes`) and a ladder of decode covers
     (`fallback.ladder_shapes`); then, after ready, the rest of
@@ -112,7 +115,7 @@ class WarmupReport:
                 + (f"; {self.skipped} more jobs' programs are in the compile cache (its warm-start manifest) and "
                    "load from it in the background after ready, steps padded meanwhile" if self.skipped else "")
                 + (f"; dropped from memory {self.evictions} times to stay under {self.max_maps} memory mappings (they "
-                   "load from the compile cache on first use)" if self.evictions else "")
+                   "load from it again in the background when a step wants them, steps padded meanwhile)" if self.evictions else "")
                 + (f"; ran {sum(self.primed.values())} of them once ({self.prime_seconds:.1f} s)"
                    if self.primed else "")
                 + (f"; heap frozen ({self.freeze_seconds:.2f} s)" if self.freeze_seconds is not None else ""))
@@ -191,6 +194,16 @@ def job_of(programs: Programs, key: Key) -> Job:
         tags = programs.phases()[b].pages.tags
         return kind, functools.partial(compile_tag_sync, tags, _pow2_upto(tags.shape[0]))
     return kind, functools.partial(programs._compile, kind, b, m, t, **({"mode": mode} if mode else {}))
+
+
+def labelled_job(programs: Programs, key: Key) -> Job:
+    """`job_of(key)`, its programs labelled with the key in `programs.resident`: an eviction reports the key."""
+    kind, job = job_of(programs, key)
+
+    def run() -> None:
+        with programs.resident.labelled(key):
+            job()
+    return kind, run
 
 
 def full_plan(programs: Programs, modes: tuple[SamplingMode, ...] = SERVING_MODES) -> list[Job]:

@@ -87,3 +87,61 @@ def test_an_evicted_shape_pads_and_is_reloaded_only_when_wanted():
         assert small in shapes.usable and shapes.cover("decode", 1, 8) == (4, 16, 0) and small not in shapes.usable
     finally:
         e.close()
+
+
+def test_clear_reports_labels_held_elsewhere_and_adopt_takes_a_cold_full_warm_ups_drops():
+    """`clear` (after jax.clear_caches) also reports the labels loaded since the last clear whose programs are not held
+    here (an unpacking, a tag sync); `CompiledShapes.adopt` then treats every dropped key of a cold full warm-up as
+    evicted: its shape pads into a loaded one and waits for a step to want it, and the fast set's dropped keys load
+    again at once (`_load`, stood in for here)."""
+    r = Resident()
+    with r.labelled("unpack"):  # no program held here
+        pass
+    _load(r, "decode", 1)
+    r.clear()
+    assert r.gone(["unpack", "decode", "never seen"]) == ["unpack", "decode"]
+    with r.labelled("unpack"):  # loaded again
+        pass
+    assert r.gone(["unpack"]) == []
+
+    e = Engine(tiny_model(), CFG, start=False)
+    try:
+        shapes = CompiledShapes(e.programs)
+        r = e.programs.resident
+        small, big = ("decode", 2, 8, 0), ("decode", 4, 16, 0)
+        keys = [(*s, form) for s in (small, big) for form in SERVING_MODES] + \
+            [("unpack", 2, 8, 0, ""), ("unpack", 4, 16, 0, "")]
+        for k in keys:  # as the cold warm-up's labelled jobs would
+            if k[0] == "decode":
+                _load(r, k, k)
+            else:
+                with r.labelled(k):
+                    pass
+        r.tick = 5
+        r.evict(lambda: ("decode", 2, 8, 0, "greedy") not in r._gone, keep_since=5)  # small's greedy program
+        loaded: list = []
+        shapes._load = lambda key, freeze: (loaded.append(key), shapes.add(key))  # the fast set's reloads
+        shapes.adopt(keys)
+        assert big in shapes.usable and small not in shapes.usable
+        assert ("decode", 2, 8, 0, "greedy") in shapes.evicted and ("decode", 2, 8, 0, "any") in shapes.done
+        assert loaded == [k for k in keys if k in loaded]  # nothing outside the plan
+        assert shapes.next_key() is None  # the dropped key waits for demand ...
+        assert shapes.cover("decode", 2, 8) == (4, 16, 0)  # ... while its steps pad into the loaded shape
+        assert shapes.next_key() == ("decode", 2, 8, 0, "greedy")
+    finally:
+        e.close()
+
+
+def test_a_load_is_not_a_use_so_a_warm_up_can_evict_by_recency_before_any_step():
+    """Before any step (tick 0) a warm-up's loads are evictable least recently used first, where every program once
+    counted as used by the current step and no eviction dropped anything (the bound then dropped every program:
+    jax.clear_caches); a program a step ran stays within the recency bound, and one loaded again keeps its use."""
+    r = Resident()
+    _load(r, "old", 1)
+    _load(r, "new", 2)
+    stepped = r.get(("decode", None, ("step",)), _Jit)  # a step's call: no label
+    assert r.evict(lambda: len(r) > 1, keep_since=-2) == 2  # the loads go, oldest first; the step's program stays
+    assert r.gone(["old", "new"]) == ["old", "new"] and stepped.cleared == 0 and len(r) == 1
+    r.tick = 3
+    _load(r, "again", "step")  # a program a step used, reached again inside a load: it keeps that use
+    assert r.evict(lambda: True, keep_since=0) == 0

@@ -56,7 +56,7 @@ def test_a_warm_full_warm_up_loads_the_fast_set_and_the_rest_from_the_cache_in_t
     cold = _run(folder)
     manifests = list((folder / warm_manifest.FOLDER).glob("*.json"))
     assert cold["skipped"] == 0 and cold["compiled"] > 0 and len(manifests) == 1
-    assert cold["background"] is False  # cold: the whole plan before ready, no background thread
+    assert cold["background"] and cold["pending"] == 0  # cold: the whole plan before ready, none left to load
     assert len(json.loads(manifests[0].read_text())["entries"]) >= cold["jobs"]  # a cache key per program at least
     warm = _run(folder)
     assert warm["skipped"] > 0 and warm["jobs"] + warm["skipped"] == cold["jobs"]
