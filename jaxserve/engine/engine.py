@@ -23,7 +23,7 @@ from jaxserve.engine import heap
 from jaxserve.engine.batch import compile_unpack
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.exit_hook import close_at_exit
-from jaxserve.engine.fallback import CompiledShapes, largest_keys
+from jaxserve.engine.fallback import CompiledShapes
 from jaxserve.engine.kv_transfer import Puller, TransferStore
 from jaxserve.engine.mtp_draft import serving_models, uses_mtp
 from jaxserve.engine.priming import prime, run_once
@@ -366,10 +366,8 @@ class Engine:
                 self.map_guard.evictions += report.evictions
                 # what the mapping bound dropped meanwhile loads again in the background when a step wants it, the
                 # step padded meanwhile: a load on the engine thread would stall every stream
-                keys = plan_keys(self.programs)
-                shapes.adopt(keys)
                 rest: list[Key] = []
-                fast = set(largest_keys(self.programs, keys))  # what fast would hold: run once, not all of the plan
+                fast = set(shapes.adopt(plan_keys(self.programs)))  # what fast holds runs once, not the whole plan
             else:
                 rest = shapes.warm(level, progress, max_maps)  # warm "full": the cache holds the rest (warm_manifest)
                 report = shapes.report

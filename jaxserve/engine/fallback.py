@@ -252,11 +252,12 @@ class CompiledShapes:
         done = set(first)
         return sorted((k for k in keys if k not in done), key=_size)  # stable: full_plan's order within a size
 
-    def adopt(self, keys: list[Key]) -> None:
+    def adopt(self, keys: list[Key]) -> list[Key]:
         """After a cold full warm-up compiled `keys` (each labelled with its key: `warmup.labelled_job`): the keys
         still loaded are done; of those the mapping bound dropped meanwhile, the fast set's (`largest_keys`) load
         again now and the maximal shapes' stay loaded (a step always has a loaded cover, as after `warm`); the
-        others wait as evicted keys do (`dropped`: loaded again by the background once a padded step wants them)."""
+        others wait as evicted keys do (`dropped`: loaded again by the background once a padded step wants them).
+        -> the fast set, loaded."""
         first = largest_keys(self.programs, keys)
         gone = set(self.programs.resident.gone(list(keys)))
         for key in keys:
@@ -269,6 +270,7 @@ class CompiledShapes:
         self.programs.resident.keep([k for k in first if k[:4] in maximal({k[:4] for k in keys})])
         with self._lock:
             self._drop(gone)
+        return first
 
     def start(self, keys: list[Key], hold: threading.Event | None = None, max_maps: int | None = None,
               done: Callable[[WarmupReport | None], None] | None = None) -> threading.Thread:
