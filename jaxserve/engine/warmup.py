@@ -115,7 +115,8 @@ class WarmupReport:
                 + (f"; {self.skipped} more jobs' programs are in the compile cache (its warm-start manifest) and "
                    "load from it in the background after ready, steps padded meanwhile" if self.skipped else "")
                 + (f"; dropped from memory {self.evictions} times to stay under {self.max_maps} memory mappings (they "
-                   "load from it again in the background when a step wants them, steps padded meanwhile)" if self.evictions else "")
+                   "load from the compile cache again in the background when a step wants them, steps padded "
+                   "meanwhile)" if self.evictions else "")
                 + (f"; ran {sum(self.primed.values())} of them once ({self.prime_seconds:.1f} s)"
                    if self.primed else "")
                 + (f"; heap frozen ({self.freeze_seconds:.2f} s)" if self.freeze_seconds is not None else ""))

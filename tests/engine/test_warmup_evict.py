@@ -1,7 +1,8 @@
 """`--warmup full` under a memory-mapping budget (engine/warmup.py `run_jobs`): past `max_maps` the compiled
 programs are dropped to the persistent compile cache; right after ready a mixed workload loads nothing on the engine
 thread (the dropped shapes run padded while the background loads them again), and every covered shape, and the
-workload after every program is cleared, loads its programs from that cache: XLA cache hits only, no XLA compile. Without the cache a grid over the budget is refused. The cached run is its own process: the compile cache is
+workload after every program is cleared, loads its programs from that cache: XLA cache hits only, no XLA compile.
+Without the cache a grid over the budget is refused. The cached run is its own process: the compile cache is
 process-global config."""
 from __future__ import annotations
 
