@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-aot serve test test-engine test-server test-cpu-rest test-compile test-slow plan-targets peers clean
+.PHONY: install install-aot serve test test-engine test-server test-models test-cpu-rest test-compile test-slow plan-targets peers clean
 
 %/bin/python:  # a venv: .venv, .venv-aot
 	$(PYTHON) -m venv $*
@@ -32,14 +32,17 @@ install-aot: $(AOT_STAMP)
 serve: $(STAMP)
 	$(BIN)/jaxserve serve
 
-# Four parts, two at a time, one per core of the CI host (`make -j2`, each part's output printed whole when it ends),
-# longest first so the last to start are the short ones: the engine tests (the longest part: an estimated 3/4 of
-# the CPU tests), the HTTP server tests, the compile tier, the other CPU tests. The server tests compile their engines in a
-# fresh process: late XLA compiles crashed twice in one long process (likely the 65,530 memory-mapping limit: every
-# live executable holds mappings; tests/conftest.py drops each module's programs).
+# Five parts, two at a time, one per core of the CI host (`make -j2`, each part's output printed whole when it ends),
+# longest first so the last to start are the short ones: the engine tests (38 min alone on one lane), the HTTP
+# server tests (17 min), the compile tier (11 min), the kernel / model / converter / bench tests (14 min), the other
+# CPU tests (3 min, taken by the engine's lane when it ends: one lane of four parts left the other idle 9 min). The
+# server tests compile their engines in a fresh process: late XLA compiles crashed twice in one long process
+# (likely the 65,530 memory-mapping limit: every live executable holds mappings; tests/conftest.py drops each
+# module's programs).
 CPU_TESTS = $(BIN)/python -m pytest -q --durations=10 $(PYTEST_ARGS)
 test: $(STAMP) $(AOT_STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-engine test-server test-compile test-cpu-rest
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-engine test-server test-compile test-models \
+		test-cpu-rest
 
 test-engine: $(STAMP)
 	$(CPU_TESTS) tests/engine
@@ -47,8 +50,12 @@ test-engine: $(STAMP)
 test-server: $(STAMP)
 	$(CPU_TESTS) tests/server
 
+MODEL_TESTS = tests/kernels tests/models tests/convert tests/bench
+test-models: $(STAMP)
+	$(CPU_TESTS) $(MODEL_TESTS)
+
 test-cpu-rest: $(STAMP)
-	$(CPU_TESTS) --ignore=tests/engine --ignore=tests/server --ignore=tests/compile
+	$(CPU_TESTS) --ignore=tests/engine --ignore=tests/server --ignore=tests/compile $(MODEL_TESTS:%=--ignore=%)
 
 # Real compiles (not lowerings) of every Pallas kernel for H200 and TPU v5e/v5p/v6e, in .venv-aot; with
 # JAXSERVE_COMPILE_TIER=1 a missing compiler fails the run instead of skipping it. JAX_PLATFORMS=cpu: the CUDA
