@@ -115,6 +115,23 @@ def test_fast_holds_a_ladder_of_decode_covers_so_a_few_rows_pad_into_a_few_more(
     assert {k[1] for k in largest_keys(small.programs, plan_keys(small.programs)) if k[0] == "decode"} == {1, 8}
 
 
+def test_fast_holds_prefill_covers_within_half_the_slots():
+    """A prefill of at most half the slots (rows x chunk) pads into at most half the slots under fast, not into the
+    whole slots (`fallback.ladder_shapes`: first contact's 2 rows of chunk 128 ran in 2 x 256 of 512 slots). Nothing
+    compiles here: the plan's keys only."""
+    e = Engine(tiny_model(), small_config(max_batch=32, max_prefill_tokens=128, prefill_chunk=32), start=False)
+    c = e.cfg
+    shapes = CompiledShapes(e.programs)
+    for k in largest_keys(e.programs, plan_keys(e.programs)):
+        shapes.add(k)
+    half = [(b, t) for b, t in c.prefill_shapes if b * t <= c.prefill_slots // 2]
+    assert len(half) > 2 and max(b for b, _ in half) > 1
+    for b, t in half:
+        for m in c.prefill_page_buckets:
+            rows, _, chunk = shapes.cover("prefill", b, m, t)
+            assert rows >= b and chunk >= t and rows * chunk <= c.prefill_slots // 2, (b, m, t, rows, chunk)
+
+
 def test_fast_and_none_levels():
     e = Engine(tiny_model(), small_config(kv_dtype="fp8"), start=False)
     assert e.warm_up("none").jobs == {} and dict(e.programs.compiles) == {}
