@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-aot serve test test-engine test-server test-models test-cpu-rest test-compile test-slow plan-targets peers clean
+.PHONY: install install-aot serve test test-engine test-server test-models test-cpu-rest test-compile test-slow \
+	plan-targets peers clean
 
 %/bin/python:  # a venv: .venv, .venv-aot
 	$(PYTHON) -m venv $*

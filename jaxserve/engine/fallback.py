@@ -122,8 +122,8 @@ def ladder_shapes(programs: Programs) -> set[Shape]:
     anyway): a first batch of a few rows pads into a few more rows, not into the largest bucket (the first-contact
     c = 4 sweep ran its 4 rows padded to 32: TTFT p50 1.5-2.2x the warm sweep's, bench/serving.py --first-contact).
     Prefill: the maximal (rows, chunk) pairs within half the prefill slots, so a prefill of half the slots or less
-    computes at most twice its own tokens, not the whole slots (first contact's 2 rows of 87 tokens, 256 slots of
-    chunk 128, ran in 512; a tool prompt's one row of chunk 128 in 2 x 256)."""
+    computes at most half the slots, not all of them (first contact's 2 rows of 87 tokens, 256 slots of chunk 128,
+    ran in 512; a tool prompt's one row of chunk 128 in 2 x 256)."""
     c = programs.cfg
     out, r = set(), c.row_buckets[-1] // LADDER
     while r >= LADDER:
