@@ -34,9 +34,9 @@ serve: $(STAMP)
 	$(BIN)/jaxserve serve
 
 # Five parts, two at a time, one per core of the CI host (`make -j2`, each part's output printed whole when it ends),
-# longest first so the last to start are the short ones: the engine tests (38 min alone on one lane), the HTTP
-# server tests (17 min), the compile tier (11 min), the kernel / model / converter / bench tests (14 min), the other
-# CPU tests (3 min, taken by the engine's lane when it ends: one lane of four parts left the other idle 9 min). The
+# longest first so the last to start are the short ones: the engine tests (35 min alone on one lane), the HTTP
+# server tests (15 min), the compile tier (10 min), the kernel / model / converter / bench tests (17 min), the other
+# CPU tests (4 min, taken by the engine's lane when it ends: one lane of four parts left the other idle 9 min). The
 # server tests compile their engines in a fresh process: late XLA compiles crashed twice in one long process
 # (likely the 65,530 memory-mapping limit: every live executable holds mappings; tests/conftest.py drops each
 # module's programs).
