@@ -7,16 +7,16 @@ the widest block table), in every sampling form, with the decode-batch unpacking
 and the tag syncs; and the shapes a lone short request runs (`lone_shapes`: one row in the smallest block tables),
 so a single stream never pays a large bucket's step while the rest compiles beside it; and covers between the two at
 the widest table (`ladder_shapes`): decode at every LADDER-th row bucket below the most rows, so a few concurrent
-streams pad into a few more rows, not into the largest bucket; prefill at the maximal (rows, chunk) pairs within
-half the prefill slots, so a small prefill computes at most half the slots, not all. After ready one thread compiles
-the rest of `warmup.full_plan` (the scoring prefill's grid included) in demand order: next, the shape the most
-padded steps have wanted so far (each form, and for decode its unpacking); with no such shape left, small
-(likely-first) shapes first. The traffic's own shapes so stop padding first (in the first-contact sweeps only ~20 of
-the ~170 jobs finish meanwhile: in size order most of those were shapes no step wanted). Meanwhile a step whose own
-shape is not compiled yet is padded to the smallest compiled shape that covers it (`fit`: more rows, pages and chunk
-tokens are padding the bucketed programs already handle), so the engine thread never compiles; once its own shape
-(every form, and for decode its unpacking) is compiled, it is used (after the engine's `runner`, when set, has run
-its program once between steps: `engine.priming`).
+streams pad into a few more rows, not into the largest bucket; prefill at the maximal (rows, chunk) pairs of at most
+LADDER rows within half the prefill slots, so a small prefill computes at most half the slots, not all. After ready
+one thread compiles the rest of `warmup.full_plan` (the scoring prefill's grid included) in demand order: next, the
+shape the most padded steps have wanted so far (each form, and for decode its unpacking); with no such shape left,
+small (likely-first) shapes first. The traffic's own shapes so stop padding first (in the first-contact sweeps only
+~20 of the ~170 jobs finish meanwhile: in size order most of those were shapes no step wanted). Meanwhile a step
+whose own shape is not compiled yet is padded to the smallest compiled shape that covers it (`fit`: more rows, pages
+and chunk tokens are padding the bucketed programs already handle), so the engine thread never compiles; once its
+own shape (every form, and for decode its unpacking) is compiled, it is used (after the engine's `runner`, when set,
+has run its program once between steps: `engine.priming`).
 The background thread runs at the lowest CPU priority (`lower_priority`: nice 19, Linux), so on a host with few
 cores the engine and HTTP threads win them; XLA:CPU's own compile pool (threads the client started earlier) keeps
 its priority: a cold compile's codegen runs there, a compile-cache load and the tracing/lowering on the thread. The
@@ -121,16 +121,18 @@ def ladder_shapes(programs: Programs) -> set[Shape]:
     LADDER-th row bucket below the most rows, down to LADDER rows (under that a padded step computes few rows
     anyway): a first batch of a few rows pads into a few more rows, not into the largest bucket (the first-contact
     c = 4 sweep ran its 4 rows padded to 32: TTFT p50 1.5-2.2x the warm sweep's, bench/serving.py --first-contact).
-    Prefill: the maximal (rows, chunk) pairs within half the prefill slots, so a prefill of half the slots or less
-    computes at most half the slots, not all of them (first contact's 2 rows of 87 tokens, 256 slots of chunk 128,
-    ran in 512; a tool prompt's one row of chunk 128 in 2 x 256)."""
+    Prefill: the maximal (rows, chunk) pairs of at most LADDER rows within half the prefill slots, so a prefill of
+    a few rows and half the slots or less computes at most half the slots, not all of them (first contact's 2 rows
+    of 87 tokens, 256 slots of chunk 128, ran in 512; a tool prompt's one row of chunk 128 in 2 x 256); more rows
+    come with more traffic, whose own shapes the background loads first (all five pairs at serve's defaults added 32 s
+    to a cold fast warm-up, bench/warmup_grid.py --passes fast)."""
     c = programs.cfg
     out, r = set(), c.row_buckets[-1] // LADDER
     while r >= LADDER:
         out |= {(kind, c.pick(c.row_buckets, r), c.page_buckets[-1], 0) for kind in ("decode", "verify")}
         r //= LADDER
     widest = c.prefill_page_buckets[-1]
-    half = {("prefill", b, widest, t) for b, t in c.prefill_shapes if b * t <= c.prefill_slots // 2}
+    half = {("prefill", b, widest, t) for b, t in c.prefill_shapes if b <= LADDER and b * t <= c.prefill_slots // 2}
     return out | maximal(half)
 
 

@@ -14,7 +14,7 @@ import jax
 from engine_util import prompts, small_config, tiny_model
 from jaxserve.engine import Engine, Request, SamplingParams
 from jaxserve.engine.structured import json_schema_output
-from jaxserve.engine.fallback import CompiledShapes, largest_keys
+from jaxserve.engine.fallback import LADDER, CompiledShapes, largest_keys
 from jaxserve.engine.warmup import SERVING_MODES, full_plan, plan_keys
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -116,16 +116,16 @@ def test_fast_holds_a_ladder_of_decode_covers_so_a_few_rows_pad_into_a_few_more(
 
 
 def test_fast_holds_prefill_covers_within_half_the_slots():
-    """A prefill of at most half the slots (rows x chunk) pads into at most half the slots under fast, not into the
-    whole slots (`fallback.ladder_shapes`: first contact's 2 rows of chunk 128 ran in 2 x 256 of 512 slots). Nothing
-    compiles here: the plan's keys only."""
+    """A prefill of at most LADDER rows and at most half the slots (rows x chunk) pads into at most half the slots
+    under fast, not into the whole slots (`fallback.ladder_shapes`: first contact's 2 rows of chunk 128 ran in
+    2 x 256 of 512 slots). Nothing compiles here: the plan's keys only."""
     e = Engine(tiny_model(), small_config(max_batch=32, max_prefill_tokens=128, prefill_chunk=32), start=False)
     c = e.cfg
     shapes = CompiledShapes(e.programs)
     for k in largest_keys(e.programs, plan_keys(e.programs)):
         shapes.add(k)
-    half = [(b, t) for b, t in c.prefill_shapes if b * t <= c.prefill_slots // 2]
-    assert len(half) > 2 and max(b for b, _ in half) > 1
+    half = [(b, t) for b, t in c.prefill_shapes if b <= LADDER and b * t <= c.prefill_slots // 2]
+    assert len(half) > 2 and max(b for b, _ in half) == LADDER
     for b, t in half:
         for m in c.prefill_page_buckets:
             rows, _, chunk = shapes.cover("prefill", b, m, t)
