@@ -32,7 +32,7 @@ from flask import Flask, Response, request
 from jaxserve.engine import Engine, TokenEvent
 from jaxserve.errors import ModelNotFoundError, ShuttingDownError
 from jaxserve.server.body import parse_json, require_json
-from jaxserve.server.limits import RETRY_AFTER_S, AppConfig, DisconnectWatcher, Lifecycle
+from jaxserve.server.limits import RETRY_AFTER_S, AppConfig, DisconnectWatcher, Lifecycle, once
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openapi import openapi_spec
 from jaxserve.server.chat_request import parse_chat
@@ -124,13 +124,15 @@ class GenerationHandler:
         """The SSE response; admission is left when the server closes it, however the stream ended, or as soon
         as the watcher sees its client hang up (not at the next write: a queued stream writes nothing)."""
         ended = threading.Event()
-        resp = Response(stream(reply, events, t0, ended), mimetype="text/event-stream",
+        # counted once, by the watcher (before its abort) or by the stream's close, whichever sees it first
+        hung_up = once(functools.partial(self.metrics.disconnect, reply.shape.endpoint))
+        resp = Response(stream(reply, events, t0, ended, hung_up), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         leave = self.admission.once()
         disconnected = request.environ.get("waitress.client_disconnected")
         if disconnected is not None:
             abort = self.abort_all(ids)
-            self.watcher.watch(reply.rid, disconnected, lambda rid: (abort(rid), leave()))
+            self.watcher.watch(reply.rid, disconnected, lambda rid: (hung_up(), abort(rid), leave()))
 
         def closed() -> None:
             self.watcher.unwatch(reply.rid)

@@ -27,6 +27,21 @@ STORED_RESPONSES = 1024  # /v1/responses answers kept for previous_response_id (
 STORED_RESPONSE_TTL_S = 3600.0  # and for at most this long
 
 
+def once(fn: Callable[[], None]) -> Callable[[], None]:
+    """`fn` called on the first call only, from whichever thread comes first."""
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def call() -> None:
+        with lock:
+            if done.is_set():
+                return
+            done.set()
+        fn()
+
+    return call
+
+
 @dataclass(frozen=True)
 class AppConfig:
     """The HTTP layer's limits. max_inflight: generation requests admitted at once (each holds a WSGI thread until it
@@ -67,17 +82,7 @@ class Admission:
     def once(self) -> Callable[[], None]:
         """A `leave` that acts on its first call only (a stream leaves on disconnect or on close, whichever is
         first)."""
-        left = threading.Event()
-        lock = threading.Lock()
-
-        def leave() -> None:
-            with lock:
-                if left.is_set():
-                    return
-                left.set()
-            self.leave()
-
-        return leave
+        return once(self.leave)
 
     @property
     def in_flight(self) -> int:

@@ -94,7 +94,7 @@ class ServerMetrics:
                                          registry=r)
         self.failures = Counter("jaxserve_request_failures", "requests the engine ended with an error, by type",
                                 ["endpoint", "error_type"], registry=r)
-        self.disconnects = Counter("jaxserve_client_disconnects", "streams whose client went away mid-generation",
+        self.disconnects = Counter("jaxserve_client_disconnects", "requests whose client went away mid-generation",
                                    ["endpoint"], registry=r)
         self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "request arrival to first token",
                               buckets=TTFT_BUCKETS, registry=r)

@@ -247,7 +247,9 @@ def complete(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float, 
     timer = reply.metrics.timer(t0)
     choices = reply.choices()
     if disconnected is not None:
-        watcher.watch(reply.rid, disconnected, abort)
+        # counted before the abort: whoever sees the engine idle then also sees the count
+        watcher.watch(reply.rid, disconnected,
+                      lambda rid: (reply.metrics.disconnect(reply.shape.endpoint), abort(rid)))
     try:
         for i, ev in events:
             c = choices[i]
@@ -269,7 +271,6 @@ def complete(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float, 
     for e in ends:
         reply.metrics.finished(reply.shape.endpoint, e)
     if gone and any(e.finish_reason == "abort" for e in ends):
-        reply.metrics.disconnect(reply.shape.endpoint)
         return Response(status=499)  # nginx's "client closed request": nobody reads it; /metrics does
     for e in ends:
         err = end_error(e, reply.aborted_why())
@@ -319,8 +320,9 @@ def chat_delta(reasoning: str, text: str, calls: list[dict[str, Any]]) -> dict[s
 
 # ---- the streamed answer ---------------------------------------------------------------------------------------
 def stream(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float,
-           ended: threading.Event) -> Iterator[str]:
-    """The answer as SSE text, one chunk per token event; `ended` is set once the last chunk with content is out."""
+           ended: threading.Event, hung_up: Callable[[], None]) -> Iterator[str]:
+    """The answer as SSE text, one chunk per token event; `ended` is set once the last chunk with content is out.
+    `hung_up` counts the disconnect (once, shared with the watcher) when the server closes the stream before it."""
     timer = reply.metrics.timer(t0)
     stamp = int(time.time())
     choices = reply.choices()
@@ -360,7 +362,7 @@ def stream(reply: Reply, events: Iterator[tuple[int, TokenEvent]], t0: float,
         yield DONE
     except GeneratorExit:
         if not finished:
-            reply.metrics.disconnect(reply.shape.endpoint)  # waitress closes the iterator when the client went away
+            hung_up()  # waitress closes the iterator when the client went away
         raise
     finally:
         events.close()  # aborts the engine requests and frees their pages if they are still running

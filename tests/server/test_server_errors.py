@@ -287,6 +287,43 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(srv):
     assert metric(srv.base, "jaxserve_client_disconnects_total", endpoint="/v1/completions") == disconnects + 1
 
 
+def test_a_queued_stream_whose_client_hangs_up_counts_one_disconnect(srv):
+    """The watcher aborts a stream that has written nothing (it waits in the engine's queue): the stream then ends
+    on the abort event, not on a failed write, and the disconnect must still be counted, once."""
+    wait_idle(srv.engine)
+    aborted = srv.engine.stats()["aborted"]
+    disconnects = metric(srv.base, "jaxserve_client_disconnects_total", endpoint="/v1/completions")
+    entered, closed = threading.Event(), threading.Event()
+
+    def hold(_sched: object, _ev: object) -> None:  # the engine thread: the victim stays queued until released
+        if not entered.is_set():
+            entered.set()
+            closed.wait(TIMEOUT)
+            time.sleep(0.5)  # ten watcher polls: it aborts the victim before the engine runs again
+
+    blocker = {"model": MODEL, "prompt": "def f():", "max_tokens": 4, "ignore_eos": True}
+    with EmitHook(srv.engine, "hold-engine", hold):
+        t = threading.Thread(target=lambda: httpx.post(f"{srv.base}/v1/completions", json=blocker, timeout=TIMEOUT,
+                                                       headers={"x-session-affinity": "hold-engine"}))
+        t.start()
+        assert entered.wait(TIMEOUT)
+        body = json.dumps({"model": MODEL, "prompt": "while True:", "max_tokens": 200, "stream": True,
+                           "ignore_eos": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=TIMEOUT)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        t0 = time.monotonic()
+        while srv.engine.stats()["waiting"] == 0:  # submitted: queued behind the held step, nothing written
+            assert time.monotonic() - t0 < TIMEOUT
+            time.sleep(0.01)
+        sock.close()
+        closed.set()
+        t.join(TIMEOUT)
+    wait_idle(srv.engine)
+    assert srv.engine.stats()["aborted"] == aborted + 1
+    assert metric(srv.base, "jaxserve_client_disconnects_total", endpoint="/v1/completions") == disconnects + 1
+
+
 def test_bad_requests_do_not_disturb_a_running_stream(srv):
     body = {"model": MODEL, "prompt": "def keep_going(n):", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     ref = httpx.post(f"{srv.base}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
